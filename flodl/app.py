@@ -1,0 +1,173 @@
+"""The Hydra job: a composed config in, a trained model and its summary out.
+
+``run.py`` stays tiny; this module turns the validated :class:`RunConfig` into the Python API's
+call (factories built from ``_target_`` references) and maps failures to exit codes: 2 for a
+configuration error (nothing started), 1 when a job failed.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from flodl import config as schema
+from flodl.config import ConfigError, RunConfig, TargetConfig, resolve_dotted
+
+log = logging.getLogger("flodl")
+
+# Set by the launcher plugin: whether a sweep started, and how many of its jobs failed.
+STATE: dict[str, int] = {"launched": 0, "failed": 0}
+
+
+# -- factories (module-level so they pickle by reference to the ranks) ---------------------------
+def _instantiate(target: TargetConfig, *args: Any, **extra: Any) -> Any:
+    from hydra.utils import instantiate
+
+    return instantiate({"_target_": target.target, **target.kwargs(), **extra}, *args)
+
+
+def build_model(target: TargetConfig, device: Any) -> Any:
+    return _instantiate(target).to(device)
+
+
+def build_optimizer(target: TargetConfig, params: Any) -> Any:
+    return _instantiate(target, params)
+
+
+def build_dataset(target: TargetConfig, split: str) -> Any:
+    return _instantiate(target, split=split)
+
+
+# -- the job -----------------------------------------------------------------------------------
+def plain_config(cfg: Any) -> dict[str, Any]:
+    """The resolved config as plain data, without Hydra's own node."""
+    from omegaconf import OmegaConf, open_dict
+
+    cfg = cfg.copy()
+    with open_dict(cfg):
+        cfg.pop("hydra", None)  # Hydra's own node may hold values only a running job has
+    data = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(data, dict)
+    return data
+
+
+def train(cfg: Any) -> dict[str, Any]:
+    """Run one job and return its summary; a failure becomes a failed summary, not an abort."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    from flodl.trainer import Trainer
+
+    run_cfg = schema.validate_run_config(plain_config(cfg))
+    logging.getLogger("flodl").setLevel(run_cfg.logger.level)
+    hydra_cfg = HydraConfig.get()
+    job_dir = Path(hydra_cfg.runtime.output_dir)
+    task = run_cfg.task
+    has_eval = task.eval_fn is not None
+    run_info = {
+        "job": str(hydra_cfg.job.num),
+        "overrides": list(hydra_cfg.overrides.task),
+        "config_yaml": OmegaConf.to_yaml(OmegaConf.create(plain_config(cfg))),
+    }
+    handle = Trainer.run(
+        partial(build_model, run_cfg.model),
+        partial(build_optimizer, run_cfg.optimizer),
+        resolve_dotted(task.train_step),
+        run_cfg.trainer_config(),
+        dataset=partial(build_dataset, run_cfg.dataset, "train"),
+        eval_dataset=partial(build_dataset, run_cfg.dataset, "test") if has_eval else None,
+        eval_fn=resolve_dotted(task.eval_fn) if has_eval else None,
+        job_dir=job_dir,
+        eval_metric=task.eval_metric,
+        run_info=run_info,
+    )
+    try:
+        handle.join()
+        return handle.result.summary.to_dict() | {"job": run_info["job"]}
+    except Exception as exc:
+        log.error("job %s failed: %s", run_info["job"], exc)
+        if os.environ.get("FLODL_FULL_ERROR"):
+            log.exception("full traceback")
+        return _read_summary(job_dir) | {"job": run_info["job"]}
+
+
+def _read_summary(job_dir: Path) -> dict[str, Any]:
+    try:
+        return json.loads((job_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {"status": "failed", "error": "no summary written"}
+
+
+# -- command line --------------------------------------------------------------------------------
+_SECTIONS: dict[str, type[BaseModel]] = {
+    "trainer": schema.TrainerKnobs,
+    "elche": schema.ElCheConfig,
+    "cluster": schema.ClusterConfig,
+    "logger": schema.LoggerConfig,
+    "task": schema.TaskConfig,
+}
+
+
+def check_override_keys(args: list[str]) -> None:
+    """Reject a misspelt key (``trainer.nmu_epochs=3``) before Hydra or any rank starts."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    overrides = [a for a in args if not a.startswith("-")]
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception:
+        return  # Hydra reports syntax errors itself
+    for override in parsed:
+        if override.is_add() or override.is_delete() or override.is_force_add():
+            continue
+        _check_key(override.key_or_group)
+
+
+def _check_key(key: str) -> None:
+    section, _, rest = key.partition(".")
+    model = _SECTIONS.get(section)
+    path = section
+    for part in rest.split(".") if rest else []:
+        if model is None:
+            return
+        fields = model.model_fields
+        if part not in fields:
+            close = difflib.get_close_matches(part, list(fields), n=1)
+            hint = f" (did you mean {path}.{close[0]}?)" if close else ""
+            allowed = ", ".join(sorted(fields))
+            raise ConfigError(f"{path}.{part}: unknown key{hint}; allowed: {allowed}")
+        path = f"{path}.{part}"
+        annotation = fields[part].annotation
+        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
+def cli(main: Callable[[], Any]) -> None:
+    """Run the Hydra entry with flodl's exit codes (2: bad config, 1: a job failed)."""
+    try:
+        check_override_keys(sys.argv[1:])
+        main()
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except SystemExit as exc:
+        # Hydra exits 1 when composition fails (unknown group option, bad override syntax)
+        # before our launcher ran: that is a configuration error too.
+        if exc.code == 1 and not STATE["launched"]:
+            sys.exit(2)
+        raise
+    if STATE["failed"]:
+        print(f"error: {STATE['failed']} job(s) failed; see summary.json in their job directories",
+              file=sys.stderr)
+        sys.exit(1)
+
+
+__all__ = ["RunConfig", "build_dataset", "build_model", "build_optimizer", "cli", "train"]

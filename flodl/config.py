@@ -1,0 +1,352 @@
+"""The one source of truth for every knob: a pydantic schema, validated once in the launcher.
+
+YAML in ``conf/`` only composes; this module decides what is valid. Every model is frozen and
+forbids unknown keys, so a typo (``trainer.nmu_epochs``) is an error that names the key, never a
+silently ignored setting. Below this boundary code receives typed objects, never a ``DictConfig``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+from collections.abc import Mapping
+from enum import Enum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A user configuration error: names the key, the value and what is allowed (exit code 2)."""
+
+    exit_code = 2
+
+
+class _Schema(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+
+class Mode(str, Enum):
+    """Averaging mode (DESIGN §4). ``nccl`` names the collective backend: NCCL on CUDA, gloo on CPU."""
+
+    NCCL_SYNC = "nccl_sync"
+    NCCL_CADENCE = "nccl_cadence"
+    CPU_SYNC = "cpu_sync"
+    CPU_CADENCE = "cpu_cadence"
+    CPU_ASYNC = "cpu_async"
+    SOLO = "solo"
+
+    @property
+    def is_sync(self) -> bool:
+        return self in (Mode.NCCL_SYNC, Mode.CPU_SYNC)
+
+    @property
+    def via_controller(self) -> bool:
+        """True when averaging goes through the controller (snapshots in, average out)."""
+        return self in (Mode.CPU_SYNC, Mode.CPU_CADENCE, Mode.CPU_ASYNC)
+
+
+class Guard(str, Enum):
+    """Convergence guard flavour: ``trend`` (3 rises), ``msf`` (can also nudge down), ``none``."""
+
+    TREND = "trend"
+    MSF = "msf"
+    NONE = "none"
+
+
+class Outer(str, Enum):
+    """Outer optimizer applied to the averaged pseudo-gradient: plain average or DiLoCo Nesterov."""
+
+    AVERAGE = "average"
+    NESTEROV = "nesterov"
+
+
+class ElCheConfig(_Schema):
+    """ElChe, the heterogeneous cadence balancer (DESIGN §5). Defaults follow the original."""
+
+    mode: Mode = Field(Mode.NCCL_CADENCE, description="averaging mode")
+    anchor: int = Field(10, ge=1, description="initial batches of the slow rank per window")
+    min_anchor: int | None = Field(None, ge=1, description="lower clamp of the anchor (default: anchor)")
+    max_anchor: int = Field(1000, ge=1, description="upper clamp of the anchor")
+    overhead_target: float = Field(
+        0.05, ge=0.01, le=0.5, description="sync cost as a fraction of compute ElChe aims for"
+    )
+    max_batch_diff: int | None = Field(
+        None, ge=0, description="how far the fastest rank may lead the slowest (batches)"
+    )
+    relax_up: bool = Field(False, description="grow the anchor by one on stable convergence")
+    partition_ratios: list[float] | None = Field(
+        None, description="fixed per-rank data split instead of throughput-proportional"
+    )
+    meta_controller: bool = Field(True, description="shrink the anchor on LR cliffs / bad streaks")
+    guard: Guard = Field(Guard.TREND, description="convergence guard: trend, msf or none")
+    divergence_threshold: float | None = Field(
+        None, gt=0, description="guard threshold (default 0.05; 0.3 with easgd_alpha)"
+    )
+    easgd_alpha: float | None = Field(
+        None, gt=0, le=1, description="EASGD blend factor on arrival (cpu_async; default 0.5)"
+    )
+    gamma: float = Field(1.0, ge=-1, le=4, description="averaging weight exponent: w ∝ batches**gamma")
+    max_overshoot: int | None = Field(
+        None, ge=0, description="cpu_async: windows a rank may run ahead of the average (auto)"
+    )
+    outer: Outer = Field(Outer.AVERAGE, description="outer optimizer on the averaged update")
+    outer_lr: float = Field(0.7, gt=0, description="outer learning rate (outer=nesterov)")
+    outer_momentum: float = Field(0.9, ge=0, lt=1, description="outer momentum (outer=nesterov)")
+
+    @field_validator("partition_ratios")
+    @classmethod
+    def _ratios_positive(cls, v: list[float] | None) -> list[float] | None:
+        if v is not None and (not v or any(r <= 0 for r in v)):
+            raise ValueError("must be a non-empty list of positive numbers")
+        return v
+
+    @model_validator(mode="after")
+    def _anchor_bounds(self) -> ElCheConfig:
+        lo = self.effective_min_anchor
+        if lo > self.max_anchor:
+            raise ValueError(f"min_anchor={lo} exceeds max_anchor={self.max_anchor}")
+        if self.anchor > self.max_anchor:
+            raise ValueError(f"anchor={self.anchor} exceeds max_anchor={self.max_anchor}")
+        return self
+
+    @property
+    def effective_min_anchor(self) -> int:
+        return self.min_anchor if self.min_anchor is not None else min(self.anchor, self.max_anchor)
+
+    @property
+    def effective_divergence_threshold(self) -> float:
+        if self.divergence_threshold is not None:
+            return self.divergence_threshold
+        return 0.3 if self.effective_easgd_alpha is not None else 0.05
+
+    @property
+    def effective_easgd_alpha(self) -> float | None:
+        if self.mode is not Mode.CPU_ASYNC:
+            return None
+        return self.easgd_alpha if self.easgd_alpha is not None else 0.5
+
+    # Presets, the tutorial's shape: ElCheConfig.nccl_cadence().model_copy(update={...}).
+    @classmethod
+    def nccl_sync(cls, **kw: Any) -> ElCheConfig:
+        return cls(mode=Mode.NCCL_SYNC, **{"anchor": 1, **kw})
+
+    @classmethod
+    def nccl_cadence(cls, **kw: Any) -> ElCheConfig:
+        return cls(mode=Mode.NCCL_CADENCE, **kw)
+
+    @classmethod
+    def cpu_sync(cls, **kw: Any) -> ElCheConfig:
+        return cls(mode=Mode.CPU_SYNC, **{"anchor": 1, **kw})
+
+    @classmethod
+    def cpu_cadence(cls, **kw: Any) -> ElCheConfig:
+        return cls(mode=Mode.CPU_CADENCE, **kw)
+
+    @classmethod
+    def cpu_async(cls, **kw: Any) -> ElCheConfig:
+        return cls(mode=Mode.CPU_ASYNC, **{"overhead_target": 0.05, **kw})
+
+    @classmethod
+    def solo(cls, **kw: Any) -> ElCheConfig:
+        return cls(mode=Mode.SOLO, **kw)
+
+
+class ClusterConfig(_Schema):
+    """Where ranks run: ``auto`` (one rank per visible GPU, else in-process) or the CPU rig."""
+
+    kind: Literal["auto", "cpu_rig"] = Field("auto", description="topology source")
+    ranks: int = Field(2, ge=1, le=64, description="cpu_rig: number of CPU ranks")
+    speeds: list[float] | None = Field(
+        None, description="cpu_rig: per-rank speed factor in (0, 1]; 0.4 = 2.5x slower"
+    )
+    threads_per_rank: int = Field(1, ge=1, description="cpu_rig: torch intra-op threads per rank")
+    pace_margin: float = Field(
+        1.3, ge=1.0, le=10.0, description="cpu_rig: nominal step = margin x measured step"
+    )
+    warmup_steps: int = Field(8, ge=1, le=1000, description="cpu_rig: steps timed to calibrate pacing")
+    host: str = Field("127.0.0.1", description="address the controller binds (loopback by default)")
+    start_timeout_s: float = Field(120.0, gt=0, description="seconds for every rank to join")
+
+    @field_validator("speeds")
+    @classmethod
+    def _speeds_valid(cls, v: list[float] | None) -> list[float] | None:
+        if v is not None and (not v or any(not (0 < s <= 1.0) for s in v)):
+            raise ValueError("every speed must be in (0, 1]")
+        return v
+
+    @model_validator(mode="after")
+    def _speeds_match_ranks(self) -> ClusterConfig:
+        if self.speeds is not None and len(self.speeds) != self.ranks:
+            raise ValueError(f"speeds has {len(self.speeds)} entries but ranks={self.ranks}")
+        return self
+
+    def rank_speeds(self) -> list[float]:
+        return list(self.speeds) if self.speeds is not None else [1.0] * self.ranks
+
+
+class LoggerConfig(_Schema):
+    """What the launcher writes and prints."""
+
+    tensorboard: bool = Field(True, description="write TensorBoard event files under <job>/tb")
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="console level")
+    progress: Literal["auto", "bar", "lines", "off"] = Field(
+        "auto", description="progress bar on a terminal, epoch lines otherwise"
+    )
+    serve: int | None = Field(None, ge=0, le=65535, description="serve TensorBoard on this port")
+    host: str = Field("127.0.0.1", description="address the dashboard binds")
+    keep_serving: bool = Field(False, description="keep the dashboard up after the run ends")
+
+
+class CallbackPolicy(_Schema):
+    """Which rank runs eval/epoch callbacks: the fastest (default) or a fixed global rank."""
+
+    kind: Literal["fastest", "rank"] = "fastest"
+    rank: int = Field(0, ge=0)
+
+
+class TrainerKnobs(_Schema):
+    """Training-loop knobs: the ``trainer`` node of the Hydra config."""
+
+    batch_size: int = Field(64, ge=1, description="per-rank batch size")
+    num_epochs: int = Field(1, ge=1, description="passes over the dataset")
+    seed: int = Field(42, ge=0, description="seeds model init and the per-epoch permutation")
+    max_grad_norm: float | None = Field(None, gt=0, description="clip gradients to this L2 norm")
+    lr_scale_ratio: float = Field(
+        0.0, ge=0, le=1, description="LR x (1 + (world-1) x ratio); 0 keeps the LR as configured"
+    )
+    eval_every: int = Field(1, ge=1, description="evaluate every N epochs (when eval is set)")
+    callback_policy: CallbackPolicy = Field(default_factory=CallbackPolicy)
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="in-process device")
+
+
+class TrainerConfig(TrainerKnobs):
+    """The Python API's config bag: the loop knobs plus the ElChe, cluster and logger sections."""
+
+    elche: ElCheConfig = Field(default_factory=ElCheConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    logger: LoggerConfig = Field(default_factory=LoggerConfig)
+
+    def with_(self, **updates: Any) -> TrainerConfig:
+        """A validated copy with ``updates`` applied (``model_copy`` skips validation)."""
+        return type(self).model_validate({**self.model_dump(), **updates})
+
+
+class TargetConfig(_Schema):
+    """A ``_target_`` reference plus its keyword arguments (extra keys are the kwargs)."""
+
+    model_config = ConfigDict(frozen=True, extra="allow", populate_by_name=True)
+    target: str = Field(alias="_target_", description="dotted path of a callable")
+
+    @field_validator("target")
+    @classmethod
+    def _importable(cls, v: str) -> str:
+        resolve_dotted(v)
+        return v
+
+    def kwargs(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class TaskConfig(_Schema):
+    """What one step and one evaluation mean for the chosen model."""
+
+    train_step: str = Field(description="dotted path: fn(model, batch) -> loss")
+    eval_fn: str | None = Field(None, description="dotted path: fn(model, input, target) -> float")
+    eval_metric: str = Field("accuracy", description="name of the eval value in summaries")
+    eval_higher_is_better: bool = Field(True, description="direction of the eval metric")
+
+    @field_validator("train_step", "eval_fn")
+    @classmethod
+    def _importable(cls, v: str | None) -> str | None:
+        if v is not None:
+            resolve_dotted(v)
+        return v
+
+
+class RunConfig(_Schema):
+    """The composed Hydra config (``conf/config.yaml``), validated once in the launcher."""
+
+    model: TargetConfig
+    optimizer: TargetConfig
+    dataset: TargetConfig
+    task: TaskConfig
+    trainer: TrainerKnobs = Field(default_factory=TrainerKnobs)
+    elche: ElCheConfig = Field(default_factory=ElCheConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    logger: LoggerConfig = Field(default_factory=LoggerConfig)
+    experiment: str | None = Field(None, description="name of the experiment overlay, if any")
+
+    def trainer_config(self) -> TrainerConfig:
+        """The Python API's config bag: trainer knobs with the sibling sections folded in."""
+        return TrainerConfig(
+            **dict(self.trainer), elche=self.elche, cluster=self.cluster, logger=self.logger
+        )
+
+    def digest(self) -> str:
+        """Stable hash of the resolved config (goes into checkpoint metadata)."""
+        blob = json.dumps(self.model_dump(mode="json", by_alias=True), sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def resolve_dotted(path: str) -> Any:
+    """Import ``pkg.module.attr`` and return the attribute, with an error that says what failed."""
+    module_name, _, attr = path.rpartition(".")
+    if not module_name:
+        raise ValueError(f"{path!r} is not a dotted path like 'package.module.name'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"cannot import module {module_name!r} ({exc})") from None
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise ValueError(f"module {module_name!r} has no attribute {attr!r}") from None
+
+
+def _format_location(loc: tuple[Any, ...], prefix: str) -> str:
+    parts = [str(p) for p in loc if not str(p).startswith("function-after")]
+    key = ".".join(p for p in parts if p)
+    return f"{prefix}.{key}" if prefix and key else (key or prefix)
+
+
+def _lookup(data: Any, loc: tuple[Any, ...]) -> Any:
+    for part in loc:
+        if isinstance(data, Mapping) and part in data:
+            data = data[part]
+        elif isinstance(data, list) and isinstance(part, int) and part < len(data):
+            data = data[part]
+        else:
+            return None
+    return data
+
+
+def explain(exc: ValidationError, data: Any, prefix: str = "") -> ConfigError:
+    """Turn a pydantic error into one line: ``key=value: what is allowed``."""
+    err = exc.errors()[0]
+    loc = tuple(err["loc"])
+    key = _format_location(loc, prefix)
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        return ConfigError(f"{key}: unknown key (check the spelling; see conf/ for valid keys)")
+    if err["type"] == "missing":
+        return ConfigError(f"{key}: required key is missing")
+    value = _lookup(data, loc)
+    shown = json.dumps(value) if isinstance(value, (list, dict)) else value
+    return ConfigError(f"{key}={shown}: {msg}")
+
+
+def validate_run_config(data: Mapping[str, Any]) -> RunConfig:
+    """Validate a composed (resolved, plain) config; raise :class:`ConfigError` on the first fault."""
+    try:
+        return RunConfig.model_validate(dict(data))
+    except ValidationError as exc:
+        raise explain(exc, data) from None
+
+
+def validate_trainer_config(data: Mapping[str, Any]) -> TrainerConfig:
+    try:
+        return TrainerConfig.model_validate(dict(data))
+    except ValidationError as exc:
+        raise explain(exc, data, "trainer") from None

@@ -1,0 +1,240 @@
+"""One run from the launcher's side: pick the topology, start the cohort, watch it, write outputs.
+
+Outputs per job directory: ``summary.json``, ``model.pt`` (the :class:`TrainedState`),
+``elche_trace.jsonl`` (one line per averaging event), TensorBoard files under ``tb/`` and
+``rank_N.log`` for each rank process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flodl.metrics import EpochMetrics, RunSummary, SyncEvent
+from flodl.runtime.controller import Controller, ControllerResult, Hooks
+from flodl.runtime.links import in_process_link
+from flodl.runtime.spec import Callbacks, JobSpec
+from flodl.topology import Topology, resolve_topology
+from flodl.trainer import RunResult, TrainedState
+
+log = logging.getLogger(__name__)
+
+
+def default_job_dir() -> Path:
+    return Path("flodl_runs") / time.strftime("%Y%m%d-%H%M%S") / f"pid{os.getpid()}"
+
+
+class Job:
+    def __init__(
+        self,
+        spec: JobSpec,
+        callbacks: Callbacks,
+        job_dir: str | Path | None,
+        eval_metric: str,
+        run_info: dict[str, Any],
+    ) -> None:
+        self.spec = spec
+        self.callbacks = callbacks
+        self.job_dir = Path(job_dir) if job_dir is not None else default_job_dir()
+        self.eval_metric = eval_metric
+        self.run_info = run_info
+        self.topology: Topology = resolve_topology(spec.config)
+        self._stop = threading.Event()
+        self._curve: list[tuple[float, float]] = []
+        self._t0 = time.perf_counter()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    # -- execution -------------------------------------------------------------------------------
+    def execute(self) -> RunResult:
+        from flodl.monitor.console import Progress
+        from flodl.monitor.tensorboard import RunLogger
+
+        cfg = self.spec.config
+        topo = self.topology
+        self.job_dir.mkdir(parents=True, exist_ok=True)
+        self.spec.world_size = topo.world_size
+        self.spec.speeds = topo.speeds
+        self.spec.pace = topo.pace
+        self.spec.backend = topo.backend
+        log.info("flodl: %s | mode %s", topo.description, cfg.elche.mode.value)
+        self.tb = RunLogger(self.job_dir, topo.world_size, enabled=cfg.logger.tensorboard)
+        self.progress = Progress(cfg.num_epochs, mode=cfg.logger.progress)
+        self._trace = open(self.job_dir / "elche_trace.jsonl", "w", encoding="utf-8")
+        controller = Controller(cfg, topo.world_size, topo.speeds, self.spec.has_eval, self._hooks())
+        try:
+            if topo.in_process:
+                result = self._run_in_process(controller)
+            else:
+                from flodl.runtime.launcher import ProcessLauncher
+
+                launcher = ProcessLauncher(self.spec, controller, self.job_dir, topo)
+                result = launcher.run(self._stop.is_set)
+            return self._finish(result)
+        except BaseException as exc:
+            self._write_summary(self._failed_summary(exc))
+            raise
+        finally:
+            self.progress.close()
+            self._trace.close()
+            self.tb.close()
+
+    def _run_in_process(self, controller: Controller) -> ControllerResult:
+        from flodl.runtime.worker import Worker
+
+        rank_end, controller_end = in_process_link(controller.post)
+        controller.attach(0, controller_end)
+        device = _in_process_device(self.spec.config.device)
+        cluster = self.spec.config.cluster
+        if cluster.kind == "cpu_rig":  # the rig simulates one device per rank: pin its threads
+            torch.set_num_threads(cluster.threads_per_rank)
+        failure: list[BaseException] = []
+
+        def work() -> None:
+            try:
+                Worker(self.spec, rank_end, 0, device).run()
+            except BaseException as exc:
+                from flodl.runtime.messages import RankError
+
+                failure.append(exc)
+                controller.post(0, RankError(0, f"{type(exc).__name__}: {exc}", ""))
+
+        thread = threading.Thread(target=work, name="flodl-rank0", daemon=True)
+        thread.start()
+        try:
+            return controller.run(self._stop.is_set)
+        except Exception:
+            if failure:
+                raise failure[0] from None
+            raise
+        finally:
+            thread.join(timeout=5.0)
+
+    # -- hooks -----------------------------------------------------------------------------------
+    def _hooks(self) -> Hooks:
+        return Hooks(on_sync=self._on_sync, on_epoch=self._on_epoch, on_progress=self._on_progress)
+
+    def _on_sync(self, event: SyncEvent) -> None:
+        self._trace.write(json.dumps(event.to_dict()) + "\n")
+        self.tb.sync_event(event)
+
+    def _on_progress(self, epoch: int, done: int, total: int, loss: float | None, shares) -> None:
+        if done and done == total:
+            return
+        if done <= self.spec.config.batch_size * self.topology.world_size * 2:
+            self.progress.start_epoch(epoch, total)
+        self.progress.advance(done, loss, shares)
+
+    def _on_epoch(self, metrics: EpochMetrics) -> None:
+        from flodl.monitor.console import format_epoch_line
+
+        self._curve.append((time.perf_counter() - self._t0, metrics.avg_loss))
+        self.tb.epoch(metrics)
+        metric = self.eval_metric if metrics.eval_value is not None else None
+        self.progress.end_epoch(format_epoch_line(metrics, self.spec.config.num_epochs, metric))
+        cb = self.callbacks
+        if metrics.eval_value is not None and cb.eval_result_fn is not None:
+            cb.eval_result_fn(metrics.epoch, metrics.eval_value)
+        if cb.metrics_fn is not None:
+            cb.metrics_fn(metrics)
+        if cb.epoch_fn is not None:
+            cb.epoch_fn(metrics.epoch)
+
+    # -- outputs ---------------------------------------------------------------------------------
+    def _finish(self, result: ControllerResult) -> RunResult:
+        if result.final is None:
+            raise RuntimeError("the run ended without a final state")
+        state = TrainedState(params=result.final.params, buffers=result.final.buffers)
+        state.save(self.job_dir / "model.pt")
+        summary = self._summary(result)
+        self._write_summary(summary)
+        self._log_hparams(summary)
+        exact = result.coverage is not None and all(
+            result.coverage.exact(e) for e in result.coverage.trained
+        )
+        return RunResult(state, summary, result.epochs, result.events, coverage_exact=exact)
+
+    def _summary(self, result: ControllerResult) -> RunSummary:
+        cfg = self.spec.config
+        last = result.epochs[-1] if result.epochs else None
+        evals = [m.eval_value for m in result.epochs if m.eval_value is not None]
+        syncs = [e.sync_ms for e in result.events]
+        total_batches = sum(result.rank_batches) or 1
+        return RunSummary(
+            status="ok",
+            mode=cfg.elche.mode.value,
+            world_size=self.topology.world_size,
+            epochs=len(result.epochs),
+            final_loss=_finite(last.avg_loss) if last else None,
+            eval_metric=self.eval_metric if evals else None,
+            eval_value=evals[-1] if evals else None,
+            wall_s=time.perf_counter() - self._t0,
+            syncs=len(result.events),
+            mean_sync_ms=sum(syncs) / len(syncs) if syncs else 0.0,
+            samples_per_s=result.samples / result.train_s,
+            per_rank_batch_share=[b / total_batches for b in result.rank_batches],
+            per_rank_throughput=[s / result.train_s for s in result.rank_samples],
+            idle_fraction=[
+                max(0.0, 1.0 - c / 1000.0 / result.train_s) for c in result.rank_compute_ms
+            ],
+            overrides=list(self.run_info.get("overrides", [])),
+            loss_curve=self._curve,
+            samples_seen=result.samples,
+            anchor=result.events[-1].anchor if result.events else None,
+        )
+
+    def _failed_summary(self, exc: BaseException) -> RunSummary:
+        message = str(exc) or type(exc).__name__
+        if isinstance(exc, KeyboardInterrupt):
+            message = "interrupted"
+        return RunSummary(
+            status="failed",
+            mode=self.spec.config.elche.mode.value,
+            world_size=self.topology.world_size,
+            epochs=0,
+            wall_s=time.perf_counter() - self._t0,
+            error=message,
+            overrides=list(self.run_info.get("overrides", [])),
+        )
+
+    def _write_summary(self, summary: RunSummary) -> None:
+        self.job_dir.mkdir(parents=True, exist_ok=True)
+        data = summary.to_dict() | {"job_dir": str(self.job_dir), **self.run_info}
+        path = self.job_dir / "summary.json"
+        path.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
+
+    def _log_hparams(self, summary: RunSummary) -> None:
+        elche = self.spec.config.elche
+        hparams = {
+            "mode": elche.mode.value,
+            "anchor": elche.anchor,
+            "overhead_target": elche.overhead_target,
+            "world_size": self.topology.world_size,
+            "batch_size": self.spec.config.batch_size,
+        }
+        metrics = {
+            "final_loss": summary.final_loss,
+            "eval": summary.eval_value,
+            "wall_s": summary.wall_s,
+            "samples_per_s": summary.samples_per_s,
+        }
+        self.tb.hparams(hparams, metrics)
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def _in_process_device(kind: str) -> torch.device:
+    if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", 0)
+    return torch.device("cpu")

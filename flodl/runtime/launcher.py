@@ -1,0 +1,203 @@
+"""Who starts processes: one child per rank, their output, their supervision and teardown.
+
+The launcher hosts the controller (control plane) and the ``TCPStore`` the ranks rendezvous on
+(data plane). Children are fresh interpreters (``python -m flodl.runtime.rank``), never forks of
+a process that has torch initialised. Each child's output goes to ``<job_dir>/rank_N.log`` and,
+prefixed ``[rank N]``, to the console when it is a warning, an error or the user's own print.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from flodl.runtime import env as rank_env
+from flodl.runtime.channel import AuthError, Channel, Listener, new_secret
+from flodl.runtime.controller import Controller, ControllerResult, Disconnected, Exited, RunFailed
+from flodl.runtime.messages import Hello
+from flodl.runtime.spec import JobSpec
+from flodl.topology import Topology
+
+log = logging.getLogger(__name__)
+
+# Lines from a rank's own flodl logging that stay in rank_N.log only.
+_QUIET_PREFIXES = ("INFO ", "DEBUG ")
+_TERM_GRACE_S = 5.0
+
+
+class RankProcess:
+    """A rank child: its process, its log file and the thread forwarding its output."""
+
+    def __init__(self, rank: int, popen: subprocess.Popen, log_path: Path) -> None:
+        self.rank = rank
+        self.popen = popen
+        self.log_path = log_path
+        self.tail: deque[str] = deque(maxlen=20)
+        self.forwarder = threading.Thread(target=self._forward, name=f"rank{rank}-out", daemon=True)
+        self.forwarder.start()
+
+    def _forward(self) -> None:
+        assert self.popen.stdout is not None
+        with open(self.log_path, "a", encoding="utf-8", errors="replace") as sink:
+            for raw in self.popen.stdout:
+                line = raw.decode("utf-8", errors="replace").rstrip("\n")
+                sink.write(line + "\n")
+                sink.flush()
+                self.tail.append(line)
+                if not line.startswith(_QUIET_PREFIXES):
+                    print(f"[rank {self.rank}] {line}", file=sys.stderr, flush=True)
+
+    def last_error_line(self) -> str:
+        for line in reversed(self.tail):
+            if line.strip() and not line.startswith(_QUIET_PREFIXES):
+                return line.strip()
+        return ""
+
+    def terminate(self) -> None:
+        if self.popen.poll() is None:
+            try:
+                os.killpg(self.popen.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                return
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            try:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+class ProcessLauncher:
+    """Spawn, authenticate, supervise and tear down a cohort of rank processes."""
+
+    def __init__(
+        self, spec: JobSpec, controller: Controller, job_dir: Path, topology: Topology
+    ) -> None:
+        self.spec = spec
+        self.topology = topology
+        self.controller = controller
+        self.job_dir = job_dir
+        self.secret = new_secret()
+        self.procs: list[RankProcess] = []
+        self.channels: list[Channel] = []
+        self._closing = False
+
+    def run(self, stop_requested: Callable[[], bool]) -> ControllerResult:
+        from torch.distributed import TCPStore  # the data-plane rendezvous; no CUDA involved
+
+        host = self.spec.config.cluster.host
+        self.listener = Listener(host)
+        store = TCPStore(host, 0, is_master=True, wait_for_workers=False, use_libuv=False)
+        self.spec.store_host, self.spec.store_port = host, store.port
+        try:
+            threading.Thread(target=self._accept_loop, name="flodl-accept", daemon=True).start()
+            for rank in range(self.spec.world_size):
+                self.procs.append(self._spawn(rank))
+            threading.Thread(target=self._supervise, name="flodl-supervise", daemon=True).start()
+            return self.controller.run(stop_requested)
+        finally:
+            self.shutdown()
+            del store
+
+    # -- processes -------------------------------------------------------------------------------
+    def _spawn(self, rank: int) -> RankProcess:
+        device = "cuda" if self.spec.backend == "nccl" else "cpu"
+        gpu = self.topology.gpus[rank] if device == "cuda" else None
+        env = rank_env.child_env(
+            rank,
+            self.spec.world_size,
+            f"{self.listener.host}:{self.listener.port}",
+            device,
+            gpu,
+        )
+        popen = subprocess.Popen(
+            [sys.executable, "-u", "-m", "flodl.runtime.rank"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # its own process group: teardown reaches its children too
+        )
+        assert popen.stdin is not None
+        popen.stdin.write(self.secret.hex().encode() + b"\n")
+        popen.stdin.close()
+        return RankProcess(rank, popen, self.job_dir / f"rank_{rank}.log")
+
+    def _supervise(self) -> None:
+        pending = {p.rank: p for p in self.procs}
+        while pending and not self._closing:
+            for rank, proc in list(pending.items()):
+                code = proc.popen.poll()
+                if code is None:
+                    continue
+                proc.forwarder.join(timeout=2.0)
+                self.controller.post(rank, Exited(code, proc.last_error_line()))
+                del pending[rank]
+            time.sleep(0.05)
+
+    def shutdown(self) -> None:
+        """Stop every rank: SIGTERM, a grace period, then SIGKILL. Idempotent."""
+        self._closing = True
+        for channel in self.channels:
+            channel.close()
+        self.listener.close()
+        for proc in self.procs:
+            proc.terminate()
+        deadline = time.monotonic() + _TERM_GRACE_S
+        for proc in self.procs:
+            try:
+                proc.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.popen.wait()
+            proc.forwarder.join(timeout=2.0)
+
+    # -- control plane ------------------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        while not self._closing:
+            try:
+                sock = self.listener.accept(timeout_s=0.5)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            threading.Thread(target=self._admit, args=(sock,), daemon=True).start()
+
+    def _admit(self, sock: Any) -> None:
+        channel = Channel(sock)
+        try:
+            channel.authenticate_as_server(self.secret)
+            hello = channel.recv()
+            if not isinstance(hello, Hello) or not 0 <= hello.rank < self.spec.world_size:
+                raise AuthError(f"unexpected first message {type(hello).__name__}")
+        except (AuthError, OSError, EOFError, ValueError) as exc:
+            log.warning("rejected a control-plane peer: %s", exc)
+            channel.close()
+            return
+        self.channels.append(channel)
+        self.controller.attach(hello.rank, channel)
+        channel.send_code(self.spec)
+        self._read(hello.rank, channel)
+
+    def _read(self, rank: int, channel: Channel) -> None:
+        while True:
+            try:
+                msg = channel.recv()
+            except (OSError, EOFError, ConnectionError) as exc:
+                if not self._closing:
+                    self.controller.post(rank, Disconnected(str(exc) or type(exc).__name__))
+                return
+            self.controller.post(rank, msg)
+
+
+__all__ = ["ProcessLauncher", "RankProcess", "RunFailed"]

@@ -1,0 +1,112 @@
+"""Links between a rank and the controller: a socket link for rank processes, queues in-process.
+
+Both look the same to the worker and the controller (``send``, ``recv``, ``poll``), so the
+single-device path runs the very same loop as a process-per-rank cohort.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from flodl.runtime.channel import Channel
+
+log = logging.getLogger(__name__)
+
+_CLOSED = object()
+
+
+class QueueLink:
+    """One end of an in-process link."""
+
+    def __init__(self, inbox: queue.Queue, outbox: queue.Queue) -> None:
+        self._inbox = inbox
+        self._outbox = outbox
+
+    def send(self, msg: Any) -> None:
+        self._outbox.put(msg)
+
+    def recv(self, timeout: float | None = None) -> Any:
+        msg = self._inbox.get(timeout=timeout)
+        if msg is _CLOSED:
+            raise ConnectionResetError("link closed")
+        return msg
+
+    def poll(self) -> Any | None:
+        try:
+            return self.recv(timeout=0)
+        except queue.Empty:
+            return None
+
+    def close(self) -> None:
+        self._outbox.put(_CLOSED)
+
+
+class _Posting:
+    """Quacks like a queue; puts ``(rank, msg)`` into the controller's inbox."""
+
+    def __init__(self, post: Callable[[int, Any], None], rank: int) -> None:
+        self._post = post
+        self._rank = rank
+
+    def put(self, msg: Any) -> None:
+        self._post(self._rank, msg)
+
+
+def in_process_link(post: Callable[[int, Any], None], rank: int = 0) -> tuple[QueueLink, Any]:
+    """A rank link whose sends land in the controller's inbox, and the controller's end."""
+    to_rank: queue.Queue = queue.Queue()
+    rank_link = QueueLink(to_rank, _Posting(post, rank))  # type: ignore[arg-type]
+    controller_link = QueueLink(queue.Queue(), to_rank)
+    return rank_link, controller_link
+
+
+class SocketLink:
+    """The rank's end of the control channel; a reader thread keeps receiving in the background.
+
+    If the controller goes away without saying Stop (the launcher was killed), the reader ends
+    this process: a rank must never outlive its launcher, even when blocked in a collective.
+    """
+
+    def __init__(self, channel: Channel, rank: int) -> None:
+        self.channel = channel
+        self.rank = rank
+        self.stopping = False
+        self._inbox: queue.Queue = queue.Queue()
+        self._reader = threading.Thread(target=self._read, name="flodl-control", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self.channel.recv()
+            except (OSError, EOFError, ConnectionError) as exc:
+                if not self.stopping:
+                    log.error("rank %d: control channel lost (%s); exiting", self.rank, exc)
+                    os._exit(3)
+                self._inbox.put(_CLOSED)
+                return
+            self._inbox.put(msg)
+
+    def send(self, msg: Any) -> None:
+        self.channel.send(msg)
+
+    def recv(self, timeout: float | None = None) -> Any:
+        msg = self._inbox.get(timeout=timeout)
+        if msg is _CLOSED:
+            raise ConnectionResetError("control channel closed")
+        return msg
+
+    def poll(self) -> Any | None:
+        try:
+            return self.recv(timeout=0)
+        except queue.Empty:
+            return None
+
+    def close(self) -> None:
+        self.stopping = True
+        self.channel.close()

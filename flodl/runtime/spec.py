@@ -1,0 +1,49 @@
+"""What a rank needs to train: the user's factories and step, the data, and the validated config."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from flodl.config import TrainerConfig
+
+
+@dataclass
+class Callbacks:
+    """Launcher-side hooks (they never travel to ranks)."""
+
+    metrics_fn: Callable[[Any], None] | None = None
+    eval_result_fn: Callable[[int, float], None] | None = None
+    epoch_fn: Callable[[int], None] | None = None
+
+
+@dataclass
+class JobSpec:
+    """Sent once to every rank after authentication (cloudpickle: closures and ``__main__`` work)."""
+
+    config: TrainerConfig
+    model_factory: Callable[..., Any]
+    optim_factory: Callable[..., Any]
+    train_step: Callable[..., Any]
+    dataset: Any
+    eval_dataset: Any = None
+    eval_fn: Callable[..., float] | None = None
+    scheduler_factory: Callable[..., Any] | None = None
+    world_size: int = 1
+    speeds: list[float] = field(default_factory=lambda: [1.0])
+    pace: bool = False
+    backend: str = "gloo"
+    store_host: str = "127.0.0.1"
+    store_port: int = 0
+
+    @property
+    def has_eval(self) -> bool:
+        return self.eval_fn is not None and self.eval_dataset is not None
+
+
+def state_signature(named_shapes: list[tuple[str, tuple[int, ...], str]]) -> str:
+    """Fingerprint of an architecture: every rank must build the same one."""
+    blob = ";".join(f"{n}:{s}:{d}" for n, s, d in named_shapes)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]

@@ -1,0 +1,258 @@
+"""The rank loop: train the chunks the controller plans, report, average, repeat.
+
+The same loop runs in a rank process (socket link, a torch.distributed group) and in-process on a
+single device (queue link, no group). A report is sent *before* averaging, so the controller
+plans the next window while the collective runs.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import itertools
+import logging
+import math
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flodl.config import Mode
+from flodl.data import BatchSource, resolve_dataset
+from flodl.metrics import drain_scalars
+from flodl.runtime.averaging import FlatState, broadcast_from, collective_average
+from flodl.runtime.messages import Average, EvalResult, Final, Plan, Ready, Report, Stop, Window
+from flodl.runtime.pacing import Pacer, measure_step_s
+from flodl.runtime.spec import JobSpec, state_signature
+
+log = logging.getLogger(__name__)
+
+
+class Worker:
+    """One rank's training state and loop."""
+
+    def __init__(self, spec: JobSpec, link: Any, rank: int, device: torch.device) -> None:
+        self.spec = spec
+        self.cfg = spec.config
+        self.link = link
+        self.rank = rank
+        self.device = device
+        self.mode = self.cfg.elche.mode
+        self.distributed = spec.world_size > 1 and dist.is_available() and dist.is_initialized()
+        self.pacer = Pacer(spec.speeds[rank] if spec.pace else 1.0)
+        self._last_sync_ms: float | None = None
+        self._last_divergence: float | None = None
+        self._sync_started: float | None = None
+        self._eval_ms = 0.0
+        self._epoch = -1
+        self._center: torch.Tensor | None = None
+        self._outstanding: list[int] = []
+        self._pending: collections.deque[Any] = collections.deque()
+
+    # -- set-up ------------------------------------------------------------------------------
+    def build(self) -> None:
+        torch.manual_seed(self.cfg.seed)
+        self.model: nn.Module = self.spec.model_factory(self.device)
+        if not isinstance(self.model, nn.Module):
+            raise TypeError(f"model_factory must return an nn.Module, got {type(self.model)}")
+        self.model.to(self.device).train()
+        self.optimizer = self.spec.optim_factory(self.model.parameters())
+        self._scale_lr()
+        self.scheduler = (
+            self.spec.scheduler_factory(self.optimizer) if self.spec.scheduler_factory else None
+        )
+        self.state = FlatState(self.model)
+        dataset = resolve_dataset(self.spec.dataset)
+        if self.cfg.batch_size > len(dataset):
+            raise ValueError(
+                f"trainer.batch_size={self.cfg.batch_size}: larger than the dataset "
+                f"({len(dataset)} samples)"
+            )
+        self.source = BatchSource(dataset, self.cfg.batch_size, self.cfg.seed, self.device)
+        self.eval_source = None
+        if self.spec.has_eval:
+            eval_set = resolve_dataset(self.spec.eval_dataset, "eval_dataset")
+            self.eval_source = BatchSource(eval_set, self.cfg.batch_size, self.cfg.seed, self.device)
+        if self.distributed:
+            broadcast_from(self.state, src=0)
+
+    def _scale_lr(self) -> None:
+        factor = 1.0 + (self.spec.world_size - 1) * self.cfg.lr_scale_ratio
+        if factor != 1.0:
+            for group in self.optimizer.param_groups:
+                group["lr"] *= factor
+
+    def signature(self) -> str:
+        shapes = [(n, tuple(t.shape), str(t.dtype)) for n, t in self.model.state_dict().items()]
+        return state_signature(shapes)
+
+    def calibrate(self) -> float:
+        """Time warm-up steps on a throwaway copy; agree on one nominal step time (CPU rig)."""
+        probe = copy.deepcopy(self.model)
+        optimizer = self.spec.optim_factory(probe.parameters())
+        n = self.cfg.cluster.warmup_steps
+        chunk = ((0, min(len(self.source), self.cfg.batch_size * n)),)
+        batches = itertools.cycle(list(self.source.batches(0, chunk)))
+
+        def step() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            self.spec.train_step(probe, next(batches)).backward()
+            optimizer.step()
+
+        step_s = measure_step_s(step, n)
+        if self.distributed:
+            t = torch.tensor([step_s], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            step_s = float(t.item())
+        if self.spec.pace:
+            self.pacer.set_nominal(step_s * self.cfg.cluster.pace_margin)
+        drain_scalars()
+        return step_s * 1000.0
+
+    # -- loop ----------------------------------------------------------------------------------
+    def run(self) -> None:
+        self.build()
+        step_ms = self.calibrate()
+        self.link.send(
+            Ready(
+                rank=self.rank,
+                signature=self.signature(),
+                n_params=self.state.n_params,
+                step_ms=step_ms,
+                device=str(self.device),
+                n_samples=len(self.source),
+            )
+        )
+        while True:
+            msg = self._pending.popleft() if self._pending else self.link.recv()
+            if isinstance(msg, Plan):
+                for window in msg.windows:
+                    self.run_window(window)
+            elif isinstance(msg, Stop):
+                self._finish(msg)
+                return
+            elif isinstance(msg, Average):
+                self._apply_average(msg)
+
+    def _finish(self, msg: Stop) -> None:
+        while self._outstanding:  # cpu_async: take the averages still in flight
+            reply = self.link.recv()
+            if isinstance(reply, Average):
+                self._apply_average(reply)
+        if msg.send_state:
+            buffer_names = {n for n, _ in self.model.named_buffers()}
+            state = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+            self.link.send(
+                Final(
+                    rank=self.rank,
+                    params={k: v for k, v in state.items() if k not in buffer_names},
+                    buffers={k: v for k, v in state.items() if k in buffer_names},
+                )
+            )
+
+    def _start_epoch(self, epoch: int) -> None:
+        if self._epoch >= 0 and self.scheduler is not None:
+            self.scheduler.step()
+        self._epoch = epoch
+
+    def run_window(self, window: Window) -> None:
+        if window.epoch != self._epoch:
+            self._start_epoch(window.epoch)
+        if self._sync_started is not None:
+            elapsed = (time.perf_counter() - self._sync_started) * 1000.0
+            self._last_sync_ms = max(0.0, elapsed - self._eval_ms)
+        self._eval_ms = 0.0
+        t0 = time.perf_counter()
+        loss_sum, loss_count, batches = 0.0, 0, 0
+        for batch in self.source.batches(window.epoch, window.chunks):
+            loss = self.pacer.run(lambda b=batch: self.train_batch(b))
+            batches += 1
+            if math.isfinite(loss):
+                loss_sum += loss
+                loss_count += 1
+        compute_ms = (time.perf_counter() - t0) * 1000.0
+        self._sync_started = time.perf_counter()
+        snapshot = self.state.flatten().cpu() if self.mode.via_controller else None
+        self.link.send(
+            Report(
+                rank=self.rank,
+                window=window.index,
+                epoch=window.epoch,
+                chunks=window.chunks,
+                batches=batches,
+                samples=sum(size for _, size in window.chunks),
+                compute_ms=compute_ms,
+                loss_sum=loss_sum,
+                loss_count=loss_count,
+                scalars=drain_scalars(),
+                prev_sync_ms=self._last_sync_ms,
+                prev_divergence=self._last_divergence,
+                lr=float(self.optimizer.param_groups[0]["lr"]),
+                snapshot=snapshot,
+            )
+        )
+        self.average(window)
+        if window.eval_after:
+            self.evaluate(window.epoch)
+
+    def train_batch(self, batch: list[torch.Tensor]) -> float:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.spec.train_step(self.model, batch)
+        loss.backward()
+        if self.cfg.max_grad_norm is not None:
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        self.optimizer.step()
+        return float(loss.detach())
+
+    # -- averaging -----------------------------------------------------------------------------
+    def average(self, window: Window) -> None:
+        if self.spec.world_size == 1 or self.mode is Mode.SOLO:
+            return
+        if not self.mode.via_controller:
+            self._last_divergence = collective_average(
+                self.state, window.weight, window.buffer_weight
+            )
+            return
+        self._outstanding.append(window.index)
+        limit = self._overshoot_limit()
+        while len(self._outstanding) > limit:
+            msg = self.link.recv()
+            if isinstance(msg, Average):
+                self._apply_average(msg)
+            else:  # a plan or stop that arrived ahead of the average: keep it for the loop
+                self._pending.append(msg)
+
+    def _overshoot_limit(self) -> int:
+        if self.mode is not Mode.CPU_ASYNC:
+            return 0
+        return self.cfg.elche.max_overshoot if self.cfg.elche.max_overshoot is not None else 2
+
+    def _apply_average(self, msg: Average) -> None:
+        if msg.window in self._outstanding:
+            self._outstanding.remove(msg.window)
+        center = msg.flat.to(self.device)
+        before = self.state.flatten()
+        alpha = self.cfg.elche.effective_easgd_alpha
+        after = center if alpha is None else (1 - alpha) * before + alpha * center
+        self.state.load(after)
+        self._last_divergence = self.state.divergence(before, after)
+
+    # -- evaluation ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, epoch: int) -> None:
+        assert self.eval_source is not None and self.spec.eval_fn is not None
+        t0 = time.perf_counter()
+        self.model.eval()
+        total, count = 0.0, 0
+        try:
+            for inputs, target, *_ in self.eval_source.sequential():
+                n = int(target.shape[0])
+                total += float(self.spec.eval_fn(self.model, inputs, target)) * n
+                count += n
+        finally:
+            self.model.train()
+        ms = (time.perf_counter() - t0) * 1000.0
+        self._eval_ms += ms
+        self.link.send(EvalResult(rank=self.rank, epoch=epoch, value=total / max(count, 1), ms=ms))

@@ -1,0 +1,240 @@
+"""The public entry: ``Trainer.builder(...).run().join()`` and its config-object twin ``Trainer.run``.
+
+Closures reach ranks by serialisation: the launcher cloudpickles the factories, the step and the
+callbacks it ships, and sends them over the authenticated control channel. Functions from
+importable modules travel by reference; functions and closures defined in the user's own script
+(``__main__``) or a notebook travel by value. Nothing re-executes the user's script, so code
+around the ``Trainer`` call runs once. With fewer than two devices the run stays in-process.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from flodl.config import (
+    ClusterConfig,
+    ElCheConfig,
+    LoggerConfig,
+    TrainerConfig,
+    validate_trainer_config,
+)
+from flodl.metrics import EpochMetrics, RunSummary, SyncEvent
+from flodl.runtime.spec import Callbacks, JobSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainedState:
+    """The averaged parameters and buffers, on CPU."""
+
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {**self.params, **self.buffers}
+
+    def load_into(self, model: nn.Module, strict: bool = True) -> nn.Module:
+        model.load_state_dict(self.state_dict(), strict=strict)
+        return model
+
+    def save(self, path: str | Path) -> None:
+        torch.save({"params": self.params, "buffers": self.buffers}, path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> TrainedState:
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+        return cls(params=blob["params"], buffers=blob["buffers"])
+
+
+@dataclass
+class RunResult:
+    state: TrainedState | None
+    summary: RunSummary
+    epochs: list[EpochMetrics] = field(default_factory=list)
+    events: list[SyncEvent] = field(default_factory=list)
+    coverage_exact: bool = False
+
+
+class RunHandle:
+    """A run in flight. ``join()`` blocks until it ends and returns the :class:`TrainedState`."""
+
+    def __init__(self, job: Any) -> None:
+        self._job = job
+        self._result: RunResult | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._target, name="flodl-run", daemon=True)
+        self._thread.start()
+
+    def _target(self) -> None:
+        try:
+            self._result = self._job.execute()
+        except BaseException as exc:
+            self._error = exc
+
+    @property
+    def job_dir(self) -> Path:
+        return self._job.job_dir
+
+    @property
+    def world_size(self) -> int:
+        return self._job.topology.world_size
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def join(self, timeout: float | None = None) -> TrainedState:
+        """Wait for the run; Ctrl-C stops every rank before it propagates."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while self._thread.is_alive():
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError("run still in progress")
+                self._thread.join(timeout=0.2 if left is None else min(0.2, left))
+        except KeyboardInterrupt:
+            self._job.request_stop()
+            self._thread.join(timeout=30)
+            raise
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None and self._result.state is not None
+        return self._result.state
+
+    @property
+    def result(self) -> RunResult:
+        if self._result is None:
+            self.join()
+        assert self._result is not None
+        return self._result
+
+
+class TrainerBuilder:
+    """Fluent configuration, the tutorial's shape."""
+
+    def __init__(self, model_factory: Callable, optim_factory: Callable, train_step: Callable):
+        self._factories = (model_factory, optim_factory, train_step)
+        self._config: dict[str, Any] = {}
+        self._data: dict[str, Any] = {}
+
+    def _set(self, key: str, value: Any) -> TrainerBuilder:
+        self._config[key] = value
+        return self
+
+    def _put(self, key: str, value: Any) -> TrainerBuilder:
+        self._data[key] = value
+        return self
+
+    def config(self, config: TrainerConfig) -> TrainerBuilder:
+        self._config = {**config.model_dump(), **self._config}
+        return self
+
+    def dataset(self, dataset: Any) -> TrainerBuilder:
+        return self._put("dataset", dataset)
+
+    def eval_dataset(self, dataset: Any) -> TrainerBuilder:
+        return self._put("eval_dataset", dataset)
+
+    def eval_fn(self, fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], float]) -> TrainerBuilder:
+        return self._put("eval_fn", fn)
+
+    def eval_result_fn(self, fn: Callable[[int, float], None]) -> TrainerBuilder:
+        return self._put("eval_result_fn", fn)
+
+    def metrics_fn(self, fn: Callable[[EpochMetrics], None]) -> TrainerBuilder:
+        return self._put("metrics_fn", fn)
+
+    def epoch_fn(self, fn: Callable[[int], None]) -> TrainerBuilder:
+        return self._put("epoch_fn", fn)
+
+    def scheduler(self, factory: Callable[[torch.optim.Optimizer], Any]) -> TrainerBuilder:
+        return self._put("scheduler_factory", factory)
+
+    def output_dir(self, path: str | Path) -> TrainerBuilder:
+        return self._put("job_dir", Path(path))
+
+    def batch_size(self, n: int) -> TrainerBuilder:
+        return self._set("batch_size", n)
+
+    def num_epochs(self, n: int) -> TrainerBuilder:
+        return self._set("num_epochs", n)
+
+    def seed(self, n: int) -> TrainerBuilder:
+        return self._set("seed", n)
+
+    def max_grad_norm(self, x: float) -> TrainerBuilder:
+        return self._set("max_grad_norm", x)
+
+    def lr_scale_ratio(self, x: float) -> TrainerBuilder:
+        return self._set("lr_scale_ratio", x)
+
+    def elche(self, config: ElCheConfig) -> TrainerBuilder:
+        return self._set("elche", config.model_dump())
+
+    def cluster(self, config: ClusterConfig) -> TrainerBuilder:
+        return self._set("cluster", config.model_dump())
+
+    def logger(self, config: LoggerConfig) -> TrainerBuilder:
+        return self._set("logger", config.model_dump())
+
+    def build_config(self) -> TrainerConfig:
+        return validate_trainer_config(self._config)
+
+    def run(self) -> RunHandle:
+        return Trainer.run(*self._factories, self.build_config(), **self._data)
+
+
+class Trainer:
+    """Entry points. See the module docstring for how closures reach ranks."""
+
+    @staticmethod
+    def builder(
+        model_factory: Callable[[torch.device], nn.Module],
+        optim_factory: Callable[[Any], torch.optim.Optimizer],
+        train_step: Callable[[nn.Module, list[torch.Tensor]], torch.Tensor],
+    ) -> TrainerBuilder:
+        return TrainerBuilder(model_factory, optim_factory, train_step)
+
+    @staticmethod
+    def run(
+        model_factory: Callable[[torch.device], nn.Module],
+        optim_factory: Callable[[Any], torch.optim.Optimizer],
+        train_step: Callable[[nn.Module, list[torch.Tensor]], torch.Tensor],
+        config: TrainerConfig,
+        *,
+        dataset: Any,
+        eval_dataset: Any = None,
+        eval_fn: Callable[..., float] | None = None,
+        eval_result_fn: Callable[[int, float], None] | None = None,
+        metrics_fn: Callable[[EpochMetrics], None] | None = None,
+        epoch_fn: Callable[[int], None] | None = None,
+        scheduler_factory: Callable[..., Any] | None = None,
+        job_dir: str | Path | None = None,
+        eval_metric: str = "eval",
+        run_info: dict[str, Any] | None = None,
+    ) -> RunHandle:
+        """Start a run; returns at once with a handle (``.join()`` for the trained state)."""
+        from flodl.job import Job
+
+        spec = JobSpec(
+            config=config,
+            model_factory=model_factory,
+            optim_factory=optim_factory,
+            train_step=train_step,
+            dataset=dataset,
+            eval_dataset=eval_dataset,
+            eval_fn=eval_fn,
+            scheduler_factory=scheduler_factory,
+        )
+        callbacks = Callbacks(metrics_fn, eval_result_fn, epoch_fn)
+        job = Job(spec, callbacks, job_dir, eval_metric=eval_metric, run_info=run_info or {})
+        return RunHandle(job)

@@ -1,0 +1,103 @@
+"""Train steps ``fn(model, batch) -> loss``; eval functions ``fn(model, input, target) -> float``.
+
+The runner owns the loop, the optimizer, devices and averaging; a step only turns one batch into
+a scalar loss (and may ``record_scalar`` side metrics), an eval function turns a held-out set
+into one number. ``conf/task/*.yaml`` names which pair a run uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flodl.metrics import record_scalar
+
+__all__ = [
+    "accuracy",
+    "augmented_classification_step",
+    "classification_step",
+    "reconstruction_mse",
+    "reconstruction_step",
+]
+
+EVAL_CHUNK = 1024  # eval inputs are split so a 10k-image test set does not need 10k activations
+
+
+def classification_step(model: nn.Module, batch: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Cross-entropy of ``model(input)`` against class labels; records training ``accuracy``."""
+    inputs, target = batch[0], batch[1]
+    logits = model(inputs)
+    with torch.no_grad():
+        record_scalar("accuracy", (logits.argmax(dim=1) == target).float().mean().item())
+    return F.cross_entropy(logits, target)
+
+
+def augmented_classification_step(model: nn.Module, batch: Sequence[torch.Tensor]) -> torch.Tensor:
+    """:func:`classification_step` on a randomly shifted and mirrored batch (CIFAR recipe).
+
+    Zero-pads 4 pixels, crops back at a random offset and flips horizontally with p=0.5, one
+    draw per batch as in the ddp-bench ResNet-20 (zero is the mean after normalisation).
+    """
+    inputs = batch[0]
+    height, width = inputs.shape[-2:]
+    padded = F.pad(inputs, (4, 4, 4, 4))
+    dy, dx, flip = (int(v) for v in torch.randint(0, 9, (3,)))
+    inputs = padded[..., dy : dy + height, dx : dx + width]
+    if flip % 2:
+        inputs = inputs.flip(-1)
+    return classification_step(model, (inputs, batch[1]))
+
+
+def reconstruction_step(model: nn.Module, batch: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Mean squared error between ``model(input)`` and ``input``; labels, if any, are ignored."""
+    inputs = batch[0]
+    return F.mse_loss(model(inputs), inputs)
+
+
+@contextmanager
+def _evaluating(model: nn.Module) -> Iterator[None]:
+    """Eval mode (BatchNorm running stats, no dropout) and no grad, restoring the mode after."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
+
+
+def _chunked_mean(
+    model: nn.Module,
+    inputs: torch.Tensor,
+    target: torch.Tensor,
+    per_sample_sum: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+) -> float:
+    """Mean over samples of a per-chunk sum, evaluated ``EVAL_CHUNK`` samples at a time."""
+    if len(inputs) == 0:
+        raise ValueError("eval set is empty: cannot average over zero samples")
+    total = 0.0
+    with _evaluating(model):
+        for start in range(0, len(inputs), EVAL_CHUNK):
+            x = inputs[start : start + EVAL_CHUNK]
+            y = target[start : start + EVAL_CHUNK]
+            total += float(per_sample_sum(model(x), x, y))
+    return total / len(inputs)
+
+
+def accuracy(model: nn.Module, input: torch.Tensor, target: torch.Tensor) -> float:
+    """Fraction of samples whose arg-max class equals ``target`` (higher is better)."""
+    return _chunked_mean(model, input, target, lambda out, _x, y: (out.argmax(dim=1) == y).sum())
+
+
+def reconstruction_mse(model: nn.Module, input: torch.Tensor, target: torch.Tensor) -> float:
+    """Mean squared reconstruction error of ``input`` (``target`` is ignored; lower is better)."""
+    return _chunked_mean(
+        model,
+        input,
+        target,
+        lambda out, x, _y: F.mse_loss(out, x, reduction="sum") / x[0].numel(),
+    )

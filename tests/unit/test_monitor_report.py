@@ -1,0 +1,135 @@
+"""The A/B report from fake job summaries: table, JSON, speedup baseline and the PNG."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import matplotlib.image
+import pytest
+
+from flodl.metrics import RunSummary
+from flodl.monitor.report import differing_overrides, format_table, write_ab_report
+
+COMMON = ["model=mlp", "trainer.num_epochs=3"]
+ERROR = "RuntimeError: rank 1 died: CUDA out of memory. Tried to allocate 2.00 GiB | " + "x" * 200
+
+
+def _row(job: str, mode: str, wall_s: float, extra: list[str], **kw: Any) -> dict[str, Any]:
+    summary = RunSummary(
+        status=kw.pop("status", "ok"),
+        mode=mode,
+        world_size=1 if mode == "solo" else 2,
+        epochs=3,
+        final_loss=kw.pop("final_loss", 0.25),
+        eval_metric="accuracy",
+        eval_value=kw.pop("eval_value", 0.9),
+        wall_s=wall_s,
+        syncs=kw.pop("syncs", 30),
+        mean_sync_ms=4.25,
+        samples_per_s=1500.0,
+        idle_fraction=kw.pop("idle_fraction", [0.02, 0.31]),
+        overrides=[*COMMON, f"elche.mode={mode}", *extra],
+        loss_curve=[(wall_s / 3 * (i + 1), 1.0 / (i + 1)) for i in range(3)],
+        **kw,
+    )
+    return {**summary.to_dict(), "job": job}
+
+
+@pytest.fixture
+def rows() -> list[dict[str, Any]]:
+    return [
+        _row("0", "solo", 30.0, ["elche.anchor=10"], syncs=0, idle_fraction=[0.0]),
+        _row("1", "nccl_sync", 20.0, ["elche.anchor=10"]),
+        _row("2", "nccl_cadence", 12.0, ["elche.anchor=20"], eval_value=0.93),
+        _row(
+            "3",
+            "cpu_async",
+            4.0,
+            ["elche.anchor=20"],
+            status="failed",
+            error=ERROR,
+            final_loss=None,
+            eval_value=None,
+        ),
+    ]
+
+
+def test_overrides_column_shows_only_what_differs(rows: list[dict[str, Any]]) -> None:
+    # Shared overrides are hidden; elche.mode has its own column.
+    assert differing_overrides(rows) == ["elche.anchor=10", "elche.anchor=20"]
+    table = format_table(rows)
+    assert "model=mlp" not in table and "num_epochs" not in table
+    assert "elche.mode=" not in table
+
+
+def test_markdown_lists_every_job_and_the_failure(
+    rows: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    paths = write_ab_report(tmp_path, rows)
+    assert set(paths) == {"md", "json", "png"}
+    md = paths["md"].read_text()
+    table_lines = [ln for ln in md.splitlines() if ln.startswith("| ")]
+    assert table_lines[0].split(" | ")[4:6] == ["final loss", "accuracy"]
+    by_job = {ln.split(" | ")[0].lstrip("| "): ln for ln in table_lines[1:]}
+    assert set(by_job) == {"0", "1", "2", "3"}
+    assert "| 0.02/0.31 |" in by_job["1"]
+    assert "| 2.50x |" in by_job["2"]  # 30 s solo / 12 s
+    failed = by_job["3"]
+    assert "failed: RuntimeError: rank 1 died: CUDA out of memory" in failed
+    assert "x" * 100 not in failed and "…" in failed  # truncated in the table
+    assert "\\|" in failed  # a pipe in the error does not break the table
+    assert ERROR in md  # the full error is kept below the table
+
+
+def test_json_round_trips_with_speedups_against_solo(
+    rows: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    paths = write_ab_report(tmp_path, rows)
+    data = json.loads(paths["json"].read_text())
+    assert data["baseline"] == "0"
+    assert [r["speedup"] for r in data["rows"]] == [1.0, 1.5, 2.5, None]
+    expected = json.loads(json.dumps(rows))  # tuples become lists, nothing else changes
+    assert [{k: v for k, v in r.items() if k != "speedup"} for r in data["rows"]] == expected
+
+
+def test_speedup_falls_back_to_nccl_sync_then_to_none(rows: list[dict[str, Any]]) -> None:
+    without_solo = rows[1:]
+    table = format_table(without_solo)
+    assert "| 1.67x |" in table  # 20 s nccl_sync / 12 s
+    only_cadence = [rows[2], rows[3]]
+    speedups = [ln.rsplit(" | ", 1)[1] for ln in format_table(only_cadence).splitlines()[2:]]
+    assert speedups == ["— |", "— |"]
+
+
+def test_failed_baseline_is_not_a_baseline(rows: list[dict[str, Any]], tmp_path: Path) -> None:
+    rows[0]["status"], rows[0]["error"] = "failed", "boom"
+    data = json.loads(write_ab_report(tmp_path, rows)["json"].read_text())
+    assert data["baseline"] == "1"
+
+
+def _assert_png(path: Path) -> None:
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    image = matplotlib.image.imread(path)
+    assert image.shape[0] > 100 and image.shape[1] > 100
+
+
+def test_png_is_a_readable_image(rows: list[dict[str, Any]], tmp_path: Path) -> None:
+    _assert_png(write_ab_report(tmp_path, rows)["png"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ab_report.json",
+        "ab_report.md",
+        "ab_report.png",
+    ]
+
+
+def test_all_failed_sweep_still_writes_everything(tmp_path: Path) -> None:
+    rows = [
+        _row(str(i), mode, 1.0, [f"seed={i}"], status="failed", error="bad dataset")
+        for i, mode in enumerate(["solo", "nccl_cadence"])
+    ]
+    paths = write_ab_report(tmp_path / "sweep", rows)
+    assert json.loads(paths["json"].read_text())["baseline"] is None
+    assert "failed: bad dataset" in paths["md"].read_text()
+    _assert_png(paths["png"])
