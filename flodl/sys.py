@@ -61,7 +61,12 @@ class GpuInfo:
 
 
 def detect_gpus() -> list[GpuInfo]:
-    """GPUs this process may use, in visible order; ``[]`` when there are none or on any error."""
+    """GPUs this process may use, in visible order; ``[]`` when there are none or on any error.
+
+    Physical indices follow ``nvidia-smi`` (PCI bus order). CUDA numbers devices the same way
+    only under ``CUDA_DEVICE_ORDER=PCI_BUS_ID``; its default (fastest first) can differ on a
+    mixed rig, so rank processes should be started with that variable set.
+    """
     gpus = _nvidia_gpus()
     if gpus:
         return gpus
@@ -179,7 +184,11 @@ def _nvidia_gpus() -> list[GpuInfo]:
 
 def _parse_smi_line(line: str, ncols: int) -> GpuInfo | None:
     parts = [p.strip() for p in line.split(",")]
-    if parts == [""]:
+    if not parts[0].isdigit():
+        # Not a GPU row (blank, or a driver warning such as a corrupt infoROM notice):
+        # every row of the query starts with the GPU's index.
+        if parts != [""]:
+            logger.debug("skipping nvidia-smi line %r", line)
         return None
     if len(parts) < ncols:
         raise ValueError(f"{len(parts)} columns, expected {ncols}")

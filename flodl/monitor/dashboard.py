@@ -72,7 +72,10 @@ def port_in_use(host: str, port: int) -> bool:
 
 
 class Dashboard:
-    """A running TensorBoard over ``logdir``; create it with :meth:`start`."""
+    """A running TensorBoard over ``logdir``; create it with :meth:`start`.
+
+    ``url`` is what to open in a browser; ``host``, ``port`` and ``pid`` describe the server.
+    """
 
     def __init__(self, proc: subprocess.Popen[bytes], log: IO[bytes], host: str, port: int):
         self._proc: subprocess.Popen[bytes] | None = proc
@@ -124,11 +127,13 @@ class Dashboard:
         return dashboard
 
     def _probe_url(self) -> str:
-        host = "127.0.0.1" if self.host in _WILDCARDS else self.host
+        host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
         host = f"[{host}]" if ":" in host else host
         return f"http://{host}:{self.port}/data/logdir"
 
     def _wait_ready(self, timeout_s: float) -> None:
+        # No proxies: an http_proxy in the environment must not intercept a loopback probe.
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             proc = self._proc
@@ -136,7 +141,7 @@ class Dashboard:
                 code = None if proc is None else proc.returncode
                 raise RuntimeError(f"TensorBoard exited with code {code}:\n{self.output_tail()}")
             try:
-                with urllib.request.urlopen(self._probe_url(), timeout=2.0) as resp:
+                with opener.open(self._probe_url(), timeout=2.0) as resp:
                     if resp.status == 200:
                         return
             except (urllib.error.URLError, OSError):

@@ -53,7 +53,8 @@ class Channel:
         self.max_frame = max_frame
         self._send_lock = threading.Lock()
         self._closed = False
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small frames, low latency
 
     # -- raw frames -------------------------------------------------------------------------
     def _recv_exact(self, n: int) -> bytes:

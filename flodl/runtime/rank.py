@@ -58,14 +58,14 @@ def main() -> int:
             pass
         traceback.print_exc()
         return 1
+    finally:
+        channel.close()
 
 
 def _train(spec, channel, role) -> int:
     import torch
-    import torch.distributed as dist
 
     from flodl.runtime.links import SocketLink
-    from flodl.runtime.worker import Worker
 
     cluster = spec.config.cluster
     if role.device == "cpu":
@@ -74,6 +74,19 @@ def _train(spec, channel, role) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     link = SocketLink(channel, role.rank)
+    try:
+        _join_and_train(spec, link, role, device)
+    finally:
+        link.stopping = True  # from here on, a closed channel is expected, not a lost launcher
+    return 0
+
+
+def _join_and_train(spec, link, role, device) -> None:
+    import torch.distributed as dist
+
+    from flodl.runtime.worker import Worker
+
+    cluster = spec.config.cluster
     store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, use_libuv=False)
     dist.init_process_group(
         spec.backend,
@@ -85,10 +98,7 @@ def _train(spec, channel, role) -> int:
     try:
         Worker(spec, link, role.rank, device).run()
     finally:
-        link.stopping = True
         dist.destroy_process_group()
-        link.close()
-    return 0
 
 
 if __name__ == "__main__":

@@ -78,7 +78,9 @@ def feed(elche: ElChe, report: Report) -> Cycle:
 
 @settings(max_examples=150, deadline=None)
 @given(scenarios())
-def test_cycle_invariants(scenario: tuple[int, ElCheConfig, list[Report], list[float] | None]) -> None:
+def test_cycle_invariants(
+    scenario: tuple[int, ElCheConfig, list[Report], list[float] | None],
+) -> None:
     world, config, series, hint = scenario
     elche = ElChe(config, world, speed_hint=hint)
     floor = min(config.effective_min_anchor, config.anchor)

@@ -10,7 +10,7 @@ import matplotlib.image
 import pytest
 
 from flodl.metrics import RunSummary
-from flodl.monitor.report import differing_overrides, format_table, write_ab_report
+from flodl.monitor.report import differing_overrides, format_table, report_data, write_ab_report
 
 COMMON = ["model=mlp", "trainer.num_epochs=3"]
 ERROR = "RuntimeError: rank 1 died: CUDA out of memory. Tried to allocate 2.00 GiB | " + "x" * 200
@@ -37,8 +37,7 @@ def _row(job: str, mode: str, wall_s: float, extra: list[str], **kw: Any) -> dic
     return {**summary.to_dict(), "job": job}
 
 
-@pytest.fixture
-def rows() -> list[dict[str, Any]]:
+def _sweep_rows() -> list[dict[str, Any]]:
     return [
         _row("0", "solo", 30.0, ["elche.anchor=10"], syncs=0, idle_fraction=[0.0]),
         _row("1", "nccl_sync", 20.0, ["elche.anchor=10"]),
@@ -56,6 +55,17 @@ def rows() -> list[dict[str, Any]]:
     ]
 
 
+@pytest.fixture
+def rows() -> list[dict[str, Any]]:
+    return _sweep_rows()
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The report of the fixture sweep, rendered once: the PNG takes a second to draw."""
+    return write_ab_report(tmp_path_factory.mktemp("sweep"), _sweep_rows())
+
+
 def test_overrides_column_shows_only_what_differs(rows: list[dict[str, Any]]) -> None:
     # Shared overrides are hidden; elche.mode has its own column.
     assert differing_overrides(rows) == ["elche.anchor=10", "elche.anchor=20"]
@@ -64,12 +74,9 @@ def test_overrides_column_shows_only_what_differs(rows: list[dict[str, Any]]) ->
     assert "elche.mode=" not in table
 
 
-def test_markdown_lists_every_job_and_the_failure(
-    rows: list[dict[str, Any]], tmp_path: Path
-) -> None:
-    paths = write_ab_report(tmp_path, rows)
-    assert set(paths) == {"md", "json", "png"}
-    md = paths["md"].read_text()
+def test_markdown_lists_every_job_and_the_failure(written: dict[str, Path]) -> None:
+    assert set(written) == {"md", "json", "png"}
+    md = written["md"].read_text()
     table_lines = [ln for ln in md.splitlines() if ln.startswith("| ")]
     assert table_lines[0].split(" | ")[4:6] == ["final loss", "accuracy"]
     by_job = {ln.split(" | ")[0].lstrip("| "): ln for ln in table_lines[1:]}
@@ -84,10 +91,9 @@ def test_markdown_lists_every_job_and_the_failure(
 
 
 def test_json_round_trips_with_speedups_against_solo(
-    rows: list[dict[str, Any]], tmp_path: Path
+    rows: list[dict[str, Any]], written: dict[str, Path]
 ) -> None:
-    paths = write_ab_report(tmp_path, rows)
-    data = json.loads(paths["json"].read_text())
+    data = json.loads(written["json"].read_text())
     assert data["baseline"] == "0"
     assert [r["speedup"] for r in data["rows"]] == [1.0, 1.5, 2.5, None]
     expected = json.loads(json.dumps(rows))  # tuples become lists, nothing else changes
@@ -103,10 +109,11 @@ def test_speedup_falls_back_to_nccl_sync_then_to_none(rows: list[dict[str, Any]]
     assert speedups == ["— |", "— |"]
 
 
-def test_failed_baseline_is_not_a_baseline(rows: list[dict[str, Any]], tmp_path: Path) -> None:
+def test_failed_baseline_is_not_a_baseline(rows: list[dict[str, Any]]) -> None:
     rows[0]["status"], rows[0]["error"] = "failed", "boom"
-    data = json.loads(write_ab_report(tmp_path, rows)["json"].read_text())
+    data = report_data(rows)
     assert data["baseline"] == "1"
+    assert [r["speedup"] for r in data["rows"]] == [None, 1.0, pytest.approx(20 / 12), None]
 
 
 def _assert_png(path: Path) -> None:
@@ -115,9 +122,10 @@ def _assert_png(path: Path) -> None:
     assert image.shape[0] > 100 and image.shape[1] > 100
 
 
-def test_png_is_a_readable_image(rows: list[dict[str, Any]], tmp_path: Path) -> None:
-    _assert_png(write_ab_report(tmp_path, rows)["png"])
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
+def test_png_is_a_readable_image(written: dict[str, Path]) -> None:
+    _assert_png(written["png"])
+    # Exactly the three files: no temporary files left behind by the atomic writes.
+    assert sorted(p.name for p in written["png"].parent.iterdir()) == [
         "ab_report.json",
         "ab_report.md",
         "ab_report.png",

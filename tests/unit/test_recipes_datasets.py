@@ -13,7 +13,9 @@ import io
 import os
 import pickle
 import struct
+import sys
 import tarfile
+import types
 from pathlib import Path
 
 import numpy as np
@@ -92,12 +94,23 @@ def test_an_mlp_learns_mnist5k() -> None:
 # --- digits ----------------------------------------------------------------------------------
 
 
-def test_digits_fast_path_equals_load_digits(monkeypatch) -> None:
+def test_digits_are_the_scikit_learn_digits() -> None:
     images, labels = datasets._digits_arrays()  # read from the CSV inside scikit-learn
-    monkeypatch.setattr(datasets, "_package_file", lambda *parts: None)
-    via_sklearn, sklearn_labels = datasets._digits_arrays.__wrapped__()  # load_digits fallback
-    assert np.array_equal(images, via_sklearn) and np.array_equal(labels, sklearn_labels)
+    assert images.shape == (1797, 8, 8) and labels.shape == (1797,)
     assert np.bincount(labels).tolist() == [178, 182, 177, 183, 181, 182, 181, 179, 174, 180]
+    assert (images[0, 0] * 16).tolist() == [0, 0, 5, 13, 9, 1, 0, 0]  # load_digits().images[0]
+
+
+def test_digits_fall_back_to_load_digits(monkeypatch) -> None:
+    # a stand-in for sklearn.datasets: importing the real one costs seconds
+    images, labels = datasets._digits_arrays()
+    bunch = types.SimpleNamespace(data=images.reshape(-1, 64) * 16, target=labels)
+    fake = types.ModuleType("sklearn.datasets")
+    fake.load_digits = lambda: bunch  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "sklearn.datasets", fake)
+    monkeypatch.setattr(datasets, "_package_file", lambda *parts: None)
+    via_sklearn, sklearn_labels = datasets._digits_arrays.__wrapped__()
+    assert np.array_equal(images, via_sklearn) and np.array_equal(labels, sklearn_labels)
 
 
 def test_digits_shapes_range_and_split() -> None:

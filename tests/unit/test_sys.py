@@ -144,8 +144,10 @@ def test_timeout_gives_no_gpus_and_no_retry(smi: FakeSmi) -> None:
         _answer("", rc=9, stderr="NVIDIA-SMI has failed: couldn't communicate with the driver"),
         _answer("this is not csv\n"),
         _answer("zero, H100, GPU-x, 1, 9.0\n"),
+        _answer("0, H100, GPU-x\n"),
+        _answer("0, H100, GPU-x, lots, 9.0\n"),
     ],
-    ids=["driver-error", "garbage", "bad-index"],
+    ids=["driver-error", "garbage", "bad-index", "too-few-columns", "bad-memory"],
 )
 def test_failures_give_no_gpus(smi: FakeSmi, answer: subprocess.CompletedProcess[str]) -> None:
     smi.respond = lambda cmd: answer
@@ -167,6 +169,13 @@ def test_old_driver_without_compute_cap_falls_back(smi: FakeSmi) -> None:
     )
     assert gpu.arch_label() is None
     assert len(smi.calls) == 2
+
+
+def test_warning_lines_are_skipped(smi: FakeSmi) -> None:
+    smi.respond = lambda cmd: _answer(
+        "WARNING: infoROM is corrupted at gpu 0000:01:00.0\n" + FULL_OUT
+    )
+    assert [g.physical_index for g in detect_gpus()] == [0, 1]
 
 
 def test_commas_in_names_and_missing_fields(smi: FakeSmi) -> None:

@@ -1,0 +1,53 @@
+"""Suite hygiene: no leaked environment variables, child processes or process groups."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+@pytest.fixture(autouse=True)
+def _hygiene():
+    env_before = dict(os.environ)
+    me = psutil.Process()
+    children_before = {p.pid for p in me.children(recursive=True)}
+    yield
+    leaked_env = {k for k in os.environ if k.startswith("FLODL_") and k not in env_before}
+    for key in leaked_env:
+        del os.environ[key]
+    assert not leaked_env, f"test leaked environment variables: {sorted(leaked_env)}"
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail("test leaked an initialised torch.distributed process group")
+    deadline_children = _wait_children(me, children_before)
+    assert not deadline_children, f"test leaked child processes: {deadline_children}"
+
+
+def _wait_children(me: psutil.Process, before: set[int], timeout_s: float = 10.0) -> list[str]:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        leaked = [
+            p for p in me.children(recursive=True) if p.pid not in before and _alive(p)
+        ]
+        if not leaked or time.monotonic() > deadline:
+            return [f"{p.pid}:{' '.join(p.cmdline()[:4])}" for p in leaked if _alive(p)]
+        time.sleep(0.1)
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -1,0 +1,57 @@
+"""Small, fast runs on the CPU rig for integration tests (real processes over gloo)."""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flodl import ClusterConfig, ElCheConfig, LoggerConfig, Trainer
+from recipes.datasets import synthetic
+from recipes.models import MLP
+from recipes.steps import accuracy, classification_step
+
+SHAPE = [1, 8, 8]
+CLASSES = 4
+
+
+def data(split: str, n_train: int = 1536) -> Any:
+    return synthetic(split, n_train=n_train, n_test=256, input_shape=SHAPE, num_classes=CLASSES)
+
+
+def model_factory(device: torch.device) -> torch.nn.Module:
+    return MLP(SHAPE, CLASSES, hidden=32).to(device)
+
+
+def optim_factory(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=1e-2)
+
+
+def small_run(
+    tmp_path: Path,
+    mode: str,
+    ranks: int = 2,
+    speeds: list[float] | None = None,
+    epochs: int = 2,
+    n_train: int = 1536,
+    model=model_factory,
+    **elche: Any,
+):
+    speeds = speeds if speeds is not None else [1.0, 0.5][:ranks]
+    handle = (
+        Trainer.builder(model, optim_factory, classification_step)
+        .dataset(partial(data, "train", n_train))
+        .eval_dataset(partial(data, "test"))
+        .eval_fn(accuracy)
+        .batch_size(32)
+        .num_epochs(epochs)
+        .elche(ElCheConfig(mode=mode, **elche))
+        .cluster(ClusterConfig(kind="cpu_rig", ranks=ranks, speeds=speeds, warmup_steps=3))
+        .logger(LoggerConfig(progress="lines"))
+        .output_dir(tmp_path / mode)
+        .run()
+    )
+    state = handle.join(timeout=240)
+    return handle, state
