@@ -16,7 +16,18 @@ from flodl.config import (
     TrainerConfig,
 )
 from flodl.metrics import EpochMetrics, RunSummary, SyncEvent, record_scalar
-from flodl.trainer import RunHandle, TrainedState, Trainer, TrainerBuilder
+
+# The trainer pulls in torch; keep `import flodl.sys` / `flodl.monitor` / the Hydra plugin light.
+_LAZY = {"RunHandle", "TrainedState", "Trainer", "TrainerBuilder"}
+
+
+def __getattr__(name: str):  # PEP 562: load the trainer on first use
+    if name in _LAZY:
+        from flodl import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module 'flodl' has no attribute {name!r}")
+
 
 __version__ = "0.1.0"
 

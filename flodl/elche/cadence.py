@@ -111,7 +111,6 @@ class ElChe:
         self._latched = False
         self._clean = 0
         self._meta = MetaController(self._config.meta_controller and not self._sync)
-        self._counts = [self._anchor] * self._world
         self._counts = bound_spread(self._raw_counts(self._anchor), self._config.max_batch_diff)
         self._history: list[list[int]] = []
 

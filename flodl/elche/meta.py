@@ -13,7 +13,7 @@ import math
 from collections.abc import Sequence
 
 from flodl.elche.guard import Verdict
-from flodl.elche.state import Phase
+from flodl.elche.state import VERDICT_HISTORY, Phase
 
 #: An LR drop larger than this fraction within one cycle is a cliff.
 LR_CLIFF_DROP = 0.30
@@ -26,8 +26,6 @@ STREAK_LENGTH = {Phase.WARMUP: 5, Phase.STABLE: 3, Phase.MATURE: 2}
 STREAK_FACTOR = {Phase.WARMUP: 0.3, Phase.STABLE: 0.5, Phase.MATURE: 0.7}
 #: Bounds of the applied factor: never wipe the cadence out, never a no-op cut.
 FACTOR_MIN, FACTOR_MAX = 0.1, 0.95
-#: Verdicts remembered (the longest streak length).
-VERDICT_WINDOW = 5
 
 _BAD = (Verdict.SUPPRESS_GROWTH, Verdict.NUDGE_DOWN)
 
@@ -42,7 +40,7 @@ class MetaController:
         last_lr: float | None = None,
     ) -> None:
         self.enabled = enabled
-        self._verdicts = list(verdicts)[-VERDICT_WINDOW:]
+        self._verdicts = list(verdicts)[-VERDICT_HISTORY:]
         self._last_lr = last_lr
 
     @property
@@ -62,7 +60,7 @@ class MetaController:
         neither speeds nor verdicts mean much yet, but it keeps recording.
         """
         self._verdicts.append(verdict)
-        del self._verdicts[:-VERDICT_WINDOW]
+        del self._verdicts[:-VERDICT_HISTORY]
         cliff = self._lr_cliff(lr)
         if not self.enabled or phase is Phase.PROBE:
             return None

@@ -14,15 +14,14 @@ from enum import Enum
 from typing import Any
 
 from flodl.elche.guard import HISTORY_LEN, Verdict
+from flodl.elche.speed import TRUST_WINDOW
 
 #: Calibrations at which the phase advances to WARMUP, STABLE and MATURE.
 WARMUP_AT, STABLE_AT, MATURE_AT = 1, 5, 20
 #: Batch-count snapshots kept for :meth:`ElChe.batch_share`.
 SHARE_WINDOW = 10
-#: Verdicts kept for the meta-controller (mirrors ``meta.VERDICT_WINDOW``).
+#: Verdicts kept for the meta-controller (its longest streak length).
 VERDICT_HISTORY = 5
-#: Samples kept per rank in the trust window (mirrors ``speed.TRUST_WINDOW``).
-TRUST_SAMPLES = 5
 
 
 class Phase(str, Enum):
@@ -246,7 +245,7 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "counts": _list(_int(1)),
     "growth_latched_off": _bool,
     "clean_verdicts": _int(0),
-    "speed_windows": _list(_list(_nonneg_float, TRUST_SAMPLES)),
+    "speed_windows": _list(_list(_nonneg_float, TRUST_WINDOW)),
     "zero_streaks": _list(_int(0)),
     "msf_ema": _float,
     "msf_events": _int(0),

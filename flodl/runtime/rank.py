@@ -56,7 +56,9 @@ def main() -> int:
             channel.send(RankError(role.rank, message, traceback.format_exc()))
         except OSError:
             pass
-        traceback.print_exc()
+        # The launcher reports the one-line message; the traceback goes to rank_N.log only.
+        for line in traceback.format_exc().splitlines():
+            print(f"DEBUG traceback| {line}", flush=True)
         return 1
     finally:
         channel.close()

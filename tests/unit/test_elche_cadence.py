@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 
@@ -173,7 +173,7 @@ def test_partition_ratios_fix_counts_whatever_the_speed() -> None:
 
 
 @pytest.mark.parametrize("preset", [ElCheConfig.nccl_sync, ElCheConfig.cpu_sync])
-def test_sync_modes_keep_equal_counts_and_a_fixed_anchor(preset) -> None:  # type: ignore[no-untyped-def]
+def test_sync_modes_keep_equal_counts_and_a_fixed_anchor(preset: Callable[[], ElCheConfig]) -> None:
     elche = ElChe(preset(), 2)
     for i in range(25):
         cycle = step(elche, [10.0, 40.0], overhead=0.9, divergence=0.1 * (i + 1), lr=1.0 / (i + 1))

@@ -1,0 +1,98 @@
+"""``run.py`` end to end through a subprocess: single job, sweep, bad input, failing factory."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+FAST = [
+    "dataset=digits",
+    "trainer.num_epochs=2",
+    "trainer.batch_size=32",
+    "cluster.warmup_steps=3",
+    "logger.progress=lines",
+]
+
+
+def run_py(args: list[str], sweep_dir: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "run.py", *args, f"hydra.sweep.dir={sweep_dir}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.slow
+def test_single_job(tmp_path):
+    out = run_py(FAST, tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((tmp_path / "0" / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["mode"] == "nccl_cadence"
+    assert summary["world_size"] == 2 and summary["eval_metric"] == "accuracy"
+    assert summary["eval_value"] > 0.8
+    assert (tmp_path / "0" / "model.pt").exists()
+    assert (tmp_path / "0" / "rank_0.log").exists() and (tmp_path / "0" / "rank_1.log").exists()
+    console = out.stdout + out.stderr
+    # One line per epoch from the launcher, not one copy per rank.
+    assert console.count("epoch 1/2") == 1 and console.count("epoch 2/2") == 1
+    assert "share [" in console
+    assert not (tmp_path / "ab_report.md").exists()  # a single job is not an A/B
+
+
+@pytest.mark.slow
+def test_sweep_writes_ab_report_and_keeps_failed_rows(tmp_path):
+    sweep = ["elche.mode=nccl_sync,nccl_cadence", "model.hidden=16,-1"]
+    args = ["-m", *FAST, "trainer.num_epochs=1", *sweep]
+    out = run_py(args, tmp_path, timeout=400)
+    assert out.returncode == 1, out.stderr[-3000:]  # one job failed; the sweep went on
+    report = json.loads((tmp_path / "ab_report.json").read_text())
+    rows = report["rows"]
+    assert len(rows) == 4
+    statuses = sorted(r["status"] for r in rows)
+    assert statuses == ["failed", "failed", "ok", "ok"]
+    failed = [r for r in rows if r["status"] == "failed"]
+    assert all("hidden" in " ".join(r["overrides"]) for r in failed)
+    assert all(r["error"] for r in failed)
+    md = (tmp_path / "ab_report.md").read_text()
+    assert "nccl_sync" in md and "nccl_cadence" in md
+    for job in range(4):
+        assert (tmp_path / str(job) / "summary.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("elche.mode=fast", "elche.mode=fast"),
+        ("trainer.batch_size=0", "trainer.batch_size=0"),
+        ("cluster.speeds=[1,-1]", "cluster.speeds=[1, -1]"),
+        ("trainer.nmu_epochs=3", "trainer.nmu_epochs: unknown key (did you mean trainer.num_epochs?)"),
+        ("model=nonexistent", "model"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line_and_starts_nothing(tmp_path, override, expected):
+    out = run_py([override], tmp_path, timeout=120)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert expected in out.stderr
+    if override != "model=nonexistent":
+        error_lines = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+        assert len(error_lines) == 1, out.stderr
+        assert out.stderr.strip().count("\n") == 0, out.stderr  # one line, no traceback
+    assert not list(tmp_path.glob("**/rank_*.log"))  # no rank was started
+
+
+@pytest.mark.slow
+def test_failing_factory_reported_once_nonzero_exit(tmp_path):
+    out = run_py([*FAST, "model.hidden=-1"], tmp_path)
+    assert out.returncode == 1
+    console = out.stdout + out.stderr
+    assert console.count("job 0 failed: rank") == 1, console[-3000:]
+    assert "Traceback" not in console
+    summary = json.loads((tmp_path / "0" / "summary.json").read_text())
+    assert summary["status"] == "failed" and "rank" in summary["error"]
