@@ -1,8 +1,8 @@
 """flodl's Hydra entry: compose -> validate -> launch -> report.
 
-    python run.py                                   # the default job (see conf/config.yaml)
-    python run.py model=lenet elche=cpu_async       # swap any component by config
-    python run.py -m elche=nccl_sync,nccl_cadence   # A/B sweep; ends with ab_report.md
+python run.py                                   # the default job (see conf/config.yaml)
+python run.py model=lenet elche=cpu_async       # swap any component by config
+python run.py -m elche=nccl_sync,nccl_cadence   # A/B sweep; ends with ab_report.md
 """
 
 import hydra

@@ -1,9 +1,9 @@
 """flodl: one PyTorch training step, from one device to many unequal ones.
 
-    from flodl import Trainer, ElCheConfig
-    state = (Trainer.builder(model_factory, optim_factory, train_step)
-             .dataset(ds).batch_size(64).num_epochs(5)
-             .elche(ElCheConfig.nccl_cadence()).run().join())
+from flodl import Trainer, ElCheConfig
+state = (Trainer.builder(model_factory, optim_factory, train_step)
+         .dataset(ds).batch_size(64).num_epochs(5)
+         .elche(ElCheConfig.nccl_cadence()).run().join())
 """
 
 from flodl.config import (

@@ -57,7 +57,7 @@ def plain_config(cfg: Any) -> dict[str, Any]:
         cfg.pop("hydra", None)  # Hydra's own node may hold values only a running job has
     data = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(data, dict)
-    return data
+    return {str(k): v for k, v in data.items()}
 
 
 def train(cfg: Any) -> dict[str, Any]:
@@ -85,7 +85,7 @@ def train(cfg: Any) -> dict[str, Any]:
         run_cfg.trainer_config(),
         dataset=partial(build_dataset, run_cfg.dataset, "train"),
         eval_dataset=partial(build_dataset, run_cfg.dataset, "test") if has_eval else None,
-        eval_fn=resolve_dotted(task.eval_fn) if has_eval else None,
+        eval_fn=resolve_dotted(task.eval_fn) if task.eval_fn is not None else None,
         job_dir=job_dir,
         eval_metric=task.eval_metric,
         run_info=run_info,
@@ -147,7 +147,11 @@ def _check_key(key: str) -> None:
             raise ConfigError(f"{path}.{part}: unknown key{hint}; allowed: {allowed}")
         path = f"{path}.{part}"
         annotation = fields[part].annotation
-        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+        model = (
+            annotation
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel)
+            else None
+        )
 
 
 def cli(main: Callable[[], Any]) -> None:
@@ -165,8 +169,10 @@ def cli(main: Callable[[], Any]) -> None:
             sys.exit(2)
         raise
     if STATE["failed"]:
-        print(f"error: {STATE['failed']} job(s) failed; see summary.json in their job directories",
-              file=sys.stderr)
+        print(
+            f"error: {STATE['failed']} job(s) failed; see summary.json in their job directories",
+            file=sys.stderr,
+        )
         sys.exit(1)
 
 

@@ -28,7 +28,7 @@ class _Schema(BaseModel):
 
 
 class Mode(str, Enum):
-    """Averaging mode (DESIGN §4). ``nccl`` names the collective backend: NCCL on CUDA, gloo on CPU."""
+    """Averaging mode (DESIGN §4); ``nccl`` = the collective backend (NCCL on CUDA, else gloo)."""
 
     NCCL_SYNC = "nccl_sync"
     NCCL_CADENCE = "nccl_cadence"
@@ -67,7 +67,9 @@ class ElCheConfig(_Schema):
 
     mode: Mode = Field(Mode.NCCL_CADENCE, description="averaging mode")
     anchor: int = Field(10, ge=1, description="initial batches of the slow rank per window")
-    min_anchor: int | None = Field(None, ge=1, description="lower clamp of the anchor (default: anchor)")
+    min_anchor: int | None = Field(
+        None, ge=1, description="lower clamp of the anchor (default: anchor)"
+    )
     max_anchor: int = Field(1000, ge=1, description="upper clamp of the anchor")
     overhead_target: float = Field(
         0.05, ge=0.01, le=0.5, description="sync cost as a fraction of compute ElChe aims for"
@@ -87,7 +89,9 @@ class ElCheConfig(_Schema):
     easgd_alpha: float | None = Field(
         None, gt=0, le=1, description="EASGD blend factor on arrival (cpu_async; default 0.5)"
     )
-    gamma: float = Field(1.0, ge=-1, le=4, description="averaging weight exponent: w ∝ batches**gamma")
+    gamma: float = Field(
+        1.0, ge=-1, le=4, description="averaging weight exponent: w ∝ batches**gamma"
+    )
     max_overshoot: int | None = Field(
         None, ge=0, description="cpu_async: windows a rank may run ahead of the average (auto)"
     )
@@ -165,7 +169,9 @@ class ClusterConfig(_Schema):
     pace_margin: float = Field(
         1.3, ge=1.0, le=10.0, description="cpu_rig: nominal step = margin x measured step"
     )
-    warmup_steps: int = Field(8, ge=1, le=1000, description="cpu_rig: steps timed to calibrate pacing")
+    warmup_steps: int = Field(
+        8, ge=1, le=1000, description="cpu_rig: steps timed to calibrate pacing"
+    )
     host: str = Field("127.0.0.1", description="address the controller binds (loopback by default)")
     start_timeout_s: float = Field(120.0, gt=0, description="seconds for every rank to join")
 
@@ -313,9 +319,9 @@ def _format_location(loc: tuple[Any, ...], prefix: str) -> str:
 
 def _lookup(data: Any, loc: tuple[Any, ...]) -> Any:
     for part in loc:
-        if isinstance(data, Mapping) and part in data:
-            data = data[part]
-        elif isinstance(data, list) and isinstance(part, int) and part < len(data):
+        if (isinstance(data, Mapping) and part in data) or (
+            isinstance(data, list) and isinstance(part, int) and part < len(data)
+        ):
             data = data[part]
         else:
             return None
@@ -338,7 +344,7 @@ def explain(exc: ValidationError, data: Any, prefix: str = "") -> ConfigError:
 
 
 def validate_run_config(data: Mapping[str, Any]) -> RunConfig:
-    """Validate a composed (resolved, plain) config; raise :class:`ConfigError` on the first fault."""
+    """Validate a composed, resolved config; raise :class:`ConfigError` on the first fault."""
     try:
         return RunConfig.model_validate(dict(data))
     except ValidationError as exc:

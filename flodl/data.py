@@ -60,7 +60,9 @@ class BatchSource:
             parts = list(default_collate([self.dataset[int(i)] for i in indices]))
         return [p.to(self.device, non_blocking=True) for p in parts]
 
-    def batches(self, epoch: int, chunks: Sequence[tuple[int, int]]) -> Iterator[list[torch.Tensor]]:
+    def batches(
+        self, epoch: int, chunks: Sequence[tuple[int, int]]
+    ) -> Iterator[list[torch.Tensor]]:
         perm = self.permutation(epoch)
         for offset, size in chunks:
             for start in range(offset, offset + size, self.batch_size):

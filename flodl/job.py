@@ -69,8 +69,10 @@ class Job:
         log.info("flodl: %s | mode %s", topo.description, cfg.elche.mode.value)
         self.tb = RunLogger(self.job_dir, topo.world_size, enabled=cfg.logger.tensorboard)
         self.progress = Progress(cfg.num_epochs, mode=cfg.logger.progress)
-        self._trace = open(self.job_dir / "elche_trace.jsonl", "w", encoding="utf-8")
-        controller = Controller(cfg, topo.world_size, topo.speeds, self.spec.has_eval, self._hooks())
+        self._trace = open(self.job_dir / "elche_trace.jsonl", "w", encoding="utf-8")  # noqa: SIM115
+        controller = Controller(
+            cfg, topo.world_size, topo.speeds, self.spec.has_eval, self._hooks()
+        )
         try:
             if topo.in_process:
                 result = self._run_in_process(controller)

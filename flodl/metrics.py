@@ -91,7 +91,7 @@ _sink = _ScalarSink()
 
 
 def record_scalar(name: str, value: float) -> None:
-    """Record a named scalar from inside ``train_step``; the epoch value is its batch-weighted mean."""
+    """Record a named scalar inside ``train_step``; the epoch value is its batch-weighted mean."""
     _sink.values.setdefault(name, [0.0, 0.0])
     acc = _sink.values[name]
     acc[0] += float(value)

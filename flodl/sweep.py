@@ -57,9 +57,17 @@ def launch_sweep(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
         if row.get("status") != "ok":
             app.STATE["failed"] += 1
         # A failed job is a failed row, not an aborted sweep: hand Hydra a completed return.
-        returns.append(JobReturn(overrides=ret.overrides, cfg=ret.cfg, hydra_cfg=ret.hydra_cfg,
-                                 working_dir=ret.working_dir, task_name=ret.task_name,
-                                 status=JobStatus.COMPLETED, _return_value=row))
+        returns.append(
+            JobReturn(
+                overrides=ret.overrides,
+                cfg=ret.cfg,
+                hydra_cfg=ret.hydra_cfg,
+                working_dir=ret.working_dir,
+                task_name=ret.task_name,
+                status=JobStatus.COMPLETED,
+                _return_value=row,
+            )
+        )
     if len(rows) > 1 and launcher.report:
         from flodl.monitor.report import write_ab_report
 
@@ -74,7 +82,10 @@ def _row(ret: Any, idx: int, overrides: list[str]) -> dict[str, Any]:
     if ret.status == JobStatus.COMPLETED and isinstance(ret._return_value, dict):
         row = dict(ret._return_value)
     else:
-        row = {"status": "failed", "error": f"{type(ret._return_value).__name__}: {ret._return_value}"}
+        row = {
+            "status": "failed",
+            "error": f"{type(ret._return_value).__name__}: {ret._return_value}",
+        }
     row.setdefault("job", str(idx))
     row.setdefault("overrides", overrides)
     return row

@@ -35,6 +35,8 @@ def resolve_topology(config: TrainerConfig) -> Topology:
     if len(gpus) >= 2 and not solo:
         names = " | ".join(g.name for g in gpus)
         desc = f"{len(gpus)} GPUs: {names}"
-        physical = tuple(g.physical_index for g in gpus)
+        physical = tuple(
+            g.physical_index if g.physical_index is not None else g.index for g in gpus
+        )
         return Topology(len(gpus), "nccl", [1.0] * len(gpus), False, False, desc, physical)
     return Topology(1, "gloo", [1.0], False, True, "single device, in-process")

@@ -1,4 +1,4 @@
-"""The public entry: ``Trainer.builder(...).run().join()`` and its config-object twin ``Trainer.run``.
+"""The public entry: ``Trainer.builder(...).run().join()`` and its config twin ``Trainer.run``.
 
 Closures reach ranks by serialisation: the launcher cloudpickles the factories, the step and the
 callbacks it ships, and sends them over the authenticated control channel. Functions from
@@ -144,7 +144,9 @@ class TrainerBuilder:
     def eval_dataset(self, dataset: Any) -> TrainerBuilder:
         return self._put("eval_dataset", dataset)
 
-    def eval_fn(self, fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], float]) -> TrainerBuilder:
+    def eval_fn(
+        self, fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], float]
+    ) -> TrainerBuilder:
         return self._put("eval_fn", fn)
 
     def eval_result_fn(self, fn: Callable[[int, float], None]) -> TrainerBuilder:

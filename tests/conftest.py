@@ -38,9 +38,7 @@ def _wait_children(me: psutil.Process, before: set[int], timeout_s: float = 10.0
 
     deadline = time.monotonic() + timeout_s
     while True:
-        leaked = [
-            p for p in me.children(recursive=True) if p.pid not in before and _alive(p)
-        ]
+        leaked = [p for p in me.children(recursive=True) if p.pid not in before and _alive(p)]
         if not leaked or time.monotonic() > deadline:
             return [f"{p.pid}:{' '.join(p.cmdline()[:4])}" for p in leaked if _alive(p)]
         time.sleep(0.1)

@@ -1,4 +1,4 @@
-"""How ranks agree on one set of weights: weighted parameter averaging, collective or via the controller.
+"""How ranks agree on one set of weights: weighted parameter averaging (collective or controller).
 
 Parameters are averaged weighted by the work each rank did (weights from ``flodl.elche``); float
 buffers (BatchNorm statistics) equally among the ranks that stepped; integer buffers stay local.

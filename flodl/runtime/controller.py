@@ -25,8 +25,8 @@ from flodl.runtime.messages import (
     EvalResult,
     Final,
     Plan,
-    Ready,
     RankError,
+    Ready,
     Report,
     Stop,
     Window,
@@ -283,9 +283,8 @@ class Controller:
         per_rank: list[list[Window]] = [[] for _ in range(self.world)]
         for _ in range(self._windows_per_plan()):
             assert self.cursor is not None
-            if self.cursor.done:
-                if not self._advance_epoch():
-                    break
+            if self.cursor.done and not self._advance_epoch():
+                break
             for rank, window in enumerate(self._plan_window()):
                 per_rank[rank].append(window)
             if self.cursor.done and self.cursor.epoch == self.cfg.num_epochs - 1:

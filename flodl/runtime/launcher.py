@@ -162,7 +162,7 @@ class ProcessLauncher:
                 proc.popen.wait()
             proc.forwarder.join(timeout=2.0)
 
-    # -- control plane ------------------------------------------------------------------------------
+    # -- control plane -------------------------------------------------------------------------
     def _accept_loop(self) -> None:
         while not self._closing:
             try:

@@ -21,7 +21,7 @@ class Callbacks:
 
 @dataclass
 class JobSpec:
-    """Sent once to every rank after authentication (cloudpickle: closures and ``__main__`` work)."""
+    """Sent once to each rank after authentication (cloudpickle: closures and ``__main__`` work)."""
 
     config: TrainerConfig
     model_factory: Callable[..., Any]

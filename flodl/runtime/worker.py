@@ -13,6 +13,7 @@ import itertools
 import logging
 import math
 import time
+from functools import partial
 from typing import Any
 
 import torch
@@ -74,7 +75,9 @@ class Worker:
         self.eval_source = None
         if self.spec.has_eval:
             eval_set = resolve_dataset(self.spec.eval_dataset, "eval_dataset")
-            self.eval_source = BatchSource(eval_set, self.cfg.batch_size, self.cfg.seed, self.device)
+            self.eval_source = BatchSource(
+                eval_set, self.cfg.batch_size, self.cfg.seed, self.device
+            )
         if self.distributed:
             broadcast_from(self.state, src=0)
 
@@ -167,7 +170,7 @@ class Worker:
         t0 = time.perf_counter()
         loss_sum, loss_count, batches = 0.0, 0, 0
         for batch in self.source.batches(window.epoch, window.chunks):
-            loss = self.pacer.run(lambda b=batch: self.train_batch(b))
+            loss = self.pacer.run(partial(self.train_batch, batch))
             batches += 1
             if math.isfinite(loss):
                 loss_sum += loss

@@ -72,7 +72,10 @@ def test_sweep_writes_ab_report_and_keeps_failed_rows(tmp_path):
         ("elche.mode=fast", "elche.mode=fast"),
         ("trainer.batch_size=0", "trainer.batch_size=0"),
         ("cluster.speeds=[1,-1]", "cluster.speeds=[1, -1]"),
-        ("trainer.nmu_epochs=3", "trainer.nmu_epochs: unknown key (did you mean trainer.num_epochs?)"),
+        (
+            "trainer.nmu_epochs=3",
+            "trainer.nmu_epochs: unknown key (did you mean trainer.num_epochs?)",
+        ),
         ("model=nonexistent", "model"),
     ],
 )

@@ -25,7 +25,7 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_mode_trains_and_covers_every_sample_once(runs, mode):
-    handle, state = runs[mode]
+    handle, _ = runs[mode]
     result = handle.result
     assert result.summary.status == "ok"
     assert result.coverage_exact
@@ -69,8 +69,18 @@ def test_outputs_are_written(runs, mode):
     job = handle.job_dir
     summary = json.loads((job / "summary.json").read_text())
     for key in (
-        "status", "mode", "world_size", "epochs", "final_loss", "eval_metric", "eval_value",
-        "wall_s", "syncs", "mean_sync_ms", "samples_per_s", "per_rank_batch_share",
+        "status",
+        "mode",
+        "world_size",
+        "epochs",
+        "final_loss",
+        "eval_metric",
+        "eval_value",
+        "wall_s",
+        "syncs",
+        "mean_sync_ms",
+        "samples_per_s",
+        "per_rank_batch_share",
         "per_rank_throughput",
     ):
         assert key in summary, key
@@ -83,4 +93,6 @@ def test_outputs_are_written(runs, mode):
         assert (job / "rank_1.log").exists()
         trace = [json.loads(line) for line in (job / "elche_trace.jsonl").read_text().splitlines()]
         assert len(trace) == summary["syncs"]
-        assert {"anchor", "overhead", "sync_ms", "divergence", "verdict", "batches"} <= set(trace[0])
+        assert {"anchor", "overhead", "sync_ms", "divergence", "verdict", "batches"} <= set(
+            trace[0]
+        )

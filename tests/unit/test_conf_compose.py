@@ -65,7 +65,10 @@ def test_plugin_import_is_light():
         "print('torch' in sys.modules, 'flodl.runtime.worker' in sys.modules)"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True,
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
         cwd=CONF.parent,
     )
     assert out.stdout.split() == ["False", "False"]
