@@ -47,6 +47,10 @@ def build_dataset(target: TargetConfig, split: str) -> Any:
     return _instantiate(target, split=split)
 
 
+def build_scheduler(target: TargetConfig, optimizer: Any) -> Any:
+    return _instantiate(target, optimizer)
+
+
 # -- the job -----------------------------------------------------------------------------------
 def plain_config(cfg: Any) -> dict[str, Any]:
     """The resolved config as plain data, without Hydra's own node."""
@@ -86,6 +90,9 @@ def train(cfg: Any) -> dict[str, Any]:
         dataset=partial(build_dataset, run_cfg.dataset, "train"),
         eval_dataset=partial(build_dataset, run_cfg.dataset, "test") if has_eval else None,
         eval_fn=resolve_dotted(task.eval_fn) if task.eval_fn is not None else None,
+        scheduler_factory=(
+            partial(build_scheduler, run_cfg.scheduler) if run_cfg.scheduler is not None else None
+        ),
         job_dir=job_dir,
         eval_metric=task.eval_metric,
         run_info=run_info,

@@ -220,7 +220,7 @@ class TrainerKnobs(_Schema):
     seed: int = Field(42, ge=0, description="seeds model init and the per-epoch permutation")
     max_grad_norm: float | None = Field(None, gt=0, description="clip gradients to this L2 norm")
     lr_scale_ratio: float = Field(
-        0.0, ge=0, le=1, description="LR x (1 + (world-1) x ratio); 0 keeps the LR as configured"
+        1.0, ge=0, le=1, description="LR x (1 + (world-1) x ratio): 1 = linear rule, 0 = off"
     )
     eval_every: int = Field(1, ge=1, description="evaluate every N epochs (when eval is set)")
     callback_policy: CallbackPolicy = Field(default_factory=CallbackPolicy)
@@ -278,6 +278,9 @@ class RunConfig(_Schema):
     optimizer: TargetConfig
     dataset: TargetConfig
     task: TaskConfig
+    scheduler: TargetConfig | None = Field(
+        None, description="per-rank LR scheduler, stepped per epoch"
+    )
     trainer: TrainerKnobs = Field(default_factory=TrainerKnobs)
     elche: ElCheConfig = Field(default_factory=ElCheConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)

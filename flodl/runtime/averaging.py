@@ -45,15 +45,13 @@ class FlatState:
 
 def collective_average(
     state: FlatState, weight: float, buffer_weight: float, group: dist.ProcessGroup | None = None
-) -> float:
-    """Weighted all-reduce of the flat state in place; returns this rank's divergence."""
-    before = state.flatten()
-    scaled = before.clone()
+) -> None:
+    """Weighted all-reduce of the flat state, in place: one collective whatever the model."""
+    scaled = state.flatten()
     scaled[: state.n_params] *= weight
     scaled[state.n_params :] *= buffer_weight
     dist.all_reduce(scaled, op=dist.ReduceOp.SUM, group=group)
     state.load(scaled)
-    return state.divergence(before, scaled)
 
 
 def weighted_mean(

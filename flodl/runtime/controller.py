@@ -16,8 +16,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from flodl.config import Mode, TrainerConfig
-from flodl.elche import ElChe, averaging_weights, buffer_weights
+from flodl.config import Mode, Outer, TrainerConfig
+from flodl.elche import (
+    ElChe,
+    auto_max_overshoot,
+    averaging_weights,
+    buffer_weights,
+    step_max_overshoot,
+)
 from flodl.metrics import EpochMetrics, SyncEvent
 from flodl.runtime.dispatch import Coverage, EpochCursor, chunk_batches
 from flodl.runtime.messages import (
@@ -168,6 +174,8 @@ class Controller:
         self.all_planned = False
         self.final: Final | None = None
         self.center: Any = None
+        self.outer: Any = None
+        self.overshoot = (0, 0, 0)  # cpu_async: (current, initial, cap) averages in flight
         self._failure: tuple[float, str] | None = None
         self._t_start = time.perf_counter()
         self._t_train = 0.0
@@ -257,10 +265,22 @@ class Controller:
         if len(sizes) > 1:
             raise RunFailed(f"ranks loaded datasets of different sizes: {sorted(sizes)}")
         n_samples = sizes.pop()
+        self._init_async(n_samples)
         self.coverage = Coverage(n_samples)
         self._t_train = time.perf_counter()
         self._new_epoch(0, n_samples)
         self._fill()
+
+    def _init_async(self, n_samples: int) -> None:
+        if self.mode is not Mode.CPU_ASYNC:
+            return
+        configured = self.cfg.elche.max_overshoot
+        if configured is not None:
+            self.overshoot = (configured, configured, configured)
+        else:
+            initial, cap = auto_max_overshoot(math.ceil(n_samples / self.cfg.batch_size))
+            self.overshoot = (initial, initial, cap)
+        self.lookahead = max(self.lookahead, self.overshoot[0] + 1)
 
     def _new_epoch(self, epoch: int, n_samples: int) -> None:
         self.cursor = EpochCursor(epoch, n_samples, self.cfg.batch_size)
@@ -333,7 +353,15 @@ class Controller:
         self.next_window += 1
         self.windows[index] = _WindowTrack(index, cursor.epoch, batches)
         return [
-            Window(index, cursor.epoch, chunks[r], weights[r], bweights[r], eval_rank == r)
+            Window(
+                index,
+                cursor.epoch,
+                chunks[r],
+                weights[r],
+                bweights[r],
+                eval_after=eval_rank == r,
+                max_overshoot=self.overshoot[0],
+            )
             for r in range(self.world)
         ]
 
@@ -402,6 +430,14 @@ class Controller:
         )
         self.events.append(event)
         self.hooks.on_sync(event)
+        if self.mode is Mode.CPU_ASYNC and self.cfg.elche.max_overshoot is None:
+            current, initial, cap = self.overshoot
+            self.overshoot = (
+                step_max_overshoot(current, cycle.verdict, initial, cap),
+                initial,
+                cap,
+            )
+            self.lookahead = max(self.lookahead, self.overshoot[0] + 1)
 
     def _average(self, track: _WindowTrack, reports: list[Report]) -> None:
         from flodl.runtime.averaging import weighted_mean  # torch only where averaging happens
@@ -413,6 +449,12 @@ class Controller:
         alpha = self.cfg.elche.effective_easgd_alpha
         if alpha is not None and self.center is not None:
             self.center = (1 - alpha) * self.center + alpha * mean
+        elif self.cfg.elche.outer is Outer.NESTEROV:
+            if self.outer is None:
+                from flodl.runtime.outer import make_outer
+
+                self.outer = make_outer(self.cfg.elche, n_params)
+            self.center = self.outer.step(mean)
         else:
             self.center = mean
         for rank in range(self.world):

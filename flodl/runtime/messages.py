@@ -37,6 +37,7 @@ class Window:
     weight: float  # this rank's share of the parameter average
     buffer_weight: float  # this rank's share of the float-buffer average
     eval_after: bool = False  # run eval_fn after this window's average (elected rank only)
+    max_overshoot: int = 0  # cpu_async: averages this rank may leave in flight
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from flodl.data import BatchSource, resolve_dataset
 from flodl.metrics import drain_scalars
 from flodl.runtime.averaging import FlatState, broadcast_from, collective_average
 from flodl.runtime.messages import Average, EvalResult, Final, Plan, Ready, Report, Stop, Window
+from flodl.runtime.outer import make_outer
 from flodl.runtime.pacing import Pacer, measure_step_s
 from flodl.runtime.spec import JobSpec, state_signature
 
@@ -65,6 +66,7 @@ class Worker:
             self.spec.scheduler_factory(self.optimizer) if self.spec.scheduler_factory else None
         )
         self.state = FlatState(self.model)
+        self.outer = make_outer(self.cfg.elche, self.state.n_params)
         dataset = resolve_dataset(self.spec.dataset)
         if self.cfg.batch_size > len(dataset):
             raise ValueError(
@@ -80,6 +82,8 @@ class Worker:
             )
         if self.distributed:
             broadcast_from(self.state, src=0)
+        if self.outer is not None:
+            self.outer.reset(self.state.flatten())
 
     def _scale_lr(self) -> None:
         factor = 1.0 + (self.spec.world_size - 1) * self.cfg.lr_scale_ratio
@@ -214,23 +218,20 @@ class Worker:
         if self.spec.world_size == 1 or self.mode is Mode.SOLO:
             return
         if not self.mode.via_controller:
-            self._last_divergence = collective_average(
-                self.state, window.weight, window.buffer_weight
-            )
+            before = self.state.flatten()
+            collective_average(self.state, window.weight, window.buffer_weight)
+            if self.outer is not None:
+                self.state.load(self.outer.step(self.state.flatten()))
+            self._last_divergence = self.state.divergence(before, self.state.flatten())
             return
         self._outstanding.append(window.index)
-        limit = self._overshoot_limit()
+        limit = window.max_overshoot if self.mode is Mode.CPU_ASYNC else 0
         while len(self._outstanding) > limit:
             msg = self.link.recv()
             if isinstance(msg, Average):
                 self._apply_average(msg)
             else:  # a plan or stop that arrived ahead of the average: keep it for the loop
                 self._pending.append(msg)
-
-    def _overshoot_limit(self) -> int:
-        if self.mode is not Mode.CPU_ASYNC:
-            return 0
-        return self.cfg.elche.max_overshoot if self.cfg.elche.max_overshoot is not None else 2
 
     def _apply_average(self, msg: Average) -> None:
         if msg.window in self._outstanding:

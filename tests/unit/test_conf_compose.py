@@ -11,7 +11,17 @@ from flodl.app import plain_config
 from flodl.config import Mode, validate_run_config
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
-GROUPS = ["model", "optimizer", "dataset", "task", "elche", "cluster", "logger", "experiment"]
+GROUPS = [
+    "model",
+    "optimizer",
+    "dataset",
+    "task",
+    "elche",
+    "cluster",
+    "logger",
+    "experiment",
+    "scheduler",
+]
 
 
 def _compose(overrides: list[str], hydra: bool = False):
