@@ -90,6 +90,7 @@ class _EpochTrack:
     rank_samples: list[int] = field(default_factory=list)
     rank_loss: list[list[float]] = field(default_factory=list)
     compute_ms: list[float] = field(default_factory=list)
+    lr: float | None = None
 
     def __post_init__(self) -> None:
         self.batches = [0] * self.world
@@ -103,6 +104,7 @@ class _EpochTrack:
         self.rank_samples[r] += report.samples
         self.samples += report.samples
         self.compute_ms[r] += report.compute_ms
+        self.lr = report.lr if report.lr is not None else self.lr
         self.loss_sum += report.loss_sum
         self.loss_count += report.loss_count
         self.rank_loss[r][0] += report.loss_sum
@@ -509,6 +511,7 @@ class Controller:
             anchor=last.anchor if last else self.cfg.elche.anchor,
             overhead=last.overhead if last else 0.0,
             eval_value=t.eval_value,
+            lr=t.lr,
         )
 
     def _result(self) -> ControllerResult:

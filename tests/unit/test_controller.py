@@ -1,0 +1,129 @@
+"""The controller on fake ranks: plans, coverage, eval election, stop — no processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from flodl.config import CallbackPolicy, ElCheConfig, TrainerConfig
+from flodl.runtime.controller import Controller, RunFailed
+from flodl.runtime.dispatch import chunk_batches
+from flodl.runtime.messages import EvalResult, Final, Plan, Ready, Report, Stop
+
+
+class FakeLink:
+    def __init__(self) -> None:
+        self.sent: list = []
+
+    def send(self, msg) -> None:
+        self.sent.append(msg)
+
+
+def make(world=2, epochs=2, n=1000, bs=10, has_eval=True, **elche):
+    cfg = TrainerConfig(num_epochs=epochs, batch_size=bs, elche=ElCheConfig(**elche))
+    ctl = Controller(cfg, world, [1.0, 0.5][:world], has_eval=has_eval)
+    links = [FakeLink() for _ in range(world)]
+    for rank, link in enumerate(links):
+        ctl.attach(rank, link)
+    for rank in range(world):
+        ctl._handle(rank, Ready(rank, "sig", 10, 1.0, "cpu", n))
+    return ctl, links
+
+
+def drive(ctl, links, ms_per_batch=(1.0, 2.0), bs=10):
+    """Answer every planned window like real ranks would, until Stop."""
+    done = [0] * len(links)
+    stopped = [False] * len(links)
+    while not all(stopped):
+        progressed = False
+        for rank, link in enumerate(links):
+            while done[rank] < len(link.sent):
+                msg = link.sent[done[rank]]
+                done[rank] += 1
+                progressed = True
+                if isinstance(msg, Plan):
+                    for w in msg.windows:
+                        b = chunk_batches(w.chunks, bs)
+                        ctl._handle(
+                            rank,
+                            Report(
+                                rank,
+                                w.index,
+                                w.epoch,
+                                w.chunks,
+                                b,
+                                sum(s for _, s in w.chunks),
+                                b * ms_per_batch[rank],
+                                1.0 * b,
+                                b,
+                                prev_sync_ms=1.0,
+                                prev_divergence=0.01,
+                                lr=1e-3,
+                            ),
+                        )
+                        if w.eval_after:
+                            ctl._handle(rank, EvalResult(rank, w.epoch, 0.5, 1.0))
+                elif isinstance(msg, Stop):
+                    stopped[rank] = True
+                    if msg.send_state:
+                        ctl._handle(rank, Final(rank, {}, {}))
+        assert progressed, "controller stalled"
+
+
+def test_every_epoch_is_covered_exactly_and_run_finishes():
+    ctl, links = make()
+    drive(ctl, links)
+    assert ctl._finished()
+    result = ctl._result()
+    assert [m.epoch for m in result.epochs] == [0, 1]
+    assert all(result.coverage.exact(e) for e in (0, 1))
+    assert result.samples == 2000
+    assert all(m.eval_value == 0.5 for m in result.epochs)
+
+
+def test_cadence_shares_follow_speed():
+    ctl, links = make(epochs=3, n=6000)
+    drive(ctl, links, ms_per_batch=(1.0, 2.5))
+    share = ctl._result().epochs[-1].per_rank_batch_share
+    assert share[0] == pytest.approx(2.5 / 3.5, abs=0.05)
+
+
+def test_sync_mode_plans_lock_step_windows():
+    ctl, links = make(mode="nccl_sync", anchor=1)
+    drive(ctl, links)
+    windows = [w for m in links[0].sent if isinstance(m, Plan) for w in m.windows]
+    assert all(chunk_batches(w.chunks, 10) == 1 for w in windows)
+    assert ctl._result().epochs[0].per_rank_batch_share == [0.5, 0.5]
+
+
+def test_eval_goes_to_the_fastest_rank_or_the_pinned_one():
+    ctl, links = make(epochs=2)
+    drive(ctl, links, ms_per_batch=(3.0, 1.0))
+    evals = [w for m in links[1].sent if isinstance(m, Plan) for w in m.windows if w.eval_after]
+    assert len(evals) >= 1  # rank 1 is the fastest once calibrated
+
+    cfg = TrainerConfig(
+        num_epochs=1, batch_size=10, callback_policy=CallbackPolicy(kind="rank", rank=0)
+    )
+    pinned = Controller(cfg, 2, [1.0, 1.0], has_eval=True)
+    pl = [FakeLink(), FakeLink()]
+    for r in range(2):
+        pinned.attach(r, pl[r])
+        pinned._handle(r, Ready(r, "sig", 10, 1.0, "cpu", 100))
+    drive(pinned, pl, ms_per_batch=(3.0, 1.0))
+    assert any(w.eval_after for m in pl[0].sent if isinstance(m, Plan) for w in m.windows)
+
+
+def test_mismatched_architectures_fail():
+    cfg = TrainerConfig()
+    ctl = Controller(cfg, 2, [1.0, 1.0], has_eval=False)
+    for r in range(2):
+        ctl.attach(r, FakeLink())
+    ctl._handle(0, Ready(0, "aaa", 10, 1.0, "cpu", 100))
+    with pytest.raises(RunFailed, match="different model architectures"):
+        ctl._handle(1, Ready(1, "bbb", 10, 1.0, "cpu", 100))
+
+
+def test_lookahead_keeps_one_window_queued():
+    _ctl, links = make()
+    plans = [m for m in links[0].sent if isinstance(m, Plan)]
+    assert len(plans) == 2  # the current window and the next one
