@@ -72,6 +72,10 @@ def train(cfg: Any) -> dict[str, Any]:
     from flodl.trainer import Trainer
 
     run_cfg = schema.validate_run_config(plain_config(cfg))
+    if STATE.get("serving"):  # the sweep serves one dashboard over all jobs
+        run_cfg = run_cfg.model_copy(
+            update={"logger": run_cfg.logger.model_copy(update={"serve": None})}
+        )
     logging.getLogger("flodl").setLevel(run_cfg.logger.level)
     hydra_cfg = HydraConfig.get()
     job_dir = Path(hydra_cfg.runtime.output_dir)

@@ -67,7 +67,10 @@ class Job:
         self.spec.pace = topo.pace
         self.spec.backend = topo.backend
         log.info("flodl: %s | mode %s", topo.description, cfg.elche.mode.value)
+        dashboard = self._serve()  # before any rank: a taken port fails the run at once
         self.tb = RunLogger(self.job_dir, topo.world_size, enabled=cfg.logger.tensorboard)
+        if "config_yaml" in self.run_info:
+            self.tb.config_text(self.run_info.pop("config_yaml"))
         self.progress = Progress(cfg.num_epochs, mode=cfg.logger.progress)
         self._trace = open(self.job_dir / "elche_trace.jsonl", "w", encoding="utf-8")  # noqa: SIM115
         controller = Controller(
@@ -89,6 +92,18 @@ class Job:
             self.progress.close()
             self._trace.close()
             self.tb.close()
+            if dashboard is not None and not cfg.logger.keep_serving:
+                dashboard.stop()
+
+    def _serve(self) -> Any:
+        logger = self.spec.config.logger
+        if logger.serve is None:
+            return None
+        from flodl.monitor.dashboard import Dashboard
+
+        dashboard = Dashboard.start(self.job_dir / "tb", logger.serve, logger.host)
+        print(f"dashboard: {dashboard.url}", flush=True)
+        return dashboard
 
     def _run_in_process(self, controller: Controller) -> ControllerResult:
         from flodl.runtime.worker import Worker

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -19,13 +20,13 @@ log = logging.getLogger("flodl")
 
 
 def launch_sweep(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_idx: int):
-    from hydra.core.utils import JobReturn, JobStatus, run_job, setup_globals
+    from hydra.core.utils import setup_globals
     from omegaconf import open_dict
 
     setup_globals()
     config, ctx = launcher.config, launcher.hydra_context
     sweep_dir = Path(str(config.hydra.sweep.dir))
-    jobs = []
+    jobs, loggers = [], []
     for offset, overrides in enumerate(job_overrides):
         idx = initial_job_idx + offset
         job_cfg = ctx.config_loader.load_sweep_config(config, list(overrides))
@@ -33,15 +34,54 @@ def launch_sweep(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
             job_cfg.hydra.job.id = f"{idx}"
             job_cfg.hydra.job.num = idx
         try:
-            validate_run_config(app.plain_config(job_cfg))
+            run_cfg = validate_run_config(app.plain_config(job_cfg))
         except ConfigError as exc:
             where = f" (job {idx}: {' '.join(overrides)})" if len(job_overrides) > 1 else ""
             print(f"error: {exc}{where}", file=sys.stderr)
             sys.exit(2)
         jobs.append((idx, list(overrides), job_cfg))
+        loggers.append(run_cfg.logger)
 
     app.STATE["launched"] = 1
     sweep_dir.mkdir(parents=True, exist_ok=True)
+    logger = loggers[0]
+    dashboard = _serve(sweep_dir, logger) if logger.serve is not None else None
+    try:
+        returns = _run_jobs(launcher, ctx, jobs, sweep_dir)
+    finally:
+        if dashboard is not None:
+            _linger(dashboard, logger.keep_serving)
+            app.STATE["serving"] = 0
+    return returns
+
+
+def _serve(sweep_dir: Path, logger: Any) -> Any:
+    from flodl.monitor.dashboard import Dashboard
+
+    try:
+        dashboard = Dashboard.start(sweep_dir, logger.serve, logger.host)
+    except OSError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)
+    app.STATE["serving"] = 1
+    print(f"dashboard: {dashboard.url}", flush=True)
+    return dashboard
+
+
+def _linger(dashboard: Any, keep: bool) -> None:
+    if keep:
+        print(f"dashboard still serving at {dashboard.url} (Ctrl-C to stop)", flush=True)
+        try:
+            while dashboard.running:
+                time.sleep(1.0)
+        except KeyboardInterrupt:
+            pass
+    dashboard.stop()
+
+
+def _run_jobs(launcher: Any, ctx: Any, jobs: list, sweep_dir: Path) -> list:
+    from hydra.core.utils import JobReturn, JobStatus, run_job
+
     returns, rows = [], []
     for idx, overrides, job_cfg in jobs:
         log.info("job %d: %s", idx, " ".join(overrides) or "(defaults)")

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from flodl.monitor.console import Progress, format_epoch_line
     from flodl.monitor.dashboard import Dashboard
+    from flodl.monitor.monitor import Monitor
     from flodl.monitor.report import format_table, write_ab_report
     from flodl.monitor.tensorboard import RunLogger
 
@@ -23,10 +24,12 @@ _EXPORTS = {
     "write_ab_report": "flodl.monitor.report",
     "format_table": "flodl.monitor.report",
     "Dashboard": "flodl.monitor.dashboard",
+    "Monitor": "flodl.monitor.monitor",
 }
 
 __all__ = [
     "Dashboard",
+    "Monitor",
     "Progress",
     "RunLogger",
     "format_epoch_line",

@@ -1,0 +1,2 @@
+"""flodl benchmarks (not timed tests): ``python -m bench.hetero``, ``bench.overhead``,
+``bench.convergence``, then ``bench.render``. See bench/README.md."""
