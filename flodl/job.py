@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import queue
 import threading
 import time
 from pathlib import Path
@@ -48,6 +49,10 @@ class Job:
         self.run_info = run_info
         self.topology: Topology = resolve_topology(spec.config)
         self._stop = threading.Event()
+        self.cooperative = False
+        self._local_worker: queue.Queue[Any] = queue.Queue()
+        self._done = threading.Event()
+        self._result_state: TrainedState | None = None
         self._curve: list[tuple[float, float]] = []
         self._t0 = time.perf_counter()
 
@@ -89,6 +94,7 @@ class Job:
             self._write_summary(self._failed_summary(exc))
             raise
         finally:
+            self._done.set()
             self.progress.close()
             self._trace.close()
             self.tb.close()
@@ -125,6 +131,12 @@ class Job:
                 failure.append(exc)
                 controller.post(0, RankError(0, f"{type(exc).__name__}: {exc}", ""))
 
+        if self.cooperative:
+            from flodl.cooperative import CooperativeWorker
+
+            core = Worker(self.spec, rank_end, 0, device)
+            self._local_worker.put(CooperativeWorker(core, finish_hook=self._finish_cooperative))
+            return controller.run(self._stop.is_set)
         thread = threading.Thread(target=work, name="flodl-rank0", daemon=True)
         thread.start()
         try:
@@ -135,6 +147,20 @@ class Job:
             raise
         finally:
             thread.join(timeout=5.0)
+
+    def wait_cooperative_worker(self) -> Any:
+        """The in-process cooperative worker (started), or None for a process cohort."""
+        if not self.cooperative or not self.topology.in_process:
+            return None
+        worker = self._local_worker.get()
+        worker._core.start()
+        return worker
+
+    def _finish_cooperative(self) -> Any:
+        self._done.wait()
+        if self._result_state is None:
+            raise RuntimeError("the cooperative run failed; see summary.json")
+        return self._result_state
 
     # -- hooks -----------------------------------------------------------------------------------
     def _hooks(self) -> Hooks:
@@ -171,6 +197,7 @@ class Job:
         if result.final is None:
             raise RuntimeError("the run ended without a final state")
         state = TrainedState(params=result.final.params, buffers=result.final.buffers)
+        self._result_state = state
         state.save(self.job_dir / "model.pt")
         summary = self._summary(result)
         self._write_summary(summary)

@@ -10,6 +10,7 @@ around the ``Trainer`` call runs once. With fewer than two devices the run stays
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -88,6 +89,10 @@ class RunHandle:
     @property
     def world_size(self) -> int:
         return self._job.topology.world_size
+
+    def cooperative_worker(self) -> Any:
+        """In-process cooperative runs: the rank's worker for the caller to drive, else None."""
+        return self._job.wait_cooperative_worker()
 
     def done(self) -> bool:
         return not self._thread.is_alive()
@@ -194,6 +199,22 @@ class TrainerBuilder:
     def run(self) -> RunHandle:
         return Trainer.run(*self._factories, self.build_config(), **self._data)
 
+    def into_worker(self) -> Any:
+        """The cooperative tier (see :mod:`flodl.cooperative`): you own the loop body."""
+        from flodl.runtime.env import is_rank_process
+
+        if is_rank_process():
+            from flodl.runtime.rank import cooperative_worker
+
+            return cooperative_worker()
+        from flodl.cooperative import LauncherView
+
+        handle = Trainer.run(*self._factories, self.build_config(), cooperative=True, **self._data)
+        local = handle.cooperative_worker()
+        if local is not None:  # in-process: the caller's thread drives the only rank
+            return local
+        return LauncherView(handle.join())
+
 
 class Trainer:
     """Entry points. See the module docstring for how closures reach ranks."""
@@ -223,6 +244,7 @@ class Trainer:
         job_dir: str | Path | None = None,
         eval_metric: str = "eval",
         run_info: dict[str, Any] | None = None,
+        cooperative: bool = False,
     ) -> RunHandle:
         """Start a run; returns at once with a handle (``.join()`` for the trained state)."""
         from flodl.job import Job
@@ -238,5 +260,8 @@ class Trainer:
             scheduler_factory=scheduler_factory,
         )
         callbacks = Callbacks(metrics_fn, eval_result_fn, epoch_fn)
+        if cooperative:  # ranks re-execute the user's script, as torchrun does
+            spec.entry = list(sys.orig_argv[1:])
         job = Job(spec, callbacks, job_dir, eval_metric=eval_metric, run_info=run_info or {})
+        job.cooperative = cooperative
         return RunHandle(job)

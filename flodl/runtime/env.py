@@ -29,6 +29,11 @@ class RankEnv:
     device: str
 
 
+def is_rank_process(environ: Mapping[str, str] | None = None) -> bool:
+    """True in a process our launcher started as a rank (the cooperative tier re-executes)."""
+    return (os.environ if environ is None else environ).get(ROLE) == "rank"
+
+
 def rank_env(environ: Mapping[str, str] | None = None) -> RankEnv:
     """Read this rank's identity; raise ``RuntimeError`` with the missing variable named."""
     env = os.environ if environ is None else environ

@@ -120,8 +120,9 @@ class ProcessLauncher:
             device,
             gpu,
         )
+        entry = self.spec.entry or ["-m", "flodl.runtime.rank"]
         popen = subprocess.Popen(
-            [sys.executable, "-u", "-m", "flodl.runtime.rank"],
+            [sys.executable, "-u", *entry],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

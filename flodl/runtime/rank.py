@@ -1,8 +1,9 @@
-"""Entry point of a rank process: ``python -m flodl.runtime.rank`` (started by the launcher).
+"""A rank process: ``python -m flodl.runtime.rank`` (managed tier) or a re-executed user script
+that called ``into_worker()`` (cooperative tier).
 
 Reads its role from the environment and the secret from stdin, joins the control plane, receives
-the job, joins the data plane, and runs the worker loop. Any failure is reported to the
-controller as one line before the process exits non-zero.
+the job, joins the data plane, and trains. Any failure is reported to the controller as one line
+(the traceback goes to ``rank_N.log`` only) before the process exits non-zero.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import socket
 import sys
 import traceback
 from datetime import timedelta
+from typing import Any
 
 from flodl.runtime import env as rank_env
-from flodl.runtime.channel import connect
+from flodl.runtime.channel import Channel, connect
 from flodl.runtime.messages import Hello, RankError
 
 log = logging.getLogger("flodl.rank")
@@ -34,61 +36,44 @@ def _die_with_parent() -> None:
             pass
 
 
-def _device(kind: str):
-    import torch
-
-    return torch.device("cuda", 0) if kind == "cuda" else torch.device("cpu")
-
-
-def main() -> int:
+def _connect() -> tuple[rank_env.RankEnv, Channel]:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     _die_with_parent()
     role = rank_env.rank_env()
     secret = rank_env.read_secret()
     channel = connect(role.controller_host, role.controller_port, secret)
+    channel.send(Hello(rank=role.rank, pid=os.getpid(), host=socket.gethostname()))
+    return role, channel
+
+
+def report_failure(channel: Channel, rank: int, exc: BaseException) -> None:
+    """One line to the controller; the traceback to this rank's log only."""
+    message = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
+    trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     try:
-        channel.send(Hello(rank=role.rank, pid=os.getpid(), host=socket.gethostname()))
-        spec = channel.recv()
-        return _train(spec, channel, role)
-    except BaseException as exc:
-        message = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
-        try:
-            channel.send(RankError(role.rank, message, traceback.format_exc()))
-        except OSError:
-            pass
-        # The launcher reports the one-line message; the traceback goes to rank_N.log only.
-        for line in traceback.format_exc().splitlines():
-            print(f"DEBUG traceback| {line}", flush=True)
-        return 1
-    finally:
-        channel.close()
+        channel.send(RankError(rank, message, trace))
+    except OSError:
+        pass
+    for line in trace.splitlines():
+        print(f"DEBUG traceback| {line}", flush=True)
 
 
-def _train(spec, channel, role) -> int:
+def join(channel: Channel, role: rank_env.RankEnv) -> tuple[Any, Any, Any]:
+    """Receive the job, pin threads and device, join the process group: (spec, link, device)."""
     import torch
+    import torch.distributed as dist
 
     from flodl.runtime.links import SocketLink
 
+    spec = channel.recv()
     cluster = spec.config.cluster
     if role.device == "cpu":
         torch.set_num_threads(cluster.threads_per_rank)
-    device = _device(role.device)
-    if device.type == "cuda":
+        device = torch.device("cpu")
+    else:
+        device = torch.device("cuda", 0)
         torch.cuda.set_device(device)
     link = SocketLink(channel, role.rank)
-    try:
-        _join_and_train(spec, link, role, device)
-    finally:
-        link.stopping = True  # from here on, a closed channel is expected, not a lost launcher
-    return 0
-
-
-def _join_and_train(spec, link, role, device) -> None:
-    import torch.distributed as dist
-
-    from flodl.runtime.worker import Worker
-
-    cluster = spec.config.cluster
     store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, use_libuv=False)
     dist.init_process_group(
         spec.backend,
@@ -97,10 +82,64 @@ def _join_and_train(spec, link, role, device) -> None:
         world_size=role.world_size,
         timeout=timedelta(seconds=cluster.start_timeout_s),
     )
-    try:
-        Worker(spec, link, role.rank, device).run()
-    finally:
+    return spec, link, device
+
+
+def leave(link: Any) -> None:
+    import torch.distributed as dist
+
+    link.stopping = True  # from here on, a closed channel is expected, not a lost launcher
+    if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def main() -> int:
+    """The managed tier: run the controller's plans until it says stop."""
+    role, channel = _connect()
+    link = None
+    try:
+        from flodl.runtime.worker import Worker
+
+        spec, link, device = join(channel, role)
+        Worker(spec, link, role.rank, device).run()
+        return 0
+    except BaseException as exc:
+        report_failure(channel, role.rank, exc)
+        return 1
+    finally:
+        if link is not None:
+            leave(link)
+        channel.close()
+
+
+def cooperative_worker() -> Any:
+    """The cooperative tier on a re-executed rank: join, build, and hand the loop to the user."""
+    from flodl.cooperative import CooperativeWorker, exit_rank
+    from flodl.runtime.worker import Worker
+
+    role, channel = _connect()
+    previous_hook = sys.excepthook
+
+    def on_uncaught(kind, exc, tb) -> None:  # the user's loop raised: tell the controller
+        report_failure(channel, role.rank, exc)
+        previous_hook(kind, exc, tb)
+
+    sys.excepthook = on_uncaught
+    try:
+        spec, link, device = join(channel, role)
+        core = Worker(spec, link, role.rank, device)
+        core.start()
+    except BaseException as exc:
+        report_failure(channel, role.rank, exc)
+        channel.close()
+        exit_rank(1)
+
+    def finish() -> None:
+        leave(link)
+        channel.close()
+        exit_rank(0)
+
+    return CooperativeWorker(core, finish_hook=finish)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import itertools
 import logging
 import math
 import time
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -30,6 +31,22 @@ from flodl.runtime.pacing import Pacer, measure_step_s
 from flodl.runtime.spec import JobSpec, state_signature
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class WindowTally:
+    """Losses and batches of the window in progress."""
+
+    start: float
+    loss_sum: float = 0.0
+    loss_count: int = 0
+    batches: int = 0
+
+    def add(self, loss: float) -> None:
+        self.batches += 1
+        if math.isfinite(loss):
+            self.loss_sum += loss
+            self.loss_count += 1
 
 
 class Worker:
@@ -120,6 +137,23 @@ class Worker:
 
     # -- loop ----------------------------------------------------------------------------------
     def run(self) -> None:
+        self.start()
+        while True:
+            msg = self.next_message()
+            if isinstance(msg, Plan):
+                for window in msg.windows:
+                    self.run_window(window)
+            elif isinstance(msg, Stop):
+                self._finish(msg)
+                return
+            elif isinstance(msg, Average):
+                self._apply_average(msg)
+
+    def next_message(self) -> Any:
+        return self._pending.popleft() if self._pending else self.link.recv()
+
+    def start(self) -> None:
+        """Build, calibrate and tell the controller this rank is ready."""
         self.build()
         step_ms = self.calibrate()
         self.link.send(
@@ -132,16 +166,6 @@ class Worker:
                 n_samples=len(self.source),
             )
         )
-        while True:
-            msg = self._pending.popleft() if self._pending else self.link.recv()
-            if isinstance(msg, Plan):
-                for window in msg.windows:
-                    self.run_window(window)
-            elif isinstance(msg, Stop):
-                self._finish(msg)
-                return
-            elif isinstance(msg, Average):
-                self._apply_average(msg)
 
     def _finish(self, msg: Stop) -> None:
         while self._outstanding:  # cpu_async: take the averages still in flight
@@ -165,21 +189,25 @@ class Worker:
         self._epoch = epoch
 
     def run_window(self, window: Window) -> None:
+        tally = self.begin_window(window)
+        for batch in self.source.batches(window.epoch, window.chunks):
+            tally.add(self.pacer.run(partial(self.train_batch, batch)))
+        self.end_window(window, tally)
+
+    def begin_window(self, window: Window) -> WindowTally:
+        """Account the sync that just ended and start timing this window's compute."""
         if window.epoch != self._epoch:
             self._start_epoch(window.epoch)
         if self._sync_started is not None:
             elapsed = (time.perf_counter() - self._sync_started) * 1000.0
             self._last_sync_ms = max(0.0, elapsed - self._eval_ms)
         self._eval_ms = 0.0
-        t0 = time.perf_counter()
-        loss_sum, loss_count, batches = 0.0, 0, 0
-        for batch in self.source.batches(window.epoch, window.chunks):
-            loss = self.pacer.run(partial(self.train_batch, batch))
-            batches += 1
-            if math.isfinite(loss):
-                loss_sum += loss
-                loss_count += 1
-        compute_ms = (time.perf_counter() - t0) * 1000.0
+        return WindowTally(time.perf_counter())
+
+    def end_window(self, window: Window, tally: WindowTally) -> None:
+        """Report the window (before averaging, so planning overlaps it), average, evaluate."""
+        compute_ms = (time.perf_counter() - tally.start) * 1000.0
+        loss_sum, loss_count, batches = tally.loss_sum, tally.loss_count, tally.batches
         self._sync_started = time.perf_counter()
         snapshot = self.state.flatten().cpu() if self.mode.via_controller else None
         self.link.send(

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.slow
 HOST = "127.0.0.1"
 WORLD = 2
 RANK_TIMEOUT_S = 20.0  # a rank stuck in a collective gives up after this
-CHILD_DEADLINE_S = 60.0
+CHILD_DEADLINE_S = 120.0  # all scenarios, one start-up
 ROOT = Path(__file__).resolve().parents[2]
 
 DEVICES = [
@@ -203,25 +204,26 @@ def scenario_training(rank: int, rdv: Rendezvous, device: str) -> dict:
 
 def scenario_reuse_group(rank: int, rdv: Rendezvous, device: str) -> dict:
     store = dist.TCPStore(rdv.host, rdv.port, is_master=False, use_libuv=False)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=WORLD)
     try:
         try:
-            Ddp.wrap(_linear(), device, 1 - rank, rdv)
+            Ddp.wrap(_linear().to(device), device, 1 - rank, rdv)
             wrong_rank = ""
         except ValueError as exc:
             wrong_rank = str(exc)
-        with Ddp.wrap(_linear(), device, rank, rdv) as ddp:
+        with Ddp.wrap(_linear().to(device), device, rank, rdv) as ddp:
             ddp.sync_params()
         still_up = dist.is_initialized()
-        probe = torch.ones(1)
+        probe = torch.ones(1, device=device)
         dist.all_reduce(probe)  # the group the caller built still works
-        return {"wrong_rank": wrong_rank, "still_up": still_up, "probe": probe}
+        return {"wrong_rank": wrong_rank, "still_up": still_up, "probe": probe.cpu()}
     finally:
         dist.destroy_process_group()
 
 
 def scenario_mismatched_models(rank: int, rdv: Rendezvous, device: str) -> dict:
-    model = nn.Linear(5, 3 + rank)
+    model = nn.Linear(5, 3 + rank).to(device)
     try:
         Ddp.wrap(model, device, rank, rdv)
         message = ""
@@ -237,15 +239,35 @@ SCENARIOS: dict[str, Callable[[int, Rendezvous, str], dict]] = {
 }
 
 
+#: Scenarios whose store rank 0 serves (``is_host=True``); the parent serves the others' stores.
+RANK0_HOSTS = {"training"}
+
+
 def child_main() -> None:
-    """A rank process: ``-c`` argv is ``scenario rank port host_rank device out_dir``."""
-    name, rank_s, port_s, host_s, device, out = sys.argv[1:7]
+    """A rank process; argv: ``rank device out_dir name:port:host_rank ...``.
+
+    Runs every scenario in turn, each on its own store (a fresh process group per scenario), and
+    saves ``{name: result}``; a failing scenario records its traceback and the next one runs.
+    """
+    rank_s, device, out, *specs = sys.argv[1:]
+    print("start", time.monotonic(), flush=True)
     rank = int(rank_s)
     torch.set_num_threads(1)
     if device == "cuda":
         device = f"cuda:{rank}"
-    rdv = Rendezvous.tcp(HOST, int(port_s), WORLD, rank == int(host_s), RANK_TIMEOUT_S)
-    torch.save(SCENARIOS[name](rank, rdv, device), Path(out) / f"rank{rank}.pt")
+    results: dict[str, dict] = {}
+    for spec in specs:
+        name, port, host_rank = spec.split(":")
+        rdv = Rendezvous.tcp(HOST, int(port), WORLD, rank == int(host_rank), RANK_TIMEOUT_S)
+        t0 = time.monotonic()
+        try:
+            results[name] = SCENARIOS[name](rank, rdv, device)
+            print(name, time.monotonic() - t0, flush=True)
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    torch.save(results, Path(out) / f"rank{rank}.pt")
 
 
 # -- the parent side -----------------------------------------------------------------------------
@@ -255,30 +277,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(tmp_path: Path, name: str, device: str = "cpu", host_here: bool = True) -> list[Any]:
-    """Run a scenario on WORLD rank processes; the store is served here unless ``host_here``
-    is False, in which case rank 0 serves it (the ``is_host`` path)."""
-    store = None
-    if host_here:
-        store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False, use_libuv=False)
-        port, host_rank = store.port, -1
-    else:
-        port, host_rank = _free_port(), 0
+def _run_all(tmp_path: Path, device: str) -> dict[str, list[dict]]:
+    """Run every scenario on WORLD rank processes (one start-up for all: importing torch is the
+    slow part); returns ``{name: [result of rank 0, result of rank 1]}``."""
+    stores, specs = [], []
+    for name in SCENARIOS:
+        if name in RANK0_HOSTS:
+            specs.append(f"{name}:{_free_port()}:0")
+        else:
+            store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False, use_libuv=False)
+            stores.append(store)
+            specs.append(f"{name}:{store.port}:-1")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     code = f"from {__name__} import child_main; child_main()"
     procs: list[subprocess.Popen] = []
     try:
         for rank in range(WORLD):
-            args = [name, rank, port, host_rank, device, tmp_path]
             with open(tmp_path / f"rank{rank}.log", "wb") as log:
+                cmd = [sys.executable, "-c", code, str(rank), device, str(tmp_path), *specs]
                 procs.append(
-                    subprocess.Popen(
-                        [sys.executable, "-c", code, *map(str, args)],
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        env=env,
-                        cwd=ROOT,
-                    )
+                    subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
                 )
         deadline = time.monotonic() + CHILD_DEADLINE_S
         for proc in procs:
@@ -288,11 +306,29 @@ def _run(tmp_path: Path, name: str, device: str = "cpu", host_here: bool = True)
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        del store
+        stores.clear()
     for rank, proc in enumerate(procs):
         log = (tmp_path / f"rank{rank}.log").read_text(errors="replace")
         assert proc.returncode == 0, f"rank {rank} exited {proc.returncode}:\n{log[-4000:]}"
-    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    per_rank = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    return {name: [seen[name] for seen in per_rank] for name in SCENARIOS}
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory) -> Callable[[str, str], list[dict]]:
+    """``scenario(name, device)``: what each rank saw in scenario ``name`` on ``device``."""
+    runs: dict[str, dict[str, list[dict]]] = {}
+
+    def seen(name: str, device: str = "cpu") -> list[dict]:
+        if device not in runs:
+            runs[device] = _run_all(tmp_path_factory.mktemp(f"ddp_{device}"), device)
+        results = runs[device][name]
+        for rank, result in enumerate(results):
+            if "error" in result:
+                pytest.fail(f"rank {rank} failed in scenario {name}:\n{result['error']}")
+        return results
+
+    return seen
 
 
 def _assert_same(actual: dict, expected: dict, atol: float = 0.0) -> None:
@@ -305,8 +341,8 @@ def _assert_same(actual: dict, expected: dict, atol: float = 0.0) -> None:
 
 
 # -- distributed behaviour -----------------------------------------------------------------------
-def test_sync_params_gives_every_rank_the_source_weights_and_buffers(tmp_path):
-    ranks = _run(tmp_path, "sync_params")
+def test_sync_params_gives_every_rank_the_source_weights_and_buffers(scenario):
+    ranks = scenario("sync_params")
     assert not torch.equal(ranks[0]["before"]["0.weight"], ranks[1]["before"]["0.weight"])
     assert ranks[1]["before"]["1.num_batches_tracked"] == 2
     for seen in ranks:
@@ -315,8 +351,8 @@ def test_sync_params_gives_every_rank_the_source_weights_and_buffers(tmp_path):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_all_reduce_gradients_is_the_full_batch_gradient(tmp_path, device):
-    ranks = _run(tmp_path, "all_reduce", device)
+def test_all_reduce_gradients_is_the_full_batch_gradient(scenario, device):
+    ranks = scenario("all_reduce", device)
     x, y = _data(8)
     reference = _reference_grads(_linear(), x, y)
     for seen in ranks:
@@ -325,8 +361,8 @@ def test_all_reduce_gradients_is_the_full_batch_gradient(tmp_path, device):
         _assert_same(seen["synced"], mean, atol=1e-6)
 
 
-def test_missing_gradients_count_as_zero_and_unused_parameters_stay_none(tmp_path):
-    ranks = _run(tmp_path, "missing_grads")
+def test_missing_gradients_count_as_zero_and_unused_parameters_stay_none(scenario):
+    ranks = scenario("missing_grads")
     local0, local1 = ranks[0]["local"], ranks[1]["local"]
     assert local0["b.weight"] is None and local1["b.weight"] is not None
     for seen in ranks:
@@ -339,8 +375,8 @@ def test_missing_gradients_count_as_zero_and_unused_parameters_stay_none(tmp_pat
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_weighted_all_reduce_matches_the_gradient_over_all_batches(tmp_path, device):
-    ranks = _run(tmp_path, "weighted", device)
+def test_weighted_all_reduce_matches_the_gradient_over_all_batches(scenario, device):
+    ranks = scenario("weighted", device)
     x, y = _data(16)
     batch_grads = [
         _reference_grads(_linear(), x[4 * b : 4 * b + 4], y[4 * b : 4 * b + 4]) for b in range(4)
@@ -352,8 +388,8 @@ def test_weighted_all_reduce_matches_the_gradient_over_all_batches(tmp_path, dev
         _assert_same(seen["synced"], full, atol=1e-6)
 
 
-def test_a_rank_with_count_zero_contributes_nothing(tmp_path):
-    ranks = _run(tmp_path, "weighted_zero")
+def test_a_rank_with_count_zero_contributes_nothing(scenario):
+    ranks = scenario("weighted_zero")
     x, y = _data(8)
     reference = _reference_grads(_linear(), x, y)  # rank 1's two batches, averaged
     for seen in ranks:
@@ -361,8 +397,8 @@ def test_a_rank_with_count_zero_contributes_nothing(tmp_path):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_sync_buffers_averages_batchnorm_stats_and_takes_rank0_counters(tmp_path, device):
-    ranks = _run(tmp_path, "sync_buffers", device)
+def test_sync_buffers_averages_batchnorm_stats_and_takes_rank0_counters(scenario, device):
+    ranks = scenario("sync_buffers", device)
     b0, b1 = ranks[0]["before"], ranks[1]["before"]
     assert not torch.allclose(b0["running_var"], b1["running_var"])
     for seen in ranks:
@@ -373,8 +409,8 @@ def test_sync_buffers_averages_batchnorm_stats_and_takes_rank0_counters(tmp_path
         assert int(after["num_batches_tracked"]) == int(b0["num_batches_tracked"]) == 1
 
 
-def test_average_params_equal_and_weighted(tmp_path):
-    ranks = _run(tmp_path, "average_params")
+def test_average_params_equal_and_weighted(scenario):
+    ranks = scenario("average_params")
     b0, b1 = ranks[0]["before"], ranks[1]["before"]
     s0, s1 = ranks[0]["shifted"], ranks[1]["shifted"]
     for rank, seen in enumerate(ranks):
@@ -389,8 +425,8 @@ def test_average_params_equal_and_weighted(tmp_path):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_training_loop_keeps_replicas_equal_to_single_process_training(tmp_path, device):
-    ranks = _run(tmp_path, "training", device, host_here=False)  # rank 0 serves the store
+def test_training_loop_keeps_replicas_equal_to_single_process_training(scenario, device):
+    ranks = scenario("training", device)  # rank 0 serves the store (RANK0_HOSTS)
     _assert_same(ranks[1]["final"], ranks[0]["final"])
     model = _mlp(seed=0)  # rank 0's init, which sync_params handed to rank 1
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -404,15 +440,15 @@ def test_training_loop_keeps_replicas_equal_to_single_process_training(tmp_path,
     assert losses[-1] < losses[0]
 
 
-def test_wrap_reuses_an_existing_group_and_leaves_it_up(tmp_path):
-    for seen in _run(tmp_path, "reuse_group"):
+def test_wrap_reuses_an_existing_group_and_leaves_it_up(scenario):
+    for seen in scenario("reuse_group"):
         assert "process group already initialised" in seen["wrong_rank"]
         assert seen["still_up"]
         assert float(seen["probe"]) == WORLD
 
 
-def test_mismatched_models_fail_on_every_rank_and_release_the_group(tmp_path):
-    for seen in _run(tmp_path, "mismatched_models"):
+def test_mismatched_models_fail_on_every_rank_and_release_the_group(scenario):
+    for seen in scenario("mismatched_models"):
         assert "every rank must wrap the same architecture" in seen["message"]
         assert not seen["group_left"]
 

@@ -1,0 +1,254 @@
+"""Heterogeneous-rig throughput: flodl's modes against solo runs and a plain DDP baseline.
+
+    .venv/bin/python -m bench.hetero --repeats 3 --epochs 4 --rigs 1.0,0.4 1.0,1.0
+    .venv/bin/python -m bench.hetero --quick          # smoke test: 1 repeat, 1 epoch
+
+Same model (LeNet-5), data (mnist5k, 4,000 train / 1,000 test), batch size (64 per rank), seed
+and CPU-rig deadline pacing (T = 1.3 x the slowest calibrated warm-up step, each step padded to
+end at start + T / speed) for every variant:
+
+* ``solo_fast`` / ``solo_slow``: flodl ``solo`` on one paced rank of speed 1.0 / the slow factor;
+* ``ddp``: ``DistributedDataParallel`` over gloo, equal shards, ``mp.spawn`` (bench/ddp.py);
+* every flodl mode on the 2-rank rig.
+
+Each run is a fresh process; the variants are interleaved (repeat 1: every variant, repeat 2:
+every variant, ..., the order rotated by one each repeat) and the tables show medians. Writes
+bench/results/hetero.json; ``python -m bench.render`` turns it into the README tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any
+
+from bench.common import (
+    MODES,
+    child_main,
+    log,
+    machine,
+    median,
+    median_lists,
+    ratio,
+    run_isolated,
+    write_result,
+)
+
+WORKLOAD = "lenet"
+BATCH = 64
+PACE_MARGIN = 1.3
+SEED = 42
+VARIANTS = ("solo_fast", "solo_slow", "ddp", *MODES)
+
+
+def run_one(payload: dict[str, Any]) -> dict[str, Any]:
+    """One measured run, in its own process (``--one``)."""
+    kind, speeds, epochs = payload["kind"], payload["speeds"], payload["epochs"]
+    if kind == "ddp":
+        from bench.ddp import run_ddp
+
+        return run_ddp(
+            speeds,
+            epochs=epochs,
+            workload=WORKLOAD,
+            batch_size=BATCH,
+            seed=SEED,
+            pace_margin=PACE_MARGIN,
+        )
+    from bench.common import run_flodl
+
+    return run_flodl(
+        WORKLOAD,
+        kind,
+        epochs=epochs,
+        batch_size=BATCH,
+        speeds=speeds,
+        pace_margin=PACE_MARGIN,
+        seed=SEED,
+    )
+
+
+def plan(rigs: list[list[float]]) -> list[tuple[str, list[float]]]:
+    """The distinct runs of one repeat: solo per distinct speed, then DDP and modes per rig."""
+    solo_speeds = sorted({s for rig in rigs for s in (max(rig), min(rig))}, reverse=True)
+    runs: list[tuple[str, list[float]]] = [("solo", [s]) for s in solo_speeds]
+    for rig in rigs:
+        runs += [("ddp", rig)] + [(mode, rig) for mode in MODES]
+    return runs
+
+
+def _paced_ideal(result: dict[str, Any], speeds: list[float]) -> float | None:
+    """Samples/s a perfectly paced run of this run's own nominal step would reach."""
+    t_ms = result.get("nominal_step_ms")
+    if not t_ms:
+        return None
+    return BATCH * sum(speeds) / (t_ms / 1000.0)
+
+
+def summarise(
+    rigs: list[list[float]], repeats: list[dict[tuple[str, tuple[float, ...]], dict[str, Any]]]
+) -> list[dict[str, Any]]:
+    """One row per (rig, variant): medians over repeats; ratios taken per repeat, then median."""
+    rows = []
+    for rig in rigs:
+        fast, slow = (max(rig),), (min(rig),)
+        for variant in VARIANTS:
+            if variant == "solo_fast":
+                key = ("solo", fast)
+            elif variant == "solo_slow":
+                key = ("solo", slow)
+            else:
+                key = (variant, tuple(rig))
+            runs = [rep.get(key) for rep in repeats]
+            ok = [r for r in runs if r and r.get("status") == "ok"]
+            eff, eff_t, vs_ddp, vs_ddp_wall = [], [], [], []
+            for rep, run in zip(repeats, runs, strict=True):
+                if not run or run.get("status") != "ok":
+                    continue
+                sf, ss = rep.get(("solo", fast)), rep.get(("solo", slow))
+                ddp = rep.get(("ddp", tuple(rig)))
+                if sf and ss and sf.get("status") == ss.get("status") == "ok":
+                    eff.append(run["samples_per_s"] / (sf["samples_per_s"] + ss["samples_per_s"]))
+                speeds_used = list(key[1])
+                eff_t.append(ratio(run["samples_per_s"], _paced_ideal(run, speeds_used)))
+                if ddp and ddp.get("status") == "ok":
+                    vs_ddp.append(run["samples_per_s"] / ddp["samples_per_s"])
+                    vs_ddp_wall.append(run["train_s"] / ddp["train_s"])
+            rows.append(
+                {
+                    "speeds": rig,
+                    "variant": variant,
+                    "runs_ok": len(ok),
+                    "runs": len(runs),
+                    "samples": median([r["samples"] for r in ok]),
+                    "samples_per_s": median([r["samples_per_s"] for r in ok]),
+                    "efficiency": median(eff),
+                    "efficiency_own_T": median(eff_t),
+                    "vs_ddp": median(vs_ddp),
+                    "train_s_vs_ddp": median(vs_ddp_wall),
+                    "test_accuracy": median([r["test_metric"] for r in ok]),
+                    "syncs": median([r["syncs"] for r in ok]),
+                    "sync_overhead": median([r.get("sync_overhead") for r in ok]),
+                    "mean_sync_ms": median([r.get("mean_sync_ms") for r in ok]),
+                    "idle_fraction": median_lists([r.get("idle_fraction") for r in ok]),
+                    "per_rank_batch_share": median_lists(
+                        [r.get("per_rank_batch_share") for r in ok]
+                    ),
+                    "per_rank_ms_per_batch": median_lists(
+                        [r.get("per_rank_ms_per_batch") for r in ok]
+                    ),
+                    "nominal_step_ms": median([r.get("nominal_step_ms") for r in ok]),
+                    "train_s": median([r["train_s"] for r in ok]),
+                    "startup_s": median([r.get("startup_s") for r in ok]),
+                    "final_loss": median([r.get("final_loss") for r in ok]),
+                    # solo runs are per speed, shared by every rig that has that speed
+                    "run": f"solo speed {key[1][0]}" if key[0] == "solo" else None,
+                    "per_repeat": [
+                        {
+                            k: r.get(k)
+                            for k in (
+                                "status",
+                                "samples_per_s",
+                                "train_s",
+                                "test_metric",
+                                "syncs",
+                                "sync_overhead",
+                                "idle_fraction",
+                                "nominal_step_ms",
+                                "per_rank_ms_per_batch",
+                                "load_before",
+                                "error",
+                            )
+                            if k in r
+                        }
+                        if r
+                        else None
+                        for r in runs
+                    ],
+                }
+            )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if child_main(argv, run_one):
+        return 0
+    parser = argparse.ArgumentParser(prog="python -m bench.hetero", description=__doc__)
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats (median)")
+    parser.add_argument("--epochs", type=int, default=4, help="epochs of the 4,000-sample split")
+    parser.add_argument(
+        "--rigs",
+        nargs="+",
+        default=["1.0,0.4", "1.0,1.0"],
+        help="rigs as comma-separated speeds, e.g. 1.0,0.4 1.0,1.0",
+    )
+    parser.add_argument("--quick", action="store_true", help="smoke test: 1 repeat, 1 epoch")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
+    parser.add_argument("--out", default="hetero", help="results file stem under bench/results")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.repeats, args.epochs = 1, 1
+        if args.out == "hetero":
+            args.out = "hetero_quick"
+    rigs = [[float(s) for s in rig.split(",")] for rig in args.rigs]
+    if any(len(rig) != 2 for rig in rigs):
+        parser.error("each rig needs two speeds (fast,slow)")
+    runs = plan(rigs)
+    info = machine()
+    started = time.perf_counter()
+    repeats: list[dict[tuple[str, tuple[float, ...]], dict[str, Any]]] = []
+    order_log = []
+    for rep in range(args.repeats):
+        shift = rep % len(runs)
+        order = runs[shift:] + runs[:shift]
+        results: dict[tuple[str, tuple[float, ...]], dict[str, Any]] = {}
+        for kind, speeds in order:
+            payload = {"kind": kind, "speeds": speeds, "epochs": args.epochs}
+            t0 = time.perf_counter()
+            res = run_isolated("bench.hetero", payload, args.timeout)
+            results[(kind, tuple(speeds))] = res
+            order_log.append([rep, kind, speeds])
+            if res.get("status") == "ok":
+                log(
+                    f"[{rep + 1}/{args.repeats}] {kind:<12} {speeds}  "
+                    f"{res['samples_per_s']:7.0f} samples/s  train {res['train_s']:5.1f} s  "
+                    f"acc {res['test_metric']:.4f}  T {res.get('nominal_step_ms') or 0:.1f} ms  "
+                    f"({time.perf_counter() - t0:.1f} s)"
+                )
+            else:
+                log(f"[{rep + 1}/{args.repeats}] {kind} {speeds} FAILED: {res.get('error')}")
+                log(str(res.get("log", ""))[-2000:])
+        repeats.append(results)
+    rows = summarise(rigs, repeats)
+    info["load_average_end"] = list(os.getloadavg())
+    data = {
+        "benchmark": "hetero",
+        "machine": info,
+        "settings": {
+            "workload": WORKLOAD,
+            "dataset": "mnist5k (4000 train / 1000 test)",
+            "batch_size": BATCH,
+            "epochs": args.epochs,
+            "samples_per_run": 4000 * args.epochs,
+            "pace_margin": PACE_MARGIN,
+            "seed": SEED,
+            "repeats": args.repeats,
+            "rigs": rigs,
+            "quick": args.quick,
+            "bench_wall_s": time.perf_counter() - started,
+        },
+        "command": "python -m bench.hetero " + " ".join(argv),
+        "order": order_log,
+        "rows": rows,
+    }
+    path = write_result(args.out, data)
+    log(f"wrote {path}")
+    failed = [r for r in rows if r["runs_ok"] < r["runs"]]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
