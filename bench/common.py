@@ -184,11 +184,13 @@ def run_flodl(
     lr_scale_ratio: float = 0.0,
     eval_every: int | None = None,
     dataset_overrides: dict[str, Any] | None = None,
+    with_eval: bool = True,
 ) -> dict[str, Any]:
     """Train ``name`` once with the flodl Trainer and return what the benchmarks tabulate.
 
     ``speeds`` of length 1 (or ``mode='solo'``) is a one-rank, in-process run. Evaluation runs
-    only after the last epoch (``eval_every`` defaults to ``epochs``), outside the training time.
+    only after the last epoch (``eval_every`` defaults to ``epochs``), outside the training time;
+    ``with_eval=False`` gives flodl no eval set at all (the bench still scores the final state).
     """
     from flodl import ClusterConfig, LoggerConfig, Trainer, TrainerConfig
 
@@ -206,13 +208,17 @@ def run_flodl(
     with tempfile.TemporaryDirectory(prefix="flodl-bench-") as tmp:
         t0 = time.perf_counter()
         optim = OptimFactory(WORKLOADS[name].optimizer)
-        handle = (
+        builder = (
             Trainer.builder(ModelFactory(name), optim, step_fn(name))
             .config(TrainerConfig(eval_every=eval_every or epochs, lr_scale_ratio=lr_scale_ratio))
             .dataset(dataset_factory(name, "train", **overrides))
-            .eval_dataset(dataset_factory(name, "test", **overrides))
-            .eval_fn(eval_fn(name))
-            .batch_size(batch_size)
+        )
+        if with_eval:
+            builder = builder.eval_dataset(dataset_factory(name, "test", **overrides)).eval_fn(
+                eval_fn(name)
+            )
+        handle = (
+            builder.batch_size(batch_size)
             .num_epochs(epochs)
             .seed(seed)
             .elche(elche_preset(mode))
@@ -323,6 +329,38 @@ def _json_default(obj: Any) -> Any:
     if hasattr(obj, "item"):
         return obj.item()
     raise TypeError(f"not JSON-serialisable: {type(obj)}")
+
+
+def cpu_busy(interval_s: float = 0.5) -> float:
+    """Busy cores (0..cores) of the whole machine over ``interval_s``, from /proc/stat."""
+
+    def sample() -> tuple[int, int]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        return sum(fields), idle
+
+    try:
+        total0, idle0 = sample()
+        time.sleep(interval_s)
+        total1, idle1 = sample()
+    except (OSError, ValueError, IndexError):
+        return math.nan
+    span = total1 - total0
+    return (os.cpu_count() or 1) * (1.0 - (idle1 - idle0) / span) if span > 0 else math.nan
+
+
+def wait_quiet(threshold: float, max_wait_s: float) -> dict[str, float]:
+    """Between runs, wait (up to ``max_wait_s``) until other processes use < ``threshold`` cores.
+
+    Called while no benchmark process runs, so the busy cores are someone else's. Returns what
+    was seen, for the record; it never skips a run.
+    """
+    t0 = time.perf_counter()
+    busy = cpu_busy()
+    while busy >= threshold and time.perf_counter() - t0 < max_wait_s:
+        time.sleep(2.0)
+        busy = cpu_busy()
+    return {"others_busy_cores": busy, "waited_s": time.perf_counter() - t0}
 
 
 # --- statistics -----------------------------------------------------------------------------------

@@ -52,7 +52,9 @@ def _worker(rank: int, cfg: dict[str, Any], rendezvous: str, out: str) -> None:
         inputs, target = dataset_factory(name, "train")().tensors
         n = len(target)
 
-        # calibration: a throwaway copy, as flodl's Worker.calibrate
+        # calibration: a throwaway copy, as flodl's Worker.calibrate; all ranks at once (flodl's
+        # ranks start calibrating together too, right after their initial broadcast)
+        dist.barrier()
         probe = copy.deepcopy(model)
         probe_opt = make_optim(probe.parameters())
         warm = cfg["warmup_steps"]

@@ -33,6 +33,7 @@ from bench.common import (
     median_lists,
     ratio,
     run_isolated,
+    wait_quiet,
     write_result,
 )
 
@@ -159,6 +160,9 @@ def summarise(
                                 "nominal_step_ms",
                                 "per_rank_ms_per_batch",
                                 "load_before",
+                                "others_busy_cores",
+                                "waited_s",
+                                "startup_s",
                                 "error",
                             )
                             if k in r
@@ -187,6 +191,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="smoke test: 1 repeat, 1 epoch")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
+    parser.add_argument(
+        "--quiet-cores",
+        type=float,
+        default=0.6,
+        help="before each run, wait while other processes keep this many cores busy",
+    )
+    parser.add_argument("--max-wait", type=float, default=15.0, help="at most this long (s)")
     parser.add_argument("--out", default="hetero", help="results file stem under bench/results")
     args = parser.parse_args(argv)
     if args.quick:
@@ -207,8 +218,10 @@ def main(argv: list[str] | None = None) -> int:
         results: dict[tuple[str, tuple[float, ...]], dict[str, Any]] = {}
         for kind, speeds in order:
             payload = {"kind": kind, "speeds": speeds, "epochs": args.epochs}
+            quiet = wait_quiet(args.quiet_cores, args.max_wait)
             t0 = time.perf_counter()
             res = run_isolated("bench.hetero", payload, args.timeout)
+            res.update(quiet)
             results[(kind, tuple(speeds))] = res
             order_log.append([rep, kind, speeds])
             if res.get("status") == "ok":
@@ -238,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
             "repeats": args.repeats,
             "rigs": rigs,
             "quick": args.quick,
+            "quiet_cores": args.quiet_cores,
+            "max_wait_s": args.max_wait,
             "bench_wall_s": time.perf_counter() - started,
         },
         "command": "python -m bench.hetero " + " ".join(argv),

@@ -165,11 +165,25 @@ def _check_key(key: str) -> None:
         )
 
 
+def _sigterm_as_interrupt() -> Any:
+    from flodl.trainer import _sigterm_as_interrupt as guard
+
+    return guard()
+
+
 def cli(main: Callable[[], Any]) -> None:
     """Run the Hydra entry with flodl's exit codes (2: bad config, 1: a job failed)."""
     try:
         check_override_keys(sys.argv[1:])
-        main()
+        with _sigterm_as_interrupt():
+            main()
+    except KeyboardInterrupt as exc:
+        code = getattr(exc, "exit_code", 130)
+        print(
+            f"error: interrupted (exit {code}); see summary.json for what was saved",
+            file=sys.stderr,
+        )
+        sys.exit(code)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)

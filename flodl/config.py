@@ -174,6 +174,9 @@ class ClusterConfig(_Schema):
     )
     host: str = Field("127.0.0.1", description="address the controller binds (loopback by default)")
     start_timeout_s: float = Field(120.0, gt=0, description="seconds for every rank to join")
+    heartbeat_timeout_s: float = Field(
+        30.0, gt=0, description="a rank silent this long is dropped as lost"
+    )
 
     @field_validator("speeds")
     @classmethod
@@ -219,12 +222,49 @@ class TrainerKnobs(_Schema):
     num_epochs: int = Field(1, ge=1, description="passes over the dataset")
     seed: int = Field(42, ge=0, description="seeds model init and the per-epoch permutation")
     max_grad_norm: float | None = Field(None, gt=0, description="clip gradients to this L2 norm")
+
+    @field_validator("max_failure", check_fields=False)
+    @classmethod
+    def _max_failure(cls, v: int | str | None) -> int | str | None:
+        return _check_max_failure(v)
+
     lr_scale_ratio: float = Field(
         1.0, ge=0, le=1, description="LR x (1 + (world-1) x ratio): 1 = linear rule, 0 = off"
     )
     eval_every: int = Field(1, ge=1, description="evaluate every N epochs (when eval is set)")
     callback_policy: CallbackPolicy = Field(default_factory=CallbackPolicy)
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="in-process device")
+    save_path: str | None = Field(
+        None, description="bundle stem (path or fsspec URL): <stem>.pt + <stem>.meta.json"
+    )
+    resume_from: str | None = Field(None, description="bundle stem to resume from")
+    checkpoint_every: int | None = Field(None, ge=1, description="save every N epochs")
+    max_failure: int | str | None = Field(
+        None, description="ranks that may be lost (count or 'N%') before save-and-stop; null: any"
+    )
+    max_nonfinite: int = Field(
+        10, ge=0, description="NaN/inf losses skipped (with a warning) before the run stops"
+    )
+
+
+def _check_max_failure(v: int | str | None) -> int | str | None:
+    if v is None:
+        return v
+    if isinstance(v, int):
+        if v < 0:
+            raise ValueError("must be >= 0 (a count) or a percentage like '50%'")
+        return v
+    text = v.strip()
+    try:
+        percent = float(text.removesuffix("%"))
+    except ValueError:
+        raise ValueError("must be a count like 1 or a percentage like '50%'") from None
+    if not text.endswith("%") or not 0 <= percent <= 100:
+        raise ValueError("must be a count like 1 or a percentage like '50%'")
+    return text
+
+
+TrainerKnobs.model_rebuild()
 
 
 class TrainerConfig(TrainerKnobs):

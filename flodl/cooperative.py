@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from flodl.runtime.messages import Average, Plan, Stop, Window
+from flodl.runtime.messages import Average, Plan, Regroup, Restore, Stop, Window
 from flodl.runtime.worker import WindowTally, Worker
 
 
@@ -120,12 +120,17 @@ class CooperativeWorker:
                 return None
             msg = self._core.next_message()
             if isinstance(msg, Plan):
-                self._queue.extend(msg.windows)
+                self._queue.extend(w for w in msg.windows if not self._core.is_void(w))
             elif isinstance(msg, Stop):
                 self._core._finish(msg)
                 self._finished = True
             elif isinstance(msg, Average):
                 self._core._apply_average(msg)
+            elif isinstance(msg, Restore):
+                self._core.restore(msg)
+            elif isinstance(msg, Regroup):
+                self._core.regroup(msg)
+                self._queue = collections.deque(w for w in self._queue if not self._core.is_void(w))
         return self._queue.popleft()
 
 

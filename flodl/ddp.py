@@ -443,15 +443,28 @@ def _join(rendezvous: Rendezvous, rank: int, device: torch.device, backend: str)
         role = "serve" if rendezvous.is_host else "reach"
         raise RuntimeError(
             f"rank {rank}: could not {role} the rendezvous store at {where} within "
-            f"{rendezvous.timeout_s:g}s ({exc}); check that the host rank is running and the "
-            "port is free and reachable"
+            f"{rendezvous.timeout_s:g}s ({_first_line(exc)}); check that the host rank is "
+            "running and the port is free and reachable"
         ) from exc
     if device.type == "cuda":
         torch.cuda.set_device(device)  # nccl binds each rank to its current device
     # The group keeps a reference to the store (and so the host's server) until it is destroyed.
-    dist.init_process_group(
-        backend, store=store, rank=rank, world_size=rendezvous.world_size, timeout=timeout
-    )
+    try:
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=rendezvous.world_size, timeout=timeout
+        )
+    except RuntimeError as exc:
+        raise RuntimeError(
+            f"rank {rank}: not all {rendezvous.world_size} ranks joined the rendezvous at "
+            f"{where} within {rendezvous.timeout_s:g}s ({_first_line(exc)}); start every rank "
+            "with the same rendezvous and a distinct rank"
+        ) from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    """torch's c10 errors carry a C++ backtrace after the first line; the advice needs only that."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _wire_dtype(tensors: Sequence[torch.Tensor]) -> torch.dtype:

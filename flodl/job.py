@@ -7,6 +7,7 @@ Outputs per job directory: ``summary.json``, ``model.pt`` (the :class:`TrainedSt
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -19,9 +20,11 @@ from typing import Any
 
 import torch
 
+from flodl.checkpoint import CheckpointError
 from flodl.metrics import EpochMetrics, RunSummary, SyncEvent
 from flodl.runtime.controller import Controller, ControllerResult, Hooks
 from flodl.runtime.links import in_process_link
+from flodl.runtime.snapshots import Checkpointer, ResumePoint
 from flodl.runtime.spec import Callbacks, JobSpec
 from flodl.topology import Topology, resolve_topology
 from flodl.trainer import RunResult, TrainedState
@@ -53,6 +56,7 @@ class Job:
         self._local_worker: queue.Queue[Any] = queue.Queue()
         self._done = threading.Event()
         self._result_state: TrainedState | None = None
+        self._interrupted_summary: RunSummary | None = None
         self._curve: list[tuple[float, float]] = []
         self._t0 = time.perf_counter()
 
@@ -79,7 +83,13 @@ class Job:
         self.progress = Progress(cfg.num_epochs, mode=cfg.logger.progress)
         self._trace = open(self.job_dir / "elche_trace.jsonl", "w", encoding="utf-8")  # noqa: SIM115
         controller = Controller(
-            cfg, topo.world_size, topo.speeds, self.spec.has_eval, self._hooks()
+            cfg,
+            topo.world_size,
+            topo.speeds,
+            self.spec.has_eval,
+            self._hooks(),
+            checkpointer=self._checkpointer(),
+            resume=self._resume_point(),
         )
         try:
             if topo.in_process:
@@ -100,6 +110,27 @@ class Job:
             self.tb.close()
             if dashboard is not None and not cfg.logger.keep_serving:
                 dashboard.stop()
+
+    def _checkpointer(self) -> Checkpointer | None:
+        cfg = self.spec.config
+        if cfg.save_path is None:
+            return None
+        digest = hashlib.sha256(cfg.model_dump_json().encode()).hexdigest()[:16]
+        return Checkpointer(cfg.save_path, cfg.checkpoint_every, digest, self.topology.world_size)
+
+    def _resume_point(self) -> ResumePoint | None:
+        """Load and check the bundle before any rank starts: a bad one fails fast."""
+        stem = self.spec.config.resume_from
+        if stem is None:
+            return None
+        point = ResumePoint.load(stem)
+        saved, world = point.meta.world_size, self.topology.world_size
+        if saved != world:
+            raise CheckpointError(
+                f"checkpoint {stem} was saved by {saved} ranks, this run has {world}: resume "
+                f"with the same cluster size (cluster.ranks={saved}) or start fresh"
+            )
+        return point
 
     def _serve(self) -> Any:
         logger = self.spec.config.logger
@@ -200,12 +231,16 @@ class Job:
         self._result_state = state
         state.save(self.job_dir / "model.pt")
         summary = self._summary(result)
+        if result.stopped is not None:
+            summary.status = "interrupted"
+            summary.error = f"stopped ({result.stopped}); saved: {result.saved or 'nothing'}"
+            self._interrupted_summary = summary
+            raise KeyboardInterrupt(result.stopped)
         self._write_summary(summary)
         self._log_hparams(summary)
-        exact = result.coverage is not None and all(
-            result.coverage.exact(e) for e in result.coverage.trained
+        return RunResult(
+            state, summary, result.epochs, result.events, coverage_exact=_coverage_exact(result)
         )
-        return RunResult(state, summary, result.epochs, result.events, coverage_exact=exact)
 
     def _summary(self, result: ControllerResult) -> RunSummary:
         cfg = self.spec.config
@@ -234,11 +269,15 @@ class Job:
             loss_curve=self._curve,
             samples_seen=result.samples,
             anchor=result.events[-1].anchor if result.events else None,
+            lost_ranks=result.lost_ranks,
+            coverage_exact=_coverage_exact(result),
         )
 
     def _failed_summary(self, exc: BaseException) -> RunSummary:
         message = str(exc) or type(exc).__name__
         if isinstance(exc, KeyboardInterrupt):
+            if self._interrupted_summary is not None:
+                return self._interrupted_summary  # the graceful stop already wrote it
             message = "interrupted"
         return RunSummary(
             status="failed",
@@ -272,6 +311,14 @@ class Job:
             "samples_per_s": summary.samples_per_s,
         }
         self.tb.hparams(hparams, metrics)
+
+
+def _coverage_exact(result: ControllerResult) -> bool:
+    """Every sample of every trained epoch exactly once (a stopped epoch: no overlaps)."""
+    cov = result.coverage
+    if cov is None:
+        return False
+    return all(cov.exact(e) or (result.stopped and cov.overlaps(e) == 0) for e in cov.trained)
 
 
 def _finite(x: float) -> float | None:

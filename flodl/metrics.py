@@ -77,6 +77,8 @@ class RunSummary:
     loss_curve: list[tuple[float, float]] = field(default_factory=list)  # (wall_s, loss) per epoch
     samples_seen: int = 0
     anchor: int | None = None
+    lost_ranks: list[int] = field(default_factory=list)
+    coverage_exact: bool | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

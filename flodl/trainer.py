@@ -9,11 +9,13 @@ around the ``Trainer`` call runs once. With fewer than two devices the run stays
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,29 @@ from flodl.metrics import EpochMetrics, RunSummary, SyncEvent
 from flodl.runtime.spec import Callbacks, JobSpec
 
 log = logging.getLogger(__name__)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, handled like Ctrl-C: stop dispatch, save a graceful bundle, end every rank."""
+
+    exit_code = 143
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """While joining in the main thread, SIGTERM raises :class:`Terminated` (like SIGINT)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @dataclass
@@ -101,13 +126,14 @@ class RunHandle:
         """Wait for the run; Ctrl-C stops every rank before it propagates."""
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            while self._thread.is_alive():
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise TimeoutError("run still in progress")
-                self._thread.join(timeout=0.2 if left is None else min(0.2, left))
+            with _sigterm_as_interrupt():
+                while self._thread.is_alive():
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise TimeoutError("run still in progress")
+                    self._thread.join(timeout=0.2 if left is None else min(0.2, left))
         except KeyboardInterrupt:
-            self._job.request_stop()
+            self._job.request_stop()  # graceful: in-flight windows, a bundle, then teardown
             self._thread.join(timeout=30)
             raise
         if self._error is not None:

@@ -18,36 +18,57 @@ from flodl.runtime.messages import Chunk
 
 @dataclass
 class EpochCursor:
-    """The monotonic cursor over one epoch's permutation."""
+    """What is left of one epoch's permutation, handed out front first.
+
+    Normally one range ``[0, n)`` consumed in order; after a resume or a lost rank it is the
+    list of uncovered ranges, so the same mechanism reassigns work without training a sample
+    twice.
+    """
 
     epoch: int
     n_samples: int
     batch_size: int
-    offset: int = 0
+    ranges: list[Chunk] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.ranges:
+            self.ranges = [(0, self.n_samples)] if self.n_samples > 0 else []
 
     @property
     def remaining_samples(self) -> int:
-        return self.n_samples - self.offset
+        return sum(size for _, size in self.ranges)
 
     @property
     def remaining_batches(self) -> int:
-        return math.ceil(self.remaining_samples / self.batch_size)
+        return sum(math.ceil(size / self.batch_size) for _, size in self.ranges)
 
     @property
     def done(self) -> bool:
-        return self.offset >= self.n_samples
+        return not self.ranges
 
     def take(self, counts: Sequence[int]) -> list[tuple[Chunk, ...]]:
         """Give rank ``r`` the next ``counts[r]`` batches; a rank with count 0 gets nothing."""
-        chunks: list[tuple[Chunk, ...]] = []
-        for count in counts:
-            size = min(count * self.batch_size, self.remaining_samples)
-            if size <= 0:
-                chunks.append(())
-                continue
-            chunks.append(((self.offset, size),))
-            self.offset += size
-        return chunks
+        return [self._take_batches(count) for count in counts]
+
+    def _take_batches(self, count: int) -> tuple[Chunk, ...]:
+        chunks: list[Chunk] = []
+        while count > 0 and self.ranges:
+            offset, size = self.ranges[0]
+            batches = math.ceil(size / self.batch_size)
+            if batches <= count:
+                chunks.append((offset, size))
+                self.ranges.pop(0)
+                count -= batches
+            else:
+                cut = count * self.batch_size
+                chunks.append((offset, cut))
+                self.ranges[0] = (offset + cut, size - cut)
+                count = 0
+        return tuple(chunks)
+
+    def give_back(self, chunks: Sequence[Chunk]) -> None:
+        """Return ranges whose training was lost (a dead rank's work) to the front."""
+        self.ranges = sorted([*chunks, *self.ranges])
 
 
 def chunk_batches(chunks: Sequence[Chunk], batch_size: int) -> int:
@@ -80,6 +101,13 @@ class Coverage:
 
     def record(self, epoch: int, chunks: Sequence[Chunk]) -> None:
         self.trained.setdefault(epoch, []).extend(chunks)
+
+    def unrecord(self, epoch: int, chunks: Sequence[Chunk]) -> None:
+        """Forget ranges whose training was lost with their rank (they are trained again)."""
+        trained = self.trained.get(epoch, [])
+        for chunk in chunks:
+            if chunk in trained:
+                trained.remove(chunk)
 
     def uncovered(self, epoch: int) -> list[Chunk]:
         """Ranges of the epoch not trained yet (used to reassign a lost rank's work)."""

@@ -91,6 +91,13 @@ class ProcessLauncher:
         self.procs: list[RankProcess] = []
         self.channels: list[Channel] = []
         self._closing = False
+        controller.hooks.kill_rank = self.kill_rank
+
+    def kill_rank(self, rank: int) -> None:
+        """Take a silent rank down so its loss is certain (its exit is then supervised)."""
+        for proc in self.procs:
+            if proc.rank == rank:
+                proc.kill()
 
     def run(self, stop_requested: Callable[[], bool]) -> ControllerResult:
         from torch.distributed import TCPStore  # the data-plane rendezvous; no CUDA involved

@@ -10,6 +10,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -79,6 +80,18 @@ class SocketLink:
         self._inbox: queue.Queue = queue.Queue()
         self._reader = threading.Thread(target=self._read, name="flodl-control", daemon=True)
         self._reader.start()
+        self._beat = threading.Thread(target=self._heartbeat, name="flodl-heartbeat", daemon=True)
+        self._beat.start()
+
+    def _heartbeat(self, every_s: float = 1.0) -> None:
+        from flodl.runtime.messages import Heartbeat
+
+        while not self.stopping:
+            time.sleep(every_s)
+            try:
+                self.channel.send(Heartbeat(self.rank))
+            except OSError:
+                return
 
     def _read(self) -> None:
         while True:

@@ -38,6 +38,8 @@ class Window:
     buffer_weight: float  # this rank's share of the float-buffer average
     eval_after: bool = False  # run eval_fn after this window's average (elected rank only)
     max_overshoot: int = 0  # cpu_async: averages this rank may leave in flight
+    checkpoint_after: bool = False  # send RankState after this window's average
+    generation: int = 0  # membership generation it was planned for
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,34 @@ class EvalResult:
 @dataclass(frozen=True)
 class Stop:
     reason: str
-    send_state: bool = False
+    send_state: bool = False  # send Final (rank 0 for the trained state)
+    checkpoint: bool = False  # every rank sends RankState first (graceful save)
+
+
+@dataclass(frozen=True)
+class RankState:
+    """A rank's resumable state after an average: its optimizer, scheduler and RNG (and, from
+    the rank that is asked, the consensus parameters and buffers)."""
+
+    rank: int
+    window: int
+    optimizer: dict[str, Any]
+    scheduler: dict[str, Any] | None
+    rng: Any
+    params: dict[str, Any] | None = None
+    buffers: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class Restore:
+    """Sent before the first plan of a resumed run."""
+
+    params: dict[str, Any]
+    buffers: dict[str, Any]
+    optimizer: dict[str, Any]
+    scheduler: dict[str, Any] | None
+    rng: Any
+    epoch: int
 
 
 @dataclass(frozen=True)
@@ -101,3 +130,27 @@ class RankError:
     rank: int
     message: str
     traceback: str
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    rank: int
+
+
+@dataclass(frozen=True)
+class Regroup:
+    """Ranks were lost: rebuild the process group over ``members`` and re-average.
+
+    Windows planned after ``last_window`` for an older generation are void: drop them.
+    """
+
+    generation: int
+    members: tuple[int, ...]
+    last_window: int
+    weights: dict[int, float]  # each member's share of the re-average
+
+
+@dataclass(frozen=True)
+class Regrouped:
+    rank: int
+    generation: int

@@ -16,6 +16,7 @@ import socket
 import sys
 import traceback
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 from flodl.runtime import env as rank_env
@@ -85,6 +86,24 @@ def join(channel: Channel, role: rank_env.RankEnv) -> tuple[Any, Any, Any]:
     return spec, link, device
 
 
+def regroup(spec: Any, role: rank_env.RankEnv, members: tuple[int, ...], generation: int) -> None:
+    """Re-form the process group over the survivors, under a fresh store prefix."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if len(members) < 2:
+        return  # a lone survivor trains on alone
+    store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, use_libuv=False)
+    dist.init_process_group(
+        spec.backend,
+        store=dist.PrefixStore(f"generation{generation}", store),
+        rank=members.index(role.rank),
+        world_size=len(members),
+        timeout=timedelta(seconds=spec.config.cluster.start_timeout_s),
+    )
+
+
 def leave(link: Any) -> None:
     import torch.distributed as dist
 
@@ -101,7 +120,7 @@ def main() -> int:
         from flodl.runtime.worker import Worker
 
         spec, link, device = join(channel, role)
-        Worker(spec, link, role.rank, device).run()
+        Worker(spec, link, role.rank, device, regroup=partial(regroup, spec, role)).run()
         return 0
     except BaseException as exc:
         report_failure(channel, role.rank, exc)
@@ -127,7 +146,7 @@ def cooperative_worker() -> Any:
     sys.excepthook = on_uncaught
     try:
         spec, link, device = join(channel, role)
-        core = Worker(spec, link, role.rank, device)
+        core = Worker(spec, link, role.rank, device, regroup=partial(regroup, spec, role))
         core.start()
     except BaseException as exc:
         report_failure(channel, role.rank, exc)

@@ -13,6 +13,7 @@ import itertools
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -25,7 +26,20 @@ from flodl.config import Mode
 from flodl.data import BatchSource, resolve_dataset
 from flodl.metrics import drain_scalars
 from flodl.runtime.averaging import FlatState, broadcast_from, collective_average
-from flodl.runtime.messages import Average, EvalResult, Final, Plan, Ready, Report, Stop, Window
+from flodl.runtime.messages import (
+    Average,
+    EvalResult,
+    Final,
+    Plan,
+    RankState,
+    Ready,
+    Regroup,
+    Regrouped,
+    Report,
+    Restore,
+    Stop,
+    Window,
+)
 from flodl.runtime.outer import make_outer
 from flodl.runtime.pacing import Pacer, measure_step_s
 from flodl.runtime.spec import JobSpec, state_signature
@@ -52,8 +66,19 @@ class WindowTally:
 class Worker:
     """One rank's training state and loop."""
 
-    def __init__(self, spec: JobSpec, link: Any, rank: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        spec: JobSpec,
+        link: Any,
+        rank: int,
+        device: torch.device,
+        regroup: Callable[[tuple[int, ...], int], None] | None = None,
+    ) -> None:
         self.spec = spec
+        self.regroup_fn = regroup  # rebuilds the process group over the survivors
+        self.world = spec.world_size
+        self.generation = 0
+        self._void_after = -1
         self.cfg = spec.config
         self.link = link
         self.rank = rank
@@ -69,6 +94,7 @@ class Worker:
         self._center: torch.Tensor | None = None
         self._outstanding: list[int] = []
         self._pending: collections.deque[Any] = collections.deque()
+        self._nonfinite = 0
 
     # -- set-up ------------------------------------------------------------------------------
     def build(self) -> None:
@@ -148,6 +174,10 @@ class Worker:
                 return
             elif isinstance(msg, Average):
                 self._apply_average(msg)
+            elif isinstance(msg, Restore):
+                self.restore(msg)
+            elif isinstance(msg, Regroup):
+                self.regroup(msg)
 
     def next_message(self) -> Any:
         return self._pending.popleft() if self._pending else self.link.recv()
@@ -172,23 +202,53 @@ class Worker:
             reply = self.link.recv()
             if isinstance(reply, Average):
                 self._apply_average(reply)
+        if msg.checkpoint:
+            self.link.send(self.rank_state(-1, with_weights=True))
         if msg.send_state:
-            buffer_names = {n for n, _ in self.model.named_buffers()}
-            state = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
-            self.link.send(
-                Final(
-                    rank=self.rank,
-                    params={k: v for k, v in state.items() if k not in buffer_names},
-                    buffers={k: v for k, v in state.items() if k in buffer_names},
-                )
-            )
+            params, buffers = self.weights()
+            self.link.send(Final(rank=self.rank, params=params, buffers=buffers))
+
+    def weights(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Parameters and buffers by name, on CPU."""
+        buffer_names = {n for n, _ in self.model.named_buffers()}
+        state = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        params = {k: v for k, v in state.items() if k not in buffer_names}
+        return params, {k: v for k, v in state.items() if k in buffer_names}
+
+    def rank_state(self, window: int, with_weights: bool) -> RankState:
+        params, buffers = self.weights() if with_weights else (None, None)
+        return RankState(
+            rank=self.rank,
+            window=window,
+            optimizer=self.optimizer.state_dict(),
+            scheduler=self.scheduler.state_dict() if self.scheduler is not None else None,
+            rng=torch.get_rng_state(),
+            params=params,
+            buffers=buffers,
+        )
+
+    def restore(self, msg: Restore) -> None:
+        """Continue a saved run: weights, this rank's optimizer/scheduler/RNG, the epoch."""
+        self.model.load_state_dict({**msg.params, **msg.buffers})
+        self.optimizer.load_state_dict(msg.optimizer)
+        if self.scheduler is not None and msg.scheduler is not None:
+            self.scheduler.load_state_dict(msg.scheduler)
+        torch.set_rng_state(msg.rng)
+        # The scheduler steps when a new epoch begins; the saved one had not stepped yet.
+        self._epoch = msg.epoch - 1
 
     def _start_epoch(self, epoch: int) -> None:
         if self._epoch >= 0 and self.scheduler is not None:
             self.scheduler.step()
         self._epoch = epoch
 
+    def is_void(self, window: Window) -> bool:
+        """Planned for an older membership after the window the cohort broke on: skip it."""
+        return window.generation < self.generation and window.index > self._void_after
+
     def run_window(self, window: Window) -> None:
+        if self.is_void(window):
+            return
         tally = self.begin_window(window)
         for batch in self.source.batches(window.epoch, window.chunks):
             tally.add(self.pacer.run(partial(self.train_batch, batch)))
@@ -229,25 +289,54 @@ class Worker:
             )
         )
         self.average(window)
+        if window.checkpoint_after:
+            self.link.send(self.rank_state(window.index, with_weights=self.rank == 0))
         if window.eval_after:
             self.evaluate(window.epoch)
 
     def train_batch(self, batch: list[torch.Tensor]) -> float:
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.spec.train_step(self.model, batch)
+        if not torch.isfinite(loss.detach()).all():
+            return self._skip_nonfinite(loss)
         loss.backward()
         if self.cfg.max_grad_norm is not None:
             nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
         self.optimizer.step()
         return float(loss.detach())
 
+    def _skip_nonfinite(self, loss: torch.Tensor) -> float:
+        """NaN/inf loss: skip the step (no backward, no update) with a warning, up to a limit."""
+        self._nonfinite += 1
+        limit = self.cfg.max_nonfinite
+        log.warning(
+            "rank %d: non-finite loss (%s) in epoch %d; step skipped (%d of %d allowed)",
+            self.rank,
+            float(loss.detach()),
+            self._epoch,
+            self._nonfinite,
+            limit,
+        )
+        if self._nonfinite > limit:
+            raise FloatingPointError(
+                f"loss was NaN/inf {self._nonfinite} times (trainer.max_nonfinite={limit}); "
+                "stopping. Lower the learning rate or set trainer.max_grad_norm; bundles saved "
+                "earlier are untouched"
+            )
+        return math.nan
+
     # -- averaging -----------------------------------------------------------------------------
     def average(self, window: Window) -> None:
-        if self.spec.world_size == 1 or self.mode is Mode.SOLO:
+        if self.world == 1 or self.mode is Mode.SOLO:
             return
         if not self.mode.via_controller:
             before = self.state.flatten()
-            collective_average(self.state, window.weight, window.buffer_weight)
+            try:
+                collective_average(self.state, window.weight, window.buffer_weight)
+            except (RuntimeError, dist.DistBackendError) as exc:  # a peer is gone
+                log.warning("rank %d: averaging failed (%s); waiting to regroup", self.rank, exc)
+                self._await_regroup()
+                return
             if self.outer is not None:
                 self.state.load(self.outer.step(self.state.flatten()))
             self._last_divergence = self.state.divergence(before, self.state.flatten())
@@ -258,8 +347,37 @@ class Worker:
             msg = self.link.recv()
             if isinstance(msg, Average):
                 self._apply_average(msg)
+            elif isinstance(msg, Regroup):
+                self.regroup(msg)
             else:  # a plan or stop that arrived ahead of the average: keep it for the loop
                 self._pending.append(msg)
+
+    # -- membership ------------------------------------------------------------------------------
+    def _await_regroup(self) -> None:
+        while True:
+            msg = self.link.recv(timeout=self.cfg.cluster.heartbeat_timeout_s * 2)
+            if isinstance(msg, Regroup):
+                self.regroup(msg)
+                return
+            self._pending.append(msg)
+
+    def regroup(self, msg: Regroup) -> None:
+        """Survivors: rebuild the process group, agree on one set of weights, go on."""
+        if msg.generation <= self.generation:
+            return
+        self.generation = msg.generation
+        self._void_after = msg.last_window
+        self._outstanding = [w for w in self._outstanding if w <= msg.last_window]
+        self.world = len(msg.members)
+        if self.regroup_fn is not None:
+            self.regroup_fn(msg.members, msg.generation)
+        self.distributed = self.world > 1
+        if self.distributed and not self.mode.via_controller:
+            share = msg.weights[self.rank]
+            collective_average(self.state, share, share)
+        if self.outer is not None:
+            self.outer.reset(self.state.flatten())
+        self.link.send(Regrouped(self.rank, msg.generation))
 
     def _apply_average(self, msg: Average) -> None:
         if msg.window in self._outstanding:

@@ -22,11 +22,16 @@ SURFACE = {
     "TrainerKnobs": [
         "batch_size",
         "callback_policy",
+        "checkpoint_every",
         "device",
         "eval_every",
         "lr_scale_ratio",
+        "max_failure",
         "max_grad_norm",
+        "max_nonfinite",
         "num_epochs",
+        "resume_from",
+        "save_path",
         "seed",
     ],
     "ElCheConfig": [
@@ -49,6 +54,7 @@ SURFACE = {
         "relax_up",
     ],
     "ClusterConfig": [
+        "heartbeat_timeout_s",
         "host",
         "kind",
         "pace_margin",

@@ -1,0 +1,241 @@
+"""Trainer overhead on one device: the flodl Trainer against a hand-written PyTorch loop.
+
+    .venv/bin/python -m bench.overhead --repeats 5 --epochs 6 --models lenet mlp
+    .venv/bin/python -m bench.overhead --quick
+
+Both sides train the same model (seeded init), optimizer, data (mnist5k train split, as one
+``TensorDataset``), batch size, seed, per-epoch permutation (``flodl.data.epoch_permutation``)
+and number of steps, in a fresh process each, with torch's default thread count:
+
+* ``flodl``: ``Trainer`` with ``mode=solo``, ``cluster=auto`` (in-process, no pacing),
+  ``progress=off``, ``tensorboard=False``, no eval set.
+* ``hand``: ``zero_grad / step(model, batch) / backward / optimizer.step / float(loss)`` over
+  ``x[idx], y[idx]`` batches; before timing it runs the same untimed warm-up flodl's worker
+  runs (1 + 8 steps on a throwaway deep copy), so both time a warm loop.
+
+Training time: flodl's ``train_s`` (``samples / samples_per_s``: from the rank reporting Ready to
+the controller receiving the last window's report) against the hand loop's first-to-last-step
+time. Both include cutting batches out of the tensors (index + gather); neither includes process
+start, imports, loading the data set, building the model or the warm-up. The end-to-end wall
+(call to trained state) is reported separately. Variants are interleaved, medians reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any
+
+from bench.common import (
+    child_main,
+    log,
+    machine,
+    median,
+    run_isolated,
+    wait_quiet,
+    write_result,
+)
+
+BATCH = 64
+SEED = 42
+WARMUP_STEPS = 8  # flodl's ClusterConfig.warmup_steps default (its worker always calibrates)
+
+
+def hand_loop(name: str, epochs: int) -> dict[str, Any]:
+    import copy
+    import itertools
+
+    import torch
+
+    from bench.common import (
+        WORKLOADS,
+        ModelFactory,
+        OptimFactory,
+        dataset_factory,
+        evaluate_state,
+        step_fn,
+    )
+    from flodl.data import epoch_permutation
+
+    t_start = time.perf_counter()
+    torch.manual_seed(SEED)
+    model = ModelFactory(name)()
+    model.train()
+    make_optim = OptimFactory(WORKLOADS[name].optimizer)
+    optimizer = make_optim(model.parameters())
+    train_step = step_fn(name)
+    inputs, target = dataset_factory(name, "train")().tensors
+    n = len(target)
+
+    # the same untimed warm-up as flodl's Worker.calibrate: a throwaway copy, 1 + 8 steps
+    probe = copy.deepcopy(model)
+    probe_opt = make_optim(probe.parameters())
+    first = epoch_permutation(n, SEED, 0)[: BATCH * WARMUP_STEPS]
+    batches = itertools.cycle([(inputs[i], target[i]) for i in first.split(BATCH)])
+    for _ in range(1 + WARMUP_STEPS):
+        probe_opt.zero_grad(set_to_none=True)
+        train_step(probe, next(batches)).backward()
+        probe_opt.step()
+
+    steps, samples, last_loss_sum, last_count = 0, 0, 0.0, 0
+    t0 = time.perf_counter()
+    for epoch in range(epochs):
+        for idx in epoch_permutation(n, SEED, epoch).split(BATCH):
+            x, y = inputs[idx], target[idx]
+            optimizer.zero_grad(set_to_none=True)
+            loss = train_step(model, (x, y))
+            loss.backward()
+            optimizer.step()
+            value = float(loss.detach())
+            steps += 1
+            samples += len(idx)
+            if epoch == epochs - 1:
+                last_loss_sum += value
+                last_count += 1
+    train_s = time.perf_counter() - t0
+    total_s = time.perf_counter() - t_start
+    return {
+        "status": "ok",
+        "steps": steps,
+        "samples": samples,
+        "train_s": train_s,
+        "total_s": total_s,
+        "samples_per_s": samples / train_s,
+        "final_loss": last_loss_sum / max(last_count, 1),
+        "test_metric": evaluate_state(name, model.state_dict()),
+        "threads": torch.get_num_threads(),
+    }
+
+
+def run_one(payload: dict[str, Any]) -> dict[str, Any]:
+    name, epochs = payload["model"], payload["epochs"]
+    load_before = os.getloadavg()
+    if payload["variant"] == "hand":
+        result = hand_loop(name, epochs)
+    else:
+        import torch
+
+        from bench.common import run_flodl
+
+        result = run_flodl(
+            name, "solo", epochs=epochs, batch_size=BATCH, cluster_kind="auto", seed=SEED,
+            with_eval=False,
+        )  # fmt: skip
+        result["threads"] = torch.get_num_threads()
+        result["steps"] = -(-4000 // BATCH) * epochs
+    result["load_before"] = load_before
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if child_main(argv, run_one):
+        return 0
+    parser = argparse.ArgumentParser(prog="python -m bench.overhead", description=__doc__)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--epochs", type=int, default=6, help="epochs of the 4,000-sample split")
+    parser.add_argument("--models", nargs="+", default=["lenet", "mlp"])
+    parser.add_argument("--quick", action="store_true", help="smoke test: 1 repeat, 1 epoch")
+    parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--quiet-cores", type=float, default=0.6)
+    parser.add_argument("--max-wait", type=float, default=15.0)
+    parser.add_argument("--out", default="overhead")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.repeats, args.epochs = 1, 1
+        if args.out == "overhead":
+            args.out = "overhead_quick"
+    info = machine()
+    started = time.perf_counter()
+    runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for rep in range(args.repeats):
+        for name in args.models:
+            variants = ["flodl", "hand"] if rep % 2 == 0 else ["hand", "flodl"]
+            for variant in variants:
+                quiet = wait_quiet(args.quiet_cores, args.max_wait)
+                payload = {"model": name, "variant": variant, "epochs": args.epochs}
+                res = run_isolated("bench.overhead", payload, args.timeout)
+                res.update(quiet)
+                runs.setdefault((name, variant), []).append(res)
+                if res.get("status") == "ok":
+                    log(
+                        f"[{rep + 1}/{args.repeats}] {name:<6} {variant:<5} train "
+                        f"{res['train_s']:6.3f} s  total {res['total_s']:6.2f} s  "
+                        f"loss {res['final_loss']:.4f}  metric {res['test_metric']:.4f}"
+                    )
+                else:
+                    log(f"[{rep + 1}/{args.repeats}] {name} {variant} FAILED: {res.get('error')}")
+                    log(str(res.get("log", ""))[-2000:])
+    rows = []
+    for name in args.models:
+        flodl_runs = [r for r in runs[(name, "flodl")] if r.get("status") == "ok"]
+        hand_runs = [r for r in runs[(name, "hand")] if r.get("status") == "ok"]
+        pairs = [
+            (f, h)
+            for f, h in zip(runs[(name, "flodl")], runs[(name, "hand")], strict=True)
+            if f.get("status") == h.get("status") == "ok"
+        ]
+        rows.append(
+            {
+                "model": name,
+                "steps": flodl_runs[0]["steps"] if flodl_runs else None,
+                "threads": flodl_runs[0].get("threads") if flodl_runs else None,
+                "flodl_train_s": median([r["train_s"] for r in flodl_runs]),
+                "hand_train_s": median([r["train_s"] for r in hand_runs]),
+                # per repeat (flodl and hand back to back), then the median
+                "train_ratio": median([f["train_s"] / h["train_s"] for f, h in pairs]),
+                "train_ratio_of_medians": (
+                    median([r["train_s"] for r in flodl_runs])
+                    / median([r["train_s"] for r in hand_runs])
+                    if flodl_runs and hand_runs
+                    else None
+                ),
+                "flodl_total_s": median([r["total_s"] for r in flodl_runs]),
+                "hand_total_s": median([r["total_s"] for r in hand_runs]),
+                "total_ratio": median([f["total_s"] / h["total_s"] for f, h in pairs]),
+                "flodl_final_loss": median([r["final_loss"] for r in flodl_runs]),
+                "hand_final_loss": median([r["final_loss"] for r in hand_runs]),
+                "flodl_test_metric": median([r["test_metric"] for r in flodl_runs]),
+                "hand_test_metric": median([r["test_metric"] for r in hand_runs]),
+                "per_repeat": [
+                    {
+                        "flodl_train_s": f.get("train_s"),
+                        "hand_train_s": h.get("train_s"),
+                        "flodl_total_s": f.get("total_s"),
+                        "hand_total_s": h.get("total_s"),
+                        "load_before": [f.get("load_before"), h.get("load_before")],
+                        "others_busy_cores": [
+                            f.get("others_busy_cores"),
+                            h.get("others_busy_cores"),
+                        ],
+                    }
+                    for f, h in zip(runs[(name, "flodl")], runs[(name, "hand")], strict=True)
+                ],
+            }
+        )
+    info["load_average_end"] = list(os.getloadavg())
+    data = {
+        "benchmark": "overhead",
+        "machine": info,
+        "settings": {
+            "dataset": "mnist5k (4000 train)",
+            "batch_size": BATCH,
+            "epochs": args.epochs,
+            "seed": SEED,
+            "repeats": args.repeats,
+            "models": args.models,
+            "quick": args.quick,
+            "bench_wall_s": time.perf_counter() - started,
+        },
+        "command": "python -m bench.overhead " + " ".join(argv),
+        "rows": rows,
+    }
+    path = write_result(args.out, data)
+    log(f"wrote {path}")
+    return 0 if all(r.get("status") == "ok" for v in runs.values() for r in v) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,311 @@
+"""Regenerate the result tables of bench/README.md from bench/results/*.json.
+
+    .venv/bin/python -m bench.render            # rewrites the blocks between the markers
+    .venv/bin/python -m bench.render --stdout   # prints them instead
+
+Each block sits between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` (NAME: hetero,
+overhead, convergence, targets) and carries the machine the numbers came from and the command
+that reproduces them. Nothing in a block is typed by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from bench.common import RESULTS
+
+README = Path(__file__).resolve().parent / "README.md"
+
+
+# --- formatting -------------------------------------------------------------------------------
+
+
+def _num(x: Any, fmt: str = ".3f", dash: str = "\u2013") -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return dash
+    return format(x, fmt)
+
+
+def _list(xs: Any, fmt: str = ".2f") -> str:
+    if not xs:
+        return "\u2013"
+    return "[" + ", ".join(_num(x, fmt) for x in xs) + "]"
+
+
+def _speeds(xs: list[float]) -> str:
+    return "[" + ", ".join(f"{x:g}" for x in xs) + "]"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def _machine(data: dict[str, Any]) -> str:
+    m = data["machine"]
+    load = m.get("load_average") or []
+    end = m.get("load_average_end") or []
+    wall = data.get("settings", {}).get("bench_wall_s")
+    return (
+        f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, Python {m['python']}; "
+        f"{m['date']}; load average (1/5/15 min) at start {_list(load)}, at end {_list(end)}"
+        + (f"; benchmark wall {wall / 60:.1f} min" if wall else "")
+        + f".\nReproduce: `.venv/bin/{data['command'].strip()}`"
+    )
+
+
+def _load(name: str) -> dict[str, Any] | None:
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+# --- blocks -------------------------------------------------------------------------------------
+
+
+def hetero_block(data: dict[str, Any]) -> str:
+    s = data["settings"]
+    lines = [
+        _machine(data),
+        "",
+        f"{s['workload']} on {s['dataset']}, batch {s['batch_size']} per rank, {s['epochs']} "
+        f"epochs ({s['samples_per_run']} samples) per run, pace margin {s['pace_margin']}; "
+        f"medians of {s['repeats']} interleaved repeats.",
+        "",
+    ]
+    header = [
+        "rig",
+        "variant",
+        "samples/s",
+        "efficiency",
+        "eff. (own T)",
+        "vs DDP",
+        "train s",
+        "T ms",
+        "start-up s",
+        "test acc",
+        "syncs",
+        "sync overhead",
+        "idle [r0, r1]",
+    ]
+    rows = []
+    for r in data["rows"]:
+        rows.append(
+            [
+                _speeds(r["speeds"]),
+                r["variant"]
+                + (f" ({r['runs_ok']}/{r['runs']} ok)" if r["runs_ok"] < r["runs"] else ""),
+                _num(r["samples_per_s"], ".0f"),
+                _num(r["efficiency"]),
+                _num(r["efficiency_own_T"]),
+                _num(r["vs_ddp"], ".2f"),
+                _num(r["train_s"], ".2f"),
+                _num(r["nominal_step_ms"], ".1f"),
+                _num(r["startup_s"], ".1f"),
+                _num(r["test_accuracy"], ".4f"),
+                _num(r["syncs"], ".0f"),
+                _num(r["sync_overhead"]),
+                _list(r["idle_fraction"]),
+            ]
+        )
+    return "\n".join(lines) + "\n" + _table(header, rows)
+
+
+def overhead_block(data: dict[str, Any]) -> str:
+    s = data["settings"]
+    lines = [
+        _machine(data),
+        "",
+        f"One device, in-process, torch default threads; {s['dataset']}, batch {s['batch_size']}, "
+        f"{s['epochs']} epochs; medians of {s['repeats']} interleaved repeats (ratio: per repeat, "
+        "then the median).",
+        "",
+    ]
+    header = [
+        "model",
+        "steps",
+        "threads",
+        "flodl train s",
+        "hand train s",
+        "train ratio",
+        "flodl total s",
+        "hand total s",
+        "total ratio",
+        "final loss flodl / hand",
+        "test metric flodl / hand",
+    ]
+    rows = [
+        [
+            r["model"],
+            _num(r["steps"], ".0f"),
+            _num(r["threads"], ".0f"),
+            _num(r["flodl_train_s"]),
+            _num(r["hand_train_s"]),
+            _num(r["train_ratio"], ".4f"),
+            _num(r["flodl_total_s"], ".2f"),
+            _num(r["hand_total_s"], ".2f"),
+            _num(r["total_ratio"], ".2f"),
+            f"{_num(r['flodl_final_loss'], '.4f')} / {_num(r['hand_final_loss'], '.4f')}",
+            f"{_num(r['flodl_test_metric'], '.4f')} / {_num(r['hand_test_metric'], '.4f')}",
+        ]
+        for r in data["rows"]
+    ]
+    return "\n".join(lines) + "\n" + _table(header, rows)
+
+
+def _loss(x: Any) -> str:
+    if x is None:
+        return "\u2013"
+    return f"{x:.6f}" if abs(x) < 0.01 else f"{x:.4f}"
+
+
+def convergence_block(data: dict[str, Any]) -> str:
+    s = data["settings"]
+    models = s["models"]
+    variants = s["variants"]
+    by = {(r["model"], r["variant"]): r for r in data["rows"]}
+    lines = [
+        _machine(data),
+        "",
+        f"Rig {_speeds(s['rig'])} (pace margin {s['pace_margin']}), batch {s['batch_size']}, "
+        f"MNIST models {s['epochs_mnist']} epochs, resnet: {s['resnet']}. Cell: final training "
+        "loss / test eval (accuracy; MSE for conv_ae) / total s (job wall incl. rank start-up) / "
+        "syncs.",
+        "",
+    ]
+    rows = []
+    for v in variants:
+        cells = [v]
+        for m in models:
+            r = by.get((m, v))
+            if not r or r.get("status") != "ok":
+                cells.append("failed" if r else "\u2013")
+                continue
+            ev = _loss(r["test_metric"]) if not r["higher_is_better"] else f"{r['test_metric']:.4f}"
+            syncs = str(r["syncs"]) if v not in ("solo-fast", "solo-slow") else "\u2013"
+            cells.append(f"{_loss(r['final_loss'])}/{ev}/{r['wall_s']:.1f}/{syncs}")
+        rows.append(cells)
+    table = _table(["mode", *models], rows)
+    # a throughput companion: training samples/s (start-up excluded)
+    rows2 = []
+    for v in variants:
+        cells = [v]
+        for m in models:
+            r = by.get((m, v))
+            ok = r and r.get("status") == "ok"
+            cells.append(_num(r["samples_per_s"], ".0f") if ok else "\u2013")
+        rows2.append(cells)
+    table2 = _table(["training samples/s", *models], rows2)
+    return "\n".join(lines) + "\n" + table + "\n\n" + table2
+
+
+def _verdict(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("**met**" if ok else "**missed**")
+
+
+def targets_block(hetero: dict[str, Any] | None, overhead: dict[str, Any] | None) -> str:
+    out = ["| target | measured | verdict |", "|---|---|---|"]
+
+    def row(rig: list[float], variant: str) -> dict[str, Any] | None:
+        for r in (hetero or {}).get("rows", []):
+            if r["speeds"] == rig and r["variant"] == variant:
+                return r
+        return None
+
+    def check(label: str, value: float | None, ok: bool | None, fmt: str = ".3f") -> None:
+        out.append(
+            f"| {label} | {_num(value, fmt)} | {_verdict(ok if value is not None else None)} |"
+        )
+
+    het = row([1.0, 0.4], "nccl_cadence")
+    if het:
+        e, v = het["efficiency"], het["vs_ddp"]
+        check("[1.0, 0.4] nccl_cadence efficiency ≥ 0.95", e, e is not None and e >= 0.95)
+        check("[1.0, 0.4] nccl_cadence samples/s ≥ 1.65 x DDP", v, v is not None and v >= 1.65)
+        e_t = het["efficiency_own_T"]
+        out.append(
+            f"| (context) [1.0, 0.4] nccl_cadence efficiency against its own T | {_num(e_t)} | |"
+        )
+    eq = row([1.0, 1.0], "nccl_cadence")
+    if eq:
+        v = eq["vs_ddp"]
+        check("[1.0, 1.0] nccl_cadence samples/s ≥ DDP's", v, v is not None and v >= 1.0)
+    sy = row([1.0, 1.0], "nccl_sync")
+    if sy:
+        w = sy["train_s_vs_ddp"]
+        check("[1.0, 1.0] nccl_sync training wall ≤ 1.05 x DDP's", w, w is not None and w <= 1.05)
+    for rig in (hetero or {}).get("settings", {}).get("rigs", []):
+        solo = row(rig, "solo_fast")
+        if not solo or solo["test_accuracy"] is None:
+            continue
+        worst, worst_mode = None, None
+        for mode in ("nccl_sync", "nccl_cadence", "cpu_sync", "cpu_cadence", "cpu_async"):
+            r = row(rig, mode)
+            if r and r["test_accuracy"] is not None:
+                gap = (solo["test_accuracy"] - r["test_accuracy"]) * 100
+                if worst is None or gap > worst:
+                    worst, worst_mode = gap, mode
+        check(
+            f"{_speeds(rig)} every mode within 1 point of solo's test accuracy "
+            f"(largest gap, points: {worst_mode})",
+            worst,
+            worst is not None and worst <= 1.0,
+            ".2f",
+        )
+    for r in (overhead or {}).get("rows", []):
+        t = r["train_ratio"]
+        check(
+            f"Trainer overhead ≤ 3 % ({r['model']}, training-time ratio)",
+            t,
+            t is not None and t <= 1.03,
+            ".4f",
+        )
+    return "\n".join(out)
+
+
+# --- README surgery -----------------------------------------------------------------------------
+
+
+def replace_block(text: str, name: str, body: str) -> str:
+    pattern = re.compile(rf"(<!-- {name}:begin -->\n).*?(\n<!-- {name}:end -->)", re.DOTALL)
+    if not pattern.search(text):
+        raise SystemExit(f"bench/README.md has no <!-- {name}:begin --> / end markers")
+    return pattern.sub(lambda m: m.group(1) + body + m.group(2), text)
+
+
+def render() -> dict[str, str]:
+    hetero, overhead, convergence = _load("hetero"), _load("overhead"), _load("convergence")
+    missing = "_No results yet: run the command above._"
+    return {
+        "hetero": hetero_block(hetero) if hetero else missing,
+        "overhead": overhead_block(overhead) if overhead else missing,
+        "convergence": convergence_block(convergence) if convergence else missing,
+        "targets": targets_block(hetero, overhead),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.render", description=__doc__)
+    parser.add_argument("--stdout", action="store_true", help="print the blocks, touch nothing")
+    args = parser.parse_args(argv)
+    blocks = render()
+    if args.stdout:
+        for name, body in blocks.items():
+            print(f"<!-- {name} -->\n{body}\n")
+        return 0
+    text = README.read_text(encoding="utf-8")
+    for name, body in blocks.items():
+        text = replace_block(text, name, body)
+    README.write_text(text, encoding="utf-8")
+    print(f"updated {README}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,731 @@
+"""Checkpoint bundles: ``<stem>.pt`` + ``<stem>.meta.json`` on any fsspec filesystem, atomically.
+
+A *stem* is a local path or any fsspec URL without extension (``ckpt/run1``, ``file:///x/run1``,
+``memory://ck/run1``, ``s3://bucket/run1`` when s3fs is installed); a trailing ``.pt`` or
+``.meta.json`` is tolerated and dropped. A bundle is two files:
+
+* ``<stem>.pt``: ``torch.save`` of the payload dict. Resume loads it with
+  ``torch.load(weights_only=True)``, so the payload may only hold tensors, dicts (including
+  ``OrderedDict``), lists, tuples, numbers, strings, bytes, ``None``, ``torch.Size`` /
+  ``dtype`` / ``device``; anything else (a NumPy array or scalar, an arbitrary object) is refused
+  by :func:`save_bundle` with the key path of the offending value, never discovered at resume.
+* ``<stem>.meta.json``: :class:`BundleMeta` as JSON, including the ``sha256`` and size of the
+  ``.pt`` it belongs to. Pairs are matched by that hash, not by file name.
+
+Atomicity (a save may be SIGKILLed at any instant, or fail on a full disk):
+
+1. serialise the payload to bytes in memory; hash it;
+2. write ``<stem>.pt.tmp-<r>`` then ``<stem>.meta.json.tmp-<r>`` (fsync'd on local disks, plus
+   the directory): from here on a complete new pair exists under temporary names;
+3. park the current pair as ``<stem>.prev.pt`` / ``<stem>.prev.meta.json``;
+4. move the temporary pair into place (``os.replace`` locally, ``fs.mv`` elsewhere);
+5. delete the parked pair and any stale temporaries left by earlier interrupted saves.
+
+The old pair is never touched before the new pair is complete, and :func:`load_bundle` looks at
+every candidate (the current names, ``.prev``, temporaries), keeps the metas that parse and whose
+``.pt`` has the recorded size and sha256, and loads the newest by
+``(epoch, global_step, sync_round, saved_at)``. So after a crash at any point the newest
+*committed* bundle is loadable, a bundle whose ``save_bundle`` returned is never lost to a later
+interrupted save, and a torn file is recognised instead of loaded. One saver per stem at a time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import math
+import os
+import posixpath
+import re
+import secrets
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+import fsspec
+import torch
+from fsspec.implementations.local import LocalFileSystem
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+
+#: A meta.json larger than this is not a meta.json (guards against reading a huge wrong file).
+MAX_META_BYTES = 64 << 20
+
+_RESUME_HINT = "restore the files from a backup or start fresh (unset trainer.resume_from)"
+
+#: Test seam: called with the name of each save step as it completes (see tests/unit).
+_step_hook: Callable[[str], None] | None = None
+
+
+class CheckpointError(RuntimeError):
+    """A bundle cannot be saved, found, trusted or used; the message says which file and why."""
+
+
+# -- metadata --------------------------------------------------------------------------------------
+
+
+@dataclass
+class BundleMeta:
+    """What a resumed run needs besides the tensors; serialised as ``<stem>.meta.json``.
+
+    ``source`` is not serialised: :func:`load_bundle` / :func:`save_bundle` set it to the stem,
+    so messages can name the bundle.
+    """
+
+    schema_version: int
+    epoch: int  # completed epochs (resume starts at this epoch)
+    global_step: int  # total cohort batches trained so far
+    sync_round: int  # averaging windows completed
+    world_size: int
+    save_reason: str  # "checkpoint" | "graceful" | "max_failure" | "single_survivor" | "final"
+    elche_state: dict[str, Any] | None  # ElCheState.to_dict()
+    coverage: dict[str, Any]  # {"epoch", "n_samples", "uncovered": [[offset, size], ...]}
+    config_hash: str
+    signature: str  # model architecture fingerprint, see model_signature()
+    saved_at: float  # time.time()
+    pt_sha256: str = ""  # filled by save_bundle
+    pt_bytes: int = 0  # filled by save_bundle
+    flodl_version: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+    source: str = field(default="", compare=False, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain dict of JSON types (``source`` left out)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name in _SERIALISED}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], *, source: str = "") -> BundleMeta:
+        """Parse and validate a dict written by :meth:`to_dict`; :class:`CheckpointError` if bad.
+
+        An unknown ``schema_version`` is refused; unknown keys are ignored.
+        """
+        where = f"checkpoint meta {source}" if source else "checkpoint meta"
+        if not isinstance(d, Mapping):
+            raise CheckpointError(f"{where} is not a JSON object (got {type(d).__name__})")
+        version = d.get("schema_version")
+        if not _is_int(version):
+            raise CheckpointError(f"{where} has no integer schema_version (got {version!r})")
+        if version != SCHEMA_VERSION:
+            raise CheckpointError(
+                f"{where} has schema_version {version}, this flodl reads {SCHEMA_VERSION}: "
+                "resume with the flodl version that wrote it, or start fresh"
+            )
+        missing = [k for k in _REQUIRED if k not in d]
+        if missing:
+            raise CheckpointError(f"{where} lacks required keys {missing}")
+        values: dict[str, Any] = {}
+        for name in _SERIALISED:
+            if name in d:
+                values[name] = _FIELD_CHECKS[name](where, name, d[name])
+        return cls(**values, source=source)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _count(where: str, name: str, v: Any) -> int:
+    if not _is_int(v) or v < 0:
+        raise CheckpointError(f"{where}: {name} must be a non-negative integer, got {v!r}")
+    return int(v)
+
+
+def _text(where: str, name: str, v: Any) -> str:
+    if not isinstance(v, str):
+        raise CheckpointError(f"{where}: {name} must be a string, got {v!r}")
+    return v
+
+
+def _time(where: str, name: str, v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise CheckpointError(f"{where}: {name} must be a finite number, got {v!r}")
+    return float(v)
+
+
+def _obj(where: str, name: str, v: Any) -> dict[str, Any]:
+    if not isinstance(v, dict):
+        raise CheckpointError(f"{where}: {name} must be an object, got {type(v).__name__}")
+    return v
+
+
+def _obj_or_none(where: str, name: str, v: Any) -> dict[str, Any] | None:
+    return None if v is None else _obj(where, name, v)
+
+
+def _coverage(where: str, name: str, v: Any) -> dict[str, Any]:
+    cov = _obj(where, name, v)
+    for key in ("epoch", "n_samples"):
+        if key in cov:
+            _count(where, f"{name}.{key}", cov[key])
+    ranges = cov.get("uncovered", [])
+    ok = isinstance(ranges, list) and all(
+        isinstance(r, (list, tuple)) and len(r) == 2 and all(_is_int(x) and x >= 0 for x in r)
+        for r in ranges
+    )
+    if not ok:
+        raise CheckpointError(
+            f"{where}: {name}.uncovered must be a list of [offset, size] integer pairs"
+        )
+    return cov
+
+
+def _sha(where: str, name: str, v: Any) -> str:
+    s = _text(where, name, v)
+    if s and not re.fullmatch(r"[0-9a-f]{64}", s):
+        raise CheckpointError(f"{where}: {name} must be a hex sha256, got {s!r}")
+    return s
+
+
+def _world(where: str, name: str, v: Any) -> int:
+    n = _count(where, name, v)
+    if n < 1:
+        raise CheckpointError(f"{where}: {name} must be at least 1, got {n}")
+    return n
+
+
+_FIELD_CHECKS: dict[str, Callable[[str, str, Any], Any]] = {
+    "schema_version": _count,
+    "epoch": _count,
+    "global_step": _count,
+    "sync_round": _count,
+    "world_size": _world,
+    "save_reason": _text,
+    "elche_state": _obj_or_none,
+    "coverage": _coverage,
+    "config_hash": _text,
+    "signature": _text,
+    "saved_at": _time,
+    "pt_sha256": _sha,
+    "pt_bytes": _count,
+    "flodl_version": _text,
+    "extra": _obj,
+}
+_SERIALISED = tuple(_FIELD_CHECKS)
+_REQUIRED = tuple(
+    f.name
+    for f in fields(BundleMeta)
+    if f.name in _FIELD_CHECKS and f.name not in {"pt_sha256", "pt_bytes", "flodl_version", "extra"}
+)
+
+
+# -- storage ---------------------------------------------------------------------------------------
+
+_TMP_RE = re.compile(r"\.(?:pt|meta\.json)\.tmp-[0-9a-f]+")
+
+
+def _normalize(stem: str) -> str:
+    if not isinstance(stem, str) or not stem.strip():
+        raise CheckpointError(f"checkpoint stem must be a non-empty path or URL, got {stem!r}")
+    stem = stem.strip()
+    for ext in (".meta.json", ".pt"):
+        if stem.endswith(ext) and len(stem) > len(ext):
+            stem = stem[: -len(ext)]
+            break
+    base = stem.rstrip("/").rsplit("/", 1)[-1]
+    if stem.endswith("/") or not base:
+        raise CheckpointError(
+            f"checkpoint stem {stem} names a directory; give a file stem such as {stem}run"
+        )
+    if base.endswith(".prev") or _TMP_RE.search(base):
+        raise CheckpointError(
+            f"checkpoint stem {stem} ends in a name flodl reserves for its own files "
+            "('.prev', '.tmp-'); choose another stem"
+        )
+    return stem
+
+
+def _classify(suffix: str) -> tuple[str, str] | None:
+    """``suffix`` (the file name minus the stem's) -> (kind, group), or None if not ours."""
+    if suffix == ".pt":
+        return "pt", ""
+    if suffix == ".meta.json":
+        return "meta", ""
+    if suffix == ".prev.pt":
+        return "pt", "prev"
+    if suffix == ".prev.meta.json":
+        return "meta", "prev"
+    m = re.fullmatch(r"\.(pt|meta\.json)\.tmp-([0-9a-f]+)", suffix)
+    if m:
+        return ("pt" if m.group(1) == "pt" else "meta"), "tmp-" + m.group(2)
+    return None
+
+
+class _Store:
+    """The directory holding a stem's files, on a local disk (with fsync) or any fsspec fs."""
+
+    def __init__(self, stem: str) -> None:
+        self.stem = stem
+        try:
+            fs, path = fsspec.core.url_to_fs(stem)
+        except (ImportError, ValueError) as exc:
+            raise CheckpointError(f"cannot open checkpoint location {stem}: {exc}") from None
+        self.fs = fs
+        self.local = isinstance(fs, LocalFileSystem)
+        path = path.rstrip("/")
+        self.dir, self.base = posixpath.split(path)
+        if self.local:
+            self.dir, self.base = os.path.split(os.path.abspath(path))
+
+    def shown(self, name: str) -> str:
+        """How a file is named in messages: the user's stem plus our suffix."""
+        return self.stem + name[len(self.base) :]
+
+    def full(self, name: str) -> str:
+        return os.path.join(self.dir, name) if self.local else posixpath.join(self.dir, name)
+
+    def makedirs(self) -> None:
+        if self.dir:
+            self.fs.makedirs(self.dir, exist_ok=True)
+
+    def listing(self) -> dict[str, int]:
+        """Our files in the directory: name -> size."""
+        out: dict[str, int] = {}
+        if self.local:
+            try:
+                with os.scandir(self.dir or ".") as it:
+                    for e in it:
+                        if e.name.startswith(self.base + ".") and e.is_file():
+                            out[e.name] = e.stat().st_size
+            except (FileNotFoundError, NotADirectoryError):
+                pass
+            return out
+        try:
+            self.fs.invalidate_cache(self.dir)
+            entries = self.fs.ls(self.dir, detail=True)
+        except (FileNotFoundError, NotADirectoryError):
+            return out
+        for e in entries:
+            name = posixpath.basename(str(e.get("name", "")).rstrip("/"))
+            if e.get("type") == "file" and name.startswith(self.base + "."):
+                out[name] = int(e.get("size") or 0)
+        return out
+
+    def write(self, name: str, data: bytes) -> None:
+        if self.local:
+            with open(self.full(name), "xb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        else:
+            with self.fs.open(self.full(name), "wb") as f:
+                f.write(data)
+
+    def read(self, name: str) -> bytes:
+        if self.local:
+            with open(self.full(name), "rb") as f:
+                return f.read()
+        return bytes(self.fs.cat_file(self.full(name)))
+
+    def move(self, src: str, dst: str) -> None:
+        if self.local:
+            os.replace(self.full(src), self.full(dst))
+        else:
+            self.fs.mv(self.full(src), self.full(dst))
+
+    def remove(self, name: str) -> None:
+        try:
+            if self.local:
+                os.unlink(self.full(name))
+            else:
+                self.fs.rm(self.full(name))
+        except FileNotFoundError:
+            pass
+
+    def sync_dir(self) -> None:
+        """Make renames and new directory entries durable (local POSIX disks only)."""
+        if not self.local or os.name != "posix":
+            return
+        try:
+            fd = os.open(self.dir or ".", os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            os.fsync(fd)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
+def _step(name: str) -> None:
+    if _step_hook is not None:
+        _step_hook(name)
+
+
+# -- payload check ---------------------------------------------------------------------------------
+
+_LEAVES = (str, bytes, int, float, bool, complex, type(None), torch.dtype, torch.device, torch.Size)
+
+
+def _check_payload(obj: Any, where: str, stem: str, depth: int = 0) -> None:
+    """Refuse, at save time, anything ``torch.load(weights_only=True)`` would refuse at resume."""
+    t = type(obj)
+    if t in _LEAVES or isinstance(obj, torch.Tensor):
+        return
+    if depth > 64:
+        raise CheckpointError(f"cannot save checkpoint {stem}.pt: payload{where} nests too deep")
+    if t is dict or t is OrderedDict:
+        for k, v in obj.items():
+            if type(k) not in _LEAVES and type(k) is not tuple:
+                _refuse(stem, f"{where} has a key of type {_tname(k)}")
+            _check_payload(v, f"{where}[{k!r}]", stem, depth + 1)
+        return
+    if t is list or t is tuple:
+        for i, v in enumerate(obj):
+            _check_payload(v, f"{where}[{i}]", stem, depth + 1)
+        return
+    # Not on the list: accept it if this torch's safe unpickler does (newer torch allows more).
+    buf = io.BytesIO()
+    try:
+        torch.save(obj, buf)
+        buf.seek(0)
+        torch.load(buf, weights_only=True)
+    except Exception:
+        _refuse(stem, f"{where} is a {_tname(obj)}")
+
+
+def _tname(obj: Any) -> str:
+    t = type(obj)
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+def _refuse(stem: str, what: str) -> None:
+    raise CheckpointError(
+        f"cannot save checkpoint {stem}.pt: payload{what}; a bundle holds only tensors, dicts, "
+        "lists, tuples, numbers, strings and None (convert it, e.g. torch.as_tensor(x) or "
+        "float(x))"
+    )
+
+
+# -- save ------------------------------------------------------------------------------------------
+
+
+def _flodl_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("flodl")
+    except Exception:
+        return ""
+
+
+def save_bundle(
+    stem: str, payload: dict[str, Any], meta: BundleMeta, *, keep_previous: bool = False
+) -> BundleMeta:
+    """Write ``<stem>.pt`` and ``<stem>.meta.json`` atomically (see the module doc).
+
+    Returns the meta as written (``pt_sha256``, ``pt_bytes``, ``flodl_version`` and ``source``
+    filled); the caller's object is not modified. ``keep_previous=True`` keeps the bundle this
+    one replaces as ``<stem>.prev.{pt,meta.json}``, a fallback if the new one is later damaged.
+    Raises :class:`CheckpointError` for a payload that could not be resumed from, or an I/O
+    failure (the last good bundle is then untouched).
+    """
+    stem = _normalize(stem)
+    if not isinstance(payload, dict):
+        raise CheckpointError(
+            f"cannot save checkpoint {stem}.pt: the payload must be a dict, got {_tname(payload)}"
+        )
+    if meta.schema_version != SCHEMA_VERSION:
+        raise CheckpointError(
+            f"cannot save checkpoint {stem}: meta.schema_version is {meta.schema_version}, "
+            f"this flodl writes {SCHEMA_VERSION}"
+        )
+    _check_payload(payload, "", stem)
+    buf = io.BytesIO()
+    try:
+        torch.save(payload, buf)
+    except Exception as exc:
+        raise CheckpointError(
+            f"cannot save checkpoint {stem}.pt: torch.save failed: {exc}"
+        ) from exc
+    data = buf.getvalue()
+    meta = replace(
+        meta,
+        pt_sha256=hashlib.sha256(data).hexdigest(),
+        pt_bytes=len(data),
+        flodl_version=meta.flodl_version or _flodl_version(),
+        source=stem,
+    )
+    try:
+        meta_bytes = json.dumps(meta.to_dict(), indent=1, sort_keys=True).encode()
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(
+            f"cannot save checkpoint {stem}.meta.json: the metadata is not JSON ({exc})"
+        ) from exc
+    BundleMeta.from_dict(json.loads(meta_bytes), source=stem)  # never write what load refuses
+
+    store = _Store(stem)
+    base = store.base
+    tag = secrets.token_hex(6)
+    tmp_pt, tmp_meta = f"{base}.pt.tmp-{tag}", f"{base}.meta.json.tmp-{tag}"
+    try:
+        store.makedirs()
+        store.write(tmp_pt, data)
+        _step("tmp_pt")
+        store.write(tmp_meta, meta_bytes)
+        _step("tmp_meta")
+        store.sync_dir()
+    except Exception as exc:  # a failed write: drop our temporaries, the old bundle stands
+        for name in (tmp_pt, tmp_meta):
+            try:
+                store.remove(name)
+            except Exception:
+                pass
+        raise CheckpointError(
+            f"cannot write checkpoint {stem}.pt: {exc}; the previous bundle (if any) is "
+            "untouched; check the location and free space"
+        ) from exc
+
+    # A complete new pair now exists under temporary names; load_bundle would already find it.
+    try:
+        present = store.listing()
+        if f"{base}.pt" in present:
+            store.move(f"{base}.pt", f"{base}.prev.pt")
+            _step("park_pt")
+        if f"{base}.meta.json" in present:
+            store.move(f"{base}.meta.json", f"{base}.prev.meta.json")
+            _step("park_meta")
+        store.move(tmp_pt, f"{base}.pt")
+        _step("commit_pt")
+        store.move(tmp_meta, f"{base}.meta.json")
+        _step("commit_meta")
+        store.sync_dir()
+    except Exception as exc:
+        raise CheckpointError(
+            f"cannot commit checkpoint {stem}: {exc}; the new bundle was written as "
+            f"{store.shown(tmp_pt)} and load_bundle will still find it"
+        ) from exc
+
+    for name in store.listing():
+        suffix = name[len(base) :]
+        if _TMP_RE.fullmatch(suffix) or (
+            not keep_previous and suffix in (".prev.pt", ".prev.meta.json")
+        ):
+            try:
+                store.remove(name)
+            except Exception as exc:  # leftovers are harmless: the next save retries
+                log.warning("could not remove stale checkpoint file %s: %s", store.shown(name), exc)
+    _step("cleanup")
+    return meta
+
+
+# -- load ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Candidate:
+    meta: BundleMeta
+    name: str
+    group: str
+
+    def key(self) -> tuple[int, int, int, float, int]:
+        m = self.meta
+        prefer = {"": 2, "prev": 0}.get(self.group, 1)
+        return (m.epoch, m.global_step, m.sync_round, m.saved_at, prefer)
+
+
+def _read_metas(store: _Store, files: dict[str, int]) -> tuple[list[_Candidate], list[str]]:
+    found: list[_Candidate] = []
+    problems: list[str] = []
+    for name, size in sorted(files.items()):
+        kind_group = _classify(name[len(store.base) :])
+        if kind_group is None or kind_group[0] != "meta":
+            continue
+        group = kind_group[1]
+        shown = store.shown(name)
+        try:
+            if size > MAX_META_BYTES:
+                raise CheckpointError(f"checkpoint meta {shown} is {size} bytes, not a meta.json")
+            raw = store.read(name)
+            try:
+                d = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, ValueError) as exc:
+                raise CheckpointError(
+                    f"checkpoint meta {shown} is not valid JSON ({exc}); the bundle is corrupt"
+                ) from None
+            meta = BundleMeta.from_dict(d, source=shown)
+            meta.source = store.stem
+            found.append(_Candidate(meta, name, group))
+        except CheckpointError as exc:
+            # A torn temporary is the normal trace of an interrupted save; say nothing of it.
+            if not group.startswith("tmp-"):
+                problems.append(str(exc))
+        except Exception as exc:  # OSError, or a remote filesystem's own error
+            if not group.startswith("tmp-"):
+                problems.append(f"cannot read checkpoint meta {shown}: {exc}")
+    return found, problems
+
+
+def _pt_names(store: _Store, files: dict[str, int], cand: _Candidate) -> list[str]:
+    """The .pt files that could belong to ``cand``: its namesake first, then the others."""
+    suffix = ".pt" if not cand.group else (".prev.pt" if cand.group == "prev" else None)
+    if suffix is None:
+        namesake = f"{store.base}.pt.{cand.group}"
+    else:
+        namesake = store.base + suffix
+    others = sorted(
+        n
+        for n in files
+        if n != namesake and (_classify(n[len(store.base) :]) or ("", ""))[0] == "pt"
+    )
+    return [namesake, *others]
+
+
+def _load_candidate(
+    store: _Store,
+    files: dict[str, int],
+    cand: _Candidate,
+    blobs: dict[str, bytes],
+    hashes: dict[str, str],
+    map_location: Any,
+) -> tuple[tuple[str, dict[str, Any]] | None, list[str]]:
+    """Find and load the .pt that ``cand`` describes: ((shown name, payload) | None, problems).
+
+    Problems are reported for the meta's namesake .pt and for a matching .pt that will not load;
+    another .pt merely not matching is not a problem (it belongs to another meta).
+    """
+    m = cand.meta
+    meta_shown = store.shown(cand.name)
+    problems: list[str] = []
+    for i, name in enumerate(_pt_names(store, files, cand)):
+        shown = store.shown(name)
+        namesake = i == 0
+        if name not in files:
+            if namesake and not cand.group.startswith("tmp-"):
+                problems.append(f"checkpoint {shown} is missing ({meta_shown} describes it)")
+            continue
+        if files[name] != m.pt_bytes:
+            if namesake:
+                problems.append(
+                    f"checkpoint {shown} is corrupt or truncated ({files[name]} bytes, "
+                    f"{meta_shown} records {m.pt_bytes})"
+                )
+            continue
+        try:
+            if name not in blobs:
+                blobs[name] = store.read(name)
+                hashes[name] = hashlib.sha256(blobs[name]).hexdigest()
+        except Exception as exc:
+            problems.append(f"cannot read checkpoint {shown}: {exc}")
+            continue
+        if hashes[name] != m.pt_sha256:
+            if namesake:
+                problems.append(
+                    f"checkpoint {shown} is corrupt or truncated (sha256 mismatch with "
+                    f"{meta_shown})"
+                )
+            continue
+        try:
+            payload = torch.load(
+                io.BytesIO(blobs[name]), map_location=map_location, weights_only=True
+            )
+        except Exception as exc:
+            text = str(exc).strip()
+            detail = text.splitlines()[0][:300] if text else repr(exc)
+            problems.append(
+                f"checkpoint {shown} cannot be loaded with torch.load(weights_only=True) "
+                f"({type(exc).__name__}: {detail})"
+            )
+            continue
+        if not isinstance(payload, dict):
+            problems.append(f"checkpoint {shown} holds a {_tname(payload)}, not a dict")
+            continue
+        return (shown, payload), []
+    return None, problems
+
+
+def load_bundle(stem: str, map_location: Any = "cpu") -> tuple[dict[str, Any], BundleMeta]:
+    """Load the newest complete bundle at ``stem``: ``(payload, meta)``.
+
+    Verifies the ``.pt`` against the size and sha256 recorded in its meta, then loads it with
+    ``torch.load(weights_only=True)``. A damaged newest bundle falls back, with a warning, to
+    an older complete one when there is one (a ``.prev`` pair, or the pair an interrupted save
+    left); otherwise :class:`CheckpointError` names the file and the problem.
+    """
+    stem = _normalize(stem)
+    store = _Store(stem)
+    try:
+        files = store.listing()
+    except Exception as exc:
+        raise CheckpointError(f"cannot list checkpoint location {stem}: {exc}") from exc
+    metas, problems = _read_metas(store, files)
+    if not metas and not problems:
+        pts = [n for n in files if (_classify(n[len(store.base) :]) or ("", ""))[0] == "pt"]
+        if pts:
+            raise CheckpointError(
+                f"no checkpoint at {stem}.meta.json (found {store.shown(sorted(pts)[0])} "
+                "without its meta.json: the bundle is incomplete); " + _RESUME_HINT
+            )
+        raise CheckpointError(
+            f"no checkpoint at {stem}.meta.json; check trainer.resume_from (a stem, without "
+            "extension) or start fresh"
+        )
+
+    metas.sort(key=_Candidate.key, reverse=True)
+    blobs: dict[str, bytes] = {}
+    hashes: dict[str, str] = {}
+    for cand in metas:
+        loaded, trouble = _load_candidate(store, files, cand, blobs, hashes, map_location)
+        if loaded is None:
+            problems.extend(trouble)
+            continue
+        shown, payload = loaded
+        if problems:
+            log.warning(
+                "%s; the last good bundle was %s (epoch %d, step %d), loading that",
+                "; ".join(problems),
+                shown,
+                cand.meta.epoch,
+                cand.meta.global_step,
+            )
+        return payload, cand.meta
+    raise CheckpointError(
+        f"{problems[0]}; no complete bundle was found at {stem}: {_RESUME_HINT}"
+        if problems
+        else f"no complete checkpoint at {stem}: no .pt matches its meta.json; {_RESUME_HINT}"
+    )
+
+
+def bundle_exists(stem: str) -> bool:
+    """Is there a bundle at ``stem``? (A meta that parses and a ``.pt`` of its size; not hashed.)"""
+    stem = _normalize(stem)
+    store = _Store(stem)
+    try:
+        files = store.listing()
+    except Exception:
+        return False
+    metas, _ = _read_metas(store, files)
+    return any(files.get(n) == c.meta.pt_bytes for c in metas for n in _pt_names(store, files, c))
+
+
+# -- compatibility ---------------------------------------------------------------------------------
+
+
+def check_compatible(meta: BundleMeta, *, signature: str, world_size: int) -> None:
+    """Refuse a bundle of another model or another cluster size, saying what to do instead."""
+    where = f"checkpoint {meta.source}" if meta.source else "checkpoint"
+    if meta.signature != signature:
+        raise CheckpointError(
+            f"{where} was saved for another model (signature {meta.signature} != {signature}); "
+            "point trainer.resume_from at a bundle of this model"
+        )
+    if meta.world_size != world_size:
+        raise CheckpointError(
+            f"{where} was saved by {meta.world_size} ranks, this run has {world_size}: resume "
+            f"with the same cluster size (cluster.ranks={meta.world_size}) or start fresh"
+        )
+
+
+def model_signature(model: torch.nn.Module | Mapping[str, torch.Tensor]) -> str:
+    """Architecture fingerprint: a hash of the state dict's names, shapes and dtypes (16 hex)."""
+    state = model.state_dict() if isinstance(model, torch.nn.Module) else model
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name]
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}\n".encode())
+    return h.hexdigest()[:16]

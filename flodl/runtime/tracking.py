@@ -1,0 +1,140 @@
+"""The controller's bookkeeping: what each window and each epoch has seen, and the result."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from flodl.metrics import EpochMetrics, SyncEvent
+from flodl.runtime.dispatch import Coverage
+from flodl.runtime.messages import Chunk, Final, Report
+
+
+@dataclass
+class WindowTrack:
+    """One planned window: what each rank was given and what it reported."""
+
+    index: int
+    epoch: int
+    batches: list[int]
+    chunks: list[tuple[Chunk, ...]]
+    expected: set[int]
+    reports: dict[int, Report] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return self.expected <= set(self.reports)
+
+
+@dataclass
+class EpochTrack:
+    """Running totals of one epoch, closed into :class:`EpochMetrics` once it is all done."""
+
+    epoch: int
+    world: int
+    planned: int = 0
+    done: int = 0
+    all_planned: bool = False
+    eval_rank: int | None = None
+    eval_value: float | None = None
+    start: float = 0.0
+    end: float = 0.0
+    samples: int = 0
+    loss_sum: float = 0.0
+    loss_count: int = 0
+    lr: float | None = None
+    scalars: dict[str, list[float]] = field(default_factory=dict)
+    batches: list[int] = field(default_factory=list)
+    rank_samples: list[int] = field(default_factory=list)
+    rank_loss: list[list[float]] = field(default_factory=list)
+    compute_ms: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.batches = [0] * self.world
+        self.rank_samples = [0] * self.world
+        self.rank_loss = [[0.0, 0.0] for _ in range(self.world)]
+        self.compute_ms = [0.0] * self.world
+
+    def add(self, report: Report) -> None:
+        r = report.rank
+        self.batches[r] += report.batches
+        self.rank_samples[r] += report.samples
+        self.samples += report.samples
+        self.compute_ms[r] += report.compute_ms
+        self.lr = report.lr if report.lr is not None else self.lr
+        self.loss_sum += report.loss_sum
+        self.loss_count += report.loss_count
+        self.rank_loss[r][0] += report.loss_sum
+        self.rank_loss[r][1] += report.loss_count
+        for name, (total, count) in report.scalars.items():
+            acc = self.scalars.setdefault(name, [0.0, 0.0])
+            acc[0] += total
+            acc[1] += count
+
+    def remove(self, report: Report) -> None:
+        """Take back a lost rank's report (its work is trained again by others)."""
+        r = report.rank
+        self.batches[r] -= report.batches
+        self.rank_samples[r] -= report.samples
+        self.samples -= report.samples
+        self.compute_ms[r] -= report.compute_ms
+        self.loss_sum -= report.loss_sum
+        self.loss_count -= report.loss_count
+        self.rank_loss[r][0] -= report.loss_sum
+        self.rank_loss[r][1] -= report.loss_count
+
+    @property
+    def closed(self) -> bool:
+        waiting_eval = self.eval_rank is not None and self.eval_value is None
+        return self.all_planned and self.done == self.planned and not waiting_eval
+
+    def metrics(self, syncs: int, last: SyncEvent | None, anchor: int) -> EpochMetrics:
+        epoch_s = max(self.end - self.start, 1e-9)
+        per_rank = [
+            {
+                "loss": (ls / lc) if lc else math.nan,
+                "batches": float(self.batches[r]),
+                "samples": float(self.rank_samples[r]),
+                "compute_ms": self.compute_ms[r],
+            }
+            for r, (ls, lc) in enumerate(self.rank_loss)
+        ]
+        return EpochMetrics(
+            epoch=self.epoch,
+            avg_loss=self.loss_sum / self.loss_count if self.loss_count else math.nan,
+            epoch_ms=epoch_s * 1000.0,
+            scalars={k: s / c for k, (s, c) in self.scalars.items() if c},
+            per_rank=per_rank,
+            per_rank_throughput=[s / epoch_s for s in self.rank_samples],
+            per_rank_batch_share=shares(self.batches),
+            device_indices=list(range(self.world)),
+            syncs=syncs,
+            anchor=last.anchor if last else anchor,
+            overhead=last.overhead if last else 0.0,
+            eval_value=self.eval_value,
+            lr=self.lr,
+        )
+
+
+def shares(batches: list[int]) -> list[float]:
+    total = sum(batches)
+    return [b / total if total else 0.0 for b in batches]
+
+
+@dataclass
+class ControllerResult:
+    final: Final | None
+    epochs: list[EpochMetrics]
+    events: list[SyncEvent]
+    coverage: Coverage | None
+    train_s: float
+    samples: int
+    rank_samples: list[int]
+    rank_batches: list[int]
+    rank_compute_ms: list[float]
+    devices: list[str]
+    stopped: str | None = None
+    saved: list[str] = field(default_factory=list)
+    lost_ranks: list[int] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
