@@ -88,6 +88,16 @@ def _paced_ideal(result: dict[str, Any], speeds: list[float]) -> float | None:
     return BATCH * sum(speeds) / (t_ms / 1000.0)
 
 
+def _work(result: dict[str, Any]) -> float | None:
+    """samples/s x T: throughput in samples per nominal step, independent of the run's own T."""
+    t_ms = result.get("nominal_step_ms")
+    return result["samples_per_s"] * t_ms / 1000.0 if t_ms else None
+
+
+def _sum(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a + b
+
+
 def summarise(
     rigs: list[list[float]], repeats: list[dict[tuple[str, tuple[float, ...]], dict[str, Any]]]
 ) -> list[dict[str, Any]]:
@@ -104,7 +114,7 @@ def summarise(
                 key = (variant, tuple(rig))
             runs = [rep.get(key) for rep in repeats]
             ok = [r for r in runs if r and r.get("status") == "ok"]
-            eff, eff_t, vs_ddp, vs_ddp_wall = [], [], [], []
+            eff, eff_m, eff_t, vs_ddp, vs_ddp_m, vs_ddp_wall = [], [], [], [], [], []
             for rep, run in zip(repeats, runs, strict=True):
                 if not run or run.get("status") != "ok":
                     continue
@@ -112,10 +122,14 @@ def summarise(
                 ddp = rep.get(("ddp", tuple(rig)))
                 if sf and ss and sf.get("status") == ss.get("status") == "ok":
                     eff.append(run["samples_per_s"] / (sf["samples_per_s"] + ss["samples_per_s"]))
+                    eff_m.append(
+                        ratio(_work(run), _sum(_work(sf), _work(ss)))  # at equal T (see README)
+                    )
                 speeds_used = list(key[1])
                 eff_t.append(ratio(run["samples_per_s"], _paced_ideal(run, speeds_used)))
                 if ddp and ddp.get("status") == "ok":
                     vs_ddp.append(run["samples_per_s"] / ddp["samples_per_s"])
+                    vs_ddp_m.append(ratio(_work(run), _work(ddp)))
                     vs_ddp_wall.append(run["train_s"] / ddp["train_s"])
             rows.append(
                 {
@@ -126,8 +140,10 @@ def summarise(
                     "samples": median([r["samples"] for r in ok]),
                     "samples_per_s": median([r["samples_per_s"] for r in ok]),
                     "efficiency": median(eff),
+                    "efficiency_T_matched": median(eff_m),
                     "efficiency_own_T": median(eff_t),
                     "vs_ddp": median(vs_ddp),
+                    "vs_ddp_T_matched": median(vs_ddp_m),
                     "train_s_vs_ddp": median(vs_ddp_wall),
                     "test_accuracy": median([r["test_metric"] for r in ok]),
                     "syncs": median([r["syncs"] for r in ok]),

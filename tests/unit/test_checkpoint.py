@@ -66,17 +66,46 @@ def _meta(epoch: int = 1, **kw: Any) -> BundleMeta:
 
 
 def _payload(epoch: int = 1) -> dict[str, Any]:
+    """Shaped like the controller's bundle; the optimizer/scheduler state dicts are written out
+    by hand (building a real optimizer imports torch._dynamo: seconds, for nothing)."""
     model = torch.nn.Linear(4, 3)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    model(torch.randn(2, 4)).sum().backward()
-    opt.step()
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+    params = OrderedDict((k, v.detach().clone()) for k, v in model.named_parameters())
+    adam = {
+        "state": {
+            i: {"step": torch.tensor(1.0), "exp_avg": torch.randn_like(p), "exp_avg_sq": p * p}
+            for i, p in enumerate(params.values())
+        },
+        "param_groups": [
+            {
+                "lr": 1e-3,
+                "betas": (0.9, 0.999),
+                "eps": 1e-8,
+                "weight_decay": 0.0,
+                "amsgrad": False,
+                "foreach": None,
+                "maximize": False,
+                "capturable": False,
+                "differentiable": False,
+                "fused": None,
+                "params": [0, 1],
+            }
+        ],
+    }
+    step_lr = {
+        "step_size": 2,
+        "gamma": 0.1,
+        "base_lrs": [1e-3],
+        "last_epoch": epoch,
+        "_step_count": epoch + 1,
+        "_get_lr_called_within_step": False,
+        "_last_lr": [1e-3],
+    }
     return {
         "epoch_tag": epoch,
-        "params": OrderedDict((k, v.detach().clone()) for k, v in model.named_parameters()),
-        "buffers": {},
-        "optimizer": {0: opt.state_dict(), 1: opt.state_dict()},
-        "scheduler": {0: sched.state_dict(), 1: None},
+        "params": params,
+        "buffers": {"running_mean": torch.zeros(3, dtype=torch.float64)},
+        "optimizer": {0: adam, 1: adam},
+        "scheduler": {0: step_lr, 1: None},
         "rng": {0: torch.get_rng_state(), 1: torch.get_rng_state()},
         "misc": [1, 2.5, "x", None, True, (3, 4), b"raw", torch.Size([2, 3]), torch.float16],
     }
