@@ -110,13 +110,15 @@ def hand_loop(name: str, epochs: int) -> dict[str, Any]:
 
 
 def run_one(payload: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
     name, epochs = payload["model"], payload["epochs"]
+    if payload.get("threads"):
+        torch.set_num_threads(payload["threads"])  # process-wide; flodl's worker thread inherits
     load_before = os.getloadavg()
     if payload["variant"] == "hand":
         result = hand_loop(name, epochs)
     else:
-        import torch
-
         from bench.common import run_flodl
 
         result = run_flodl(
@@ -137,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--epochs", type=int, default=6, help="epochs of the 4,000-sample split")
     parser.add_argument("--models", nargs="+", default=["lenet", "mlp"])
+    parser.add_argument(
+        "--threads", nargs="+", type=int, default=[1, 2], help="torch threads (both sides)"
+    )
     parser.add_argument("--quick", action="store_true", help="smoke test: 1 repeat, 1 epoch")
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--quiet-cores", type=float, default=0.6)
@@ -149,19 +154,21 @@ def main(argv: list[str] | None = None) -> int:
             args.out = "overhead_quick"
     info = machine()
     started = time.perf_counter()
-    runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    runs: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+    configs = [(name, threads) for name in args.models for threads in args.threads]
     for rep in range(args.repeats):
-        for name in args.models:
+        for name, threads in configs:
             variants = ["flodl", "hand"] if rep % 2 == 0 else ["hand", "flodl"]
             for variant in variants:
                 quiet = wait_quiet(args.quiet_cores, args.max_wait)
                 payload = {"model": name, "variant": variant, "epochs": args.epochs}
+                payload["threads"] = threads
                 res = run_isolated("bench.overhead", payload, args.timeout)
                 res.update(quiet)
-                runs.setdefault((name, variant), []).append(res)
+                runs.setdefault((name, threads, variant), []).append(res)
                 if res.get("status") == "ok":
                     log(
-                        f"[{rep + 1}/{args.repeats}] {name:<6} {variant:<5} train "
+                        f"[{rep + 1}/{args.repeats}] {name:<6} {threads}t {variant:<5} train "
                         f"{res['train_s']:6.3f} s  total {res['total_s']:6.2f} s  "
                         f"loss {res['final_loss']:.4f}  metric {res['test_metric']:.4f}"
                     )
@@ -169,19 +176,20 @@ def main(argv: list[str] | None = None) -> int:
                     log(f"[{rep + 1}/{args.repeats}] {name} {variant} FAILED: {res.get('error')}")
                     log(str(res.get("log", ""))[-2000:])
     rows = []
-    for name in args.models:
-        flodl_runs = [r for r in runs[(name, "flodl")] if r.get("status") == "ok"]
-        hand_runs = [r for r in runs[(name, "hand")] if r.get("status") == "ok"]
+    for name, threads in configs:
+        flodl_all, hand_all = runs[(name, threads, "flodl")], runs[(name, threads, "hand")]
+        flodl_runs = [r for r in flodl_all if r.get("status") == "ok"]
+        hand_runs = [r for r in hand_all if r.get("status") == "ok"]
         pairs = [
             (f, h)
-            for f, h in zip(runs[(name, "flodl")], runs[(name, "hand")], strict=True)
+            for f, h in zip(flodl_all, hand_all, strict=True)
             if f.get("status") == h.get("status") == "ok"
         ]
         rows.append(
             {
                 "model": name,
                 "steps": flodl_runs[0]["steps"] if flodl_runs else None,
-                "threads": flodl_runs[0].get("threads") if flodl_runs else None,
+                "threads": threads,
                 "flodl_train_s": median([r["train_s"] for r in flodl_runs]),
                 "hand_train_s": median([r["train_s"] for r in hand_runs]),
                 # per repeat (flodl and hand back to back), then the median
@@ -211,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                             h.get("others_busy_cores"),
                         ],
                     }
-                    for f, h in zip(runs[(name, "flodl")], runs[(name, "hand")], strict=True)
+                    for f, h in zip(flodl_all, hand_all, strict=True)
                 ],
             }
         )
@@ -226,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             "seed": SEED,
             "repeats": args.repeats,
             "models": args.models,
+            "threads": args.threads,
             "quick": args.quick,
             "bench_wall_s": time.perf_counter() - started,
         },

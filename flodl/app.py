@@ -178,6 +178,10 @@ def cli(main: Callable[[], Any]) -> None:
         with _sigterm_as_interrupt():
             main()
     except KeyboardInterrupt as exc:
+        if os.environ.get("FLODL_FULL_ERROR"):
+            import traceback
+
+            traceback.print_exc()
         code = getattr(exc, "exit_code", 130)
         print(
             f"error: interrupted (exit {code}); see summary.json for what was saved",

@@ -98,6 +98,9 @@ class RunHandle:
         self._job = job
         self._result: RunResult | None = None
         self._error: BaseException | None = None
+        # Waiting on an Event, not Thread.join: a Ctrl-C that interrupts Thread.join can leave
+        # the thread marked finished (CPython < 3.13), and the graceful stop would be cut short.
+        self._done = threading.Event()
         self._thread = threading.Thread(target=self._target, name="flodl-run", daemon=True)
         self._thread.start()
 
@@ -106,6 +109,8 @@ class RunHandle:
             self._result = self._job.execute()
         except BaseException as exc:
             self._error = exc
+        finally:
+            self._done.set()
 
     @property
     def job_dir(self) -> Path:
@@ -120,21 +125,23 @@ class RunHandle:
         return self._job.wait_cooperative_worker()
 
     def done(self) -> bool:
-        return not self._thread.is_alive()
+        return self._done.is_set()
 
     def join(self, timeout: float | None = None) -> TrainedState:
         """Wait for the run; Ctrl-C stops every rank before it propagates."""
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             with _sigterm_as_interrupt():
-                while self._thread.is_alive():
+                while not self._done.is_set():
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
                         raise TimeoutError("run still in progress")
-                    self._thread.join(timeout=0.2 if left is None else min(0.2, left))
+                    self._done.wait(timeout=0.2 if left is None else min(0.2, left))
         except KeyboardInterrupt:
             self._job.request_stop()  # graceful: in-flight windows, a bundle, then teardown
-            self._thread.join(timeout=30)
+            self._done.wait(timeout=30)
+            if self._error is not None and not isinstance(self._error, KeyboardInterrupt):
+                log.error("while stopping: %s", self._error)
             raise
         if self._error is not None:
             raise self._error

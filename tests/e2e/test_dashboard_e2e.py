@@ -146,7 +146,7 @@ def alive(p: psutil.Process) -> bool:
         return False
 
 
-# -- served TensorBoard ---------------------------------------------------------------------------
+# -- served TensorBoard ----------------------------------------------------------------------------
 @pytest.mark.slow
 def test_served_tensorboard_over_http_then_sigint_releases_everything(tmp_path: Path) -> None:
     port = free_port()
@@ -196,9 +196,7 @@ def test_served_tensorboard_over_http_then_sigint_releases_everything(tmp_path: 
         assert [step for _, step, _ in points] == [0, 1]
         assert points[-1][2] == pytest.approx(summary["final_loss"], rel=1e-6)
         # The resolved config is served as text, for Hydra jobs.
-        text_tags = poll_json(
-            url + "data/plugin/text/tags", lambda t: "0/tb" in t, deadline
-        )
+        text_tags = poll_json(url + "data/plugin/text/tags", lambda t: "0/tb" in t, deadline)
         assert text_tags["0/tb"] == [CONFIG_TAG]
 
         children = [p for p in launcher.children(recursive=True) if alive(p)]
@@ -225,7 +223,7 @@ def test_port_in_use_fails_before_training(tmp_path: Path) -> None:
     assert not [line for line in out.stdout.splitlines() if EPOCH_LINE.match(line)]
 
 
-# -- A/B report -----------------------------------------------------------------------------------
+# -- A/B report ------------------------------------------------------------------------------------
 def _md_rows(md: str) -> dict[str, list[str]]:
     """The report table's rows by job: ``| 0 | nccl_sync | ... |`` -> cells."""
     rows = {}
@@ -301,7 +299,7 @@ def test_sweep_ab_report_matches_job_summaries(tmp_path: Path) -> None:
         assert final[-1].value == pytest.approx(summary["final_loss"], rel=1e-6)
 
 
-# -- console ----------------------------------------------------------------------------------------
+# -- console ---------------------------------------------------------------------------------------
 CHATTY = '''
 import logging
 
@@ -331,9 +329,7 @@ def test_console_has_one_epoch_line_per_epoch_and_ranks_info_stays_in_rank_logs(
     modules.mkdir()
     (modules / "flodl_obs_chatty.py").write_text(CHATTY)
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(modules), env.get("PYTHONPATH", "")) if p
-    )
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(modules), env.get("PYTHONPATH", "")) if p)
     sweep = tmp_path / "sweep"
     out = run_py([*FAST, "model._target_=flodl_obs_chatty.ChattyMLP"], sweep, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -354,7 +350,9 @@ def test_console_has_one_epoch_line_per_epoch_and_ranks_info_stays_in_rank_logs(
         assert "chatty-print built" in rank_log
         assert out.stderr.count(f"[rank {rank}] WARNING chatty: chatty-warning built") == 1
         assert out.stderr.count(f"[rank {rank}] chatty-print built") == 1
-    assert not [line for line in console.splitlines() if line.startswith("[rank") and " INFO " in line]
+    assert not [
+        line for line in console.splitlines() if line.startswith("[rank") and " INFO " in line
+    ]
 
     # The resolved config (with the override applied) is logged as text for a Hydra job.
     acc = ea.EventAccumulator(str(sweep / "0" / "tb"), size_guidance={ea.TENSORS: 0}).Reload()

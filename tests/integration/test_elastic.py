@@ -44,17 +44,26 @@ def killing_run(tmp_path, mode, ranks, victim, kill_at_epoch=0, epochs=3, **trai
         .batch_size(32)
         .num_epochs(epochs)
         .elche(ElCheConfig(mode=mode))
-        .cluster(ClusterConfig(kind="cpu_rig", ranks=ranks, speeds=[1.0, 0.7, 0.5][:ranks],
-                               warmup_steps=2))
+        .cluster(
+            ClusterConfig(
+                kind="cpu_rig", ranks=ranks, speeds=[1.0, 0.7, 0.5][:ranks], warmup_steps=2
+            )
+        )
         .logger(LoggerConfig(progress="off", tensorboard=False))
         .metrics_fn(metrics)
         .output_dir(tmp_path / mode)
     )
     cfg = builder.build_config().with_(**trainer)
     handle = Trainer.run(
-        model_factory, optim_factory, classification_step, cfg,
-        dataset=partial(data, "train", 3072), eval_dataset=partial(data, "test"),
-        eval_fn=accuracy, metrics_fn=metrics, job_dir=tmp_path / mode,
+        model_factory,
+        optim_factory,
+        classification_step,
+        cfg,
+        dataset=partial(data, "train", 3072),
+        eval_dataset=partial(data, "test"),
+        eval_fn=accuracy,
+        metrics_fn=metrics,
+        job_dir=tmp_path / mode,
     )
     return handle, killed
 

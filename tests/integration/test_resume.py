@@ -31,16 +31,23 @@ def run(tmp_path, name, epochs, ranks=2, model=model_factory, **trainer):
         .num_epochs(epochs)
         .scheduler(step_lr)
         .elche(ElCheConfig.nccl_sync())
-        .cluster(ClusterConfig(kind="cpu_rig", ranks=ranks, speeds=[1.0, 0.5][:ranks],
-                               warmup_steps=2))
+        .cluster(
+            ClusterConfig(kind="cpu_rig", ranks=ranks, speeds=[1.0, 0.5][:ranks], warmup_steps=2)
+        )
         .logger(LoggerConfig(progress="off", tensorboard=False))
         .output_dir(tmp_path / name)
     )
     cfg = builder.build_config().with_(**trainer)
     handle = Trainer.run(
-        model, optim_factory, classification_step, cfg,
-        dataset=partial(data, "train", 512), eval_dataset=partial(data, "test"),
-        eval_fn=accuracy, scheduler_factory=step_lr, job_dir=tmp_path / name,
+        model,
+        optim_factory,
+        classification_step,
+        cfg,
+        dataset=partial(data, "train", 512),
+        eval_dataset=partial(data, "test"),
+        eval_fn=accuracy,
+        scheduler_factory=step_lr,
+        job_dir=tmp_path / name,
     )
     return handle, handle.join(timeout=240)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from flodl.config import CallbackPolicy, ElCheConfig, TrainerConfig
 from flodl.runtime.controller import Controller, RunFailed
@@ -127,3 +128,82 @@ def test_lookahead_keeps_one_window_queued():
     _ctl, links = make()
     plans = [m for m in links[0].sent if isinstance(m, Plan)]
     assert len(plans) == 2  # the current window and the next one
+
+
+def test_graceful_stop_mid_epoch_saves_the_uncovered_rest(tmp_path):
+    from flodl.checkpoint import load_bundle
+    from flodl.runtime.messages import RankState
+    from flodl.runtime.snapshots import Checkpointer
+
+    cfg = TrainerConfig(num_epochs=2, batch_size=10, elche=ElCheConfig(anchor=2))
+    stem = str(tmp_path / "ck")
+    ctl = Controller(
+        cfg, 2, [1.0, 1.0], has_eval=False, checkpointer=Checkpointer(stem, None, "hash", 2)
+    )
+    links = [FakeLink(), FakeLink()]
+    for r in range(2):
+        ctl.attach(r, links[r])
+        ctl._handle(r, Ready(r, "sig", 10, 1.0, "cpu", 1000))
+    # answer only the first window, then ask to stop
+    for rank in range(2):
+        w = links[rank].sent[0].windows[0]
+        b = chunk_batches(w.chunks, 10)
+        ctl._handle(
+            rank,
+            Report(
+                rank,
+                w.index,
+                w.epoch,
+                w.chunks,
+                b,
+                sum(s for _, s in w.chunks),
+                1.0,
+                1.0,
+                b,
+                prev_sync_ms=1.0,
+                lr=1e-3,
+            ),
+        )
+    ctl.begin_stop("interrupted")
+    assert not any(isinstance(m, Stop) for m in links[0].sent)  # window 1 is still in flight
+    in_flight = {r: [m for m in links[r].sent[1:] if isinstance(m, Plan)] for r in range(2)}
+    assert in_flight[0]  # the lookahead window(s) planned before the stop
+    for rank in range(2):
+        for plan in in_flight[rank]:
+            for w in plan.windows:
+                b = chunk_batches(w.chunks, 10)
+                ctl._handle(
+                    rank,
+                    Report(
+                        rank,
+                        w.index,
+                        w.epoch,
+                        w.chunks,
+                        b,
+                        sum(s for _, s in w.chunks),
+                        1.0,
+                        1.0,
+                        b,
+                        prev_sync_ms=1.0,
+                        lr=1e-3,
+                    ),
+                )
+    assert not [m for m in links[0].sent if isinstance(m, Plan)][len(in_flight[0]) + 1 :]
+    stops = [m for m in links[0].sent if isinstance(m, Stop)]
+    assert len(stops) == 1 and stops[0].checkpoint
+    weights = {"w": torch.zeros(2)}
+    for rank in range(2):
+        ctl._handle(rank, RankState(rank, -1, {}, None, torch.zeros(1), weights, {}))
+    ctl._handle(0, Final(0, weights, {}))
+    assert ctl._finished()
+    _, meta = load_bundle(stem)
+    assert meta.save_reason == "interrupted" and meta.epoch == 0
+    covered = sum(
+        s
+        for link in links
+        for m in link.sent
+        if isinstance(m, Plan)
+        for w in m.windows
+        for _, s in w.chunks
+    )
+    assert sum(size for _, size in meta.coverage["uncovered"]) == 1000 - covered
