@@ -85,7 +85,7 @@ def test_kill_one_of_three_ranks_mid_run(tmp_path, mode):
 
 
 def test_lone_survivor_finishes_alone(tmp_path):
-    handle, killed = killing_run(tmp_path, "nccl_cadence", ranks=2, victim=1, epochs=2)
+    handle, _killed = killing_run(tmp_path, "nccl_cadence", ranks=2, victim=1, epochs=2)
     handle.join(timeout=300)
     result = handle.result
     assert result.summary.lost_ranks == [1] and result.coverage_exact
@@ -94,7 +94,7 @@ def test_lone_survivor_finishes_alone(tmp_path):
 
 def test_max_failure_saves_and_stops(tmp_path):
     stem = str(tmp_path / "ckpt" / "run")
-    handle, killed = killing_run(
+    handle, _killed = killing_run(
         tmp_path, "nccl_cadence", ranks=3, victim=1, epochs=4, max_failure=0, save_path=stem
     )
     with pytest.raises(KeyboardInterrupt):

@@ -55,7 +55,7 @@ def run(tmp_path, name, epochs, ranks=2, model=model_factory, **trainer):
 def test_stop_after_epoch_k_and_resume_equals_uninterrupted(tmp_path):
     _, straight = run(tmp_path, "straight", 3)
     stem = str(tmp_path / "ckpt" / "run")
-    first, _ = run(tmp_path, "first", 1, save_path=stem)
+    _first, _ = run(tmp_path, "first", 1, save_path=stem)
     _, meta = load_bundle(stem)
     assert (meta.epoch, meta.world_size, meta.save_reason) == (1, 2, "final")
     assert meta.coverage["uncovered"] == [] and meta.elche_state is not None
@@ -69,7 +69,7 @@ def test_stop_after_epoch_k_and_resume_equals_uninterrupted(tmp_path):
 
 def test_checkpoint_every_on_a_memory_url(tmp_path):
     stem = "memory://flodl-tests/every/run"
-    handle, _ = run(tmp_path, "every", 3, save_path=stem, checkpoint_every=1)
+    _handle, _ = run(tmp_path, "every", 3, save_path=stem, checkpoint_every=1)
     payload, meta = load_bundle(stem)
     assert meta.save_reason == "final" and meta.epoch == 3
     assert set(payload["optimizer"]) == {0, 1}  # every rank's optimizer state
