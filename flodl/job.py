@@ -52,6 +52,7 @@ class Job:
         self.run_info = run_info
         self.topology: Topology = resolve_topology(spec.config)
         self._stop = threading.Event()
+        self.launcher: Any = None  # the process launcher, once a cohort is spawned
         self.cooperative = False
         self._local_worker: queue.Queue[Any] = queue.Queue()
         self._done = threading.Event()
@@ -65,9 +66,6 @@ class Job:
 
     # -- execution -------------------------------------------------------------------------------
     def execute(self) -> RunResult:
-        from flodl.monitor.console import Progress
-        from flodl.monitor.tensorboard import RunLogger
-
         cfg = self.spec.config
         topo = self.topology
         self.job_dir.mkdir(parents=True, exist_ok=True)
@@ -76,40 +74,54 @@ class Job:
         self.spec.pace = topo.pace
         self.spec.backend = topo.backend
         log.info("flodl: %s | mode %s", topo.description, cfg.elche.mode.value)
-        dashboard = self._serve()  # before any rank: a taken port fails the run at once
-        self.tb = RunLogger(self.job_dir, topo.world_size, enabled=cfg.logger.tensorboard)
-        if "config_yaml" in self.run_info:
-            self.tb.config_text(self.run_info.pop("config_yaml"))
-        self.progress = Progress(cfg.num_epochs, mode=cfg.logger.progress)
-        self._trace = open(self.job_dir / "elche_trace.jsonl", "w", encoding="utf-8")  # noqa: SIM115
-        controller = Controller(
-            cfg,
-            topo.world_size,
-            topo.speeds,
-            self.spec.has_eval,
-            self._hooks(),
-            checkpointer=self._checkpointer(),
-            resume=self._resume_point(),
-        )
+        dashboard = None
         try:
-            if topo.in_process:
-                result = self._run_in_process(controller)
-            else:
-                from flodl.runtime.launcher import ProcessLauncher
-
-                launcher = ProcessLauncher(self.spec, controller, self.job_dir, topo)
-                result = launcher.run(self._stop.is_set)
-            return self._finish(result)
+            # Everything that can refuse the run does so before any rank (or server) starts.
+            controller = Controller(
+                cfg,
+                topo.world_size,
+                topo.speeds,
+                self.spec.has_eval,
+                self._hooks(),
+                checkpointer=self._checkpointer(),
+                resume=self._resume_point(),
+            )
+            dashboard = self._serve()
+            self._open_outputs()
+            return self._finish(self._train(controller))
         except BaseException as exc:
             self._write_summary(self._failed_summary(exc))
             raise
         finally:
             self._done.set()
-            self.progress.close()
-            self._trace.close()
-            self.tb.close()
+            self._close_outputs()
             if dashboard is not None and not cfg.logger.keep_serving:
                 dashboard.stop()
+
+    def _train(self, controller: Controller) -> ControllerResult:
+        if self.topology.in_process:
+            return self._run_in_process(controller)
+        from flodl.runtime.launcher import ProcessLauncher
+
+        self.launcher = ProcessLauncher(self.spec, controller, self.job_dir, self.topology)
+        return self.launcher.run(self._stop.is_set)
+
+    def _open_outputs(self) -> None:
+        from flodl.monitor.console import Progress
+        from flodl.monitor.tensorboard import RunLogger
+
+        cfg = self.spec.config
+        self.tb = RunLogger(self.job_dir, self.topology.world_size, enabled=cfg.logger.tensorboard)
+        if "config_yaml" in self.run_info:
+            self.tb.config_text(self.run_info.pop("config_yaml"))
+        self.progress = Progress(cfg.num_epochs, mode=cfg.logger.progress)
+        self._trace = open(self.job_dir / "elche_trace.jsonl", "w", encoding="utf-8")  # noqa: SIM115
+
+    def _close_outputs(self) -> None:
+        for name in ("progress", "_trace", "tb"):
+            output = getattr(self, name, None)
+            if output is not None:
+                output.close()
 
     def _checkpointer(self) -> Checkpointer | None:
         cfg = self.spec.config

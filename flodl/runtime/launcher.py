@@ -55,6 +55,7 @@ class RankProcess:
                 self.tail.append(line)
                 if not line.startswith(_QUIET_PREFIXES):
                     print(f"[rank {self.rank}] {line}", file=sys.stderr, flush=True)
+        self.popen.stdout.close()
 
     def last_error_line(self) -> str:
         for line in reversed(self.tail):
@@ -104,6 +105,7 @@ class ProcessLauncher:
 
         host = self.spec.config.cluster.host
         self.listener = Listener(host)
+        self.control_address = (self.listener.host, self.listener.port)
         store = TCPStore(host, 0, is_master=True, wait_for_workers=False, use_libuv=False)
         self.spec.store_host, self.spec.store_port = host, store.port
         try:

@@ -184,6 +184,7 @@ def test_served_tensorboard_over_http_then_sigint_releases_everything(tmp_path: 
         # The job ended (keep_serving holds the server); the served values are the job's.
         run.wait_line(re.compile(r"^dashboard still serving at "), timeout_s=240)
         epoch_lines = [line for line in run.stdout if EPOCH_LINE.match(line)]
+        assert len(epoch_lines) == 2, run.console()
         first_epoch = run.stdout.index(epoch_lines[0])
         assert run.stdout.index(match.group(0)) < first_epoch  # served before training
         summary = json.loads((tmp_path / "0" / "summary.json").read_text())
@@ -266,6 +267,7 @@ def test_sweep_ab_report_matches_job_summaries(tmp_path: Path) -> None:
 
     # Speedup against the sweep's nccl_sync job.
     assert report["baseline"] == "0"
+    assert report["differing_overrides"] == []  # only the mode differs, and it has its column
     assert rows["0"]["speedup"] == pytest.approx(1.0)
     assert rows["1"]["speedup"] == pytest.approx(rows["0"]["wall_s"] / rows["1"]["wall_s"])
 
@@ -275,7 +277,7 @@ def test_sweep_ab_report_matches_job_summaries(tmp_path: Path) -> None:
     assert sorted(table) == ["0", "1"]
     for job, cells in table.items():
         row = rows[job]
-        assert cells[1] == row["mode"] and cells[3] == "ok"
+        assert cells[1] == row["mode"] and cells[2] == "—" and cells[3] == "ok"
         assert cells[4] == f"{row['final_loss']:.4f}"
         assert cells[5] == f"{row['eval_value']:.4f}"
         assert cells[7] == str(row["syncs"])

@@ -46,3 +46,82 @@ def test_in_process_factory_error_surfaces(tmp_path):
 
     with pytest.raises(RuntimeError, match="no model for you"):
         small_run(tmp_path, "solo", ranks=1, model=broken)
+
+
+def test_empty_dataset_fails_with_a_clear_message(tmp_path):
+    from torch.utils.data import TensorDataset
+
+    from flodl import ClusterConfig, LoggerConfig, Trainer
+    from recipes.steps import classification_step
+
+    from .helpers import model_factory, optim_factory
+
+    empty = TensorDataset(torch.zeros(0, 1, 8, 8), torch.zeros(0, dtype=torch.long))
+    handle = (
+        Trainer.builder(model_factory, optim_factory, classification_step)
+        .dataset(empty)
+        .cluster(ClusterConfig(kind="cpu_rig", ranks=2, warmup_steps=2))
+        .logger(LoggerConfig(progress="off", tensorboard=False))
+        .output_dir(tmp_path)
+        .run()
+    )
+    with pytest.raises(RunFailed, match="dataset is empty"):
+        handle.join(timeout=120)
+
+
+def test_batch_larger_than_dataset_is_refused(tmp_path):
+    from functools import partial
+
+    from flodl import ClusterConfig, LoggerConfig, Trainer
+    from recipes.steps import classification_step
+
+    from .helpers import data, model_factory, optim_factory
+
+    handle = (
+        Trainer.builder(model_factory, optim_factory, classification_step)
+        .dataset(partial(data, "train", 64))
+        .batch_size(65)
+        .cluster(ClusterConfig(kind="cpu_rig", ranks=2, warmup_steps=2))
+        .logger(LoggerConfig(progress="off", tensorboard=False))
+        .output_dir(tmp_path)
+        .run()
+    )
+    with pytest.raises(RunFailed, match=r"trainer\.batch_size=65: larger than the dataset"):
+        handle.join(timeout=120)
+
+
+def nan_step(model, batch):
+    x, y = batch
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    return loss * float("nan")
+
+
+def test_nan_loss_is_skipped_then_stops_the_run(tmp_path):
+    from functools import partial
+
+    from flodl import ClusterConfig, LoggerConfig, Trainer
+
+    from .helpers import data, model_factory, optim_factory
+
+    builder = (
+        Trainer.builder(model_factory, optim_factory, nan_step)
+        .dataset(partial(data, "train", 256))
+        .batch_size(32)
+        .cluster(ClusterConfig(kind="cpu_rig", ranks=2, warmup_steps=2))
+        .logger(LoggerConfig(progress="off", tensorboard=False))
+    )
+    cfg = builder.build_config().with_(max_nonfinite=3)
+    from flodl import Trainer as T
+
+    handle = T.run(
+        model_factory,
+        optim_factory,
+        nan_step,
+        cfg,
+        dataset=partial(data, "train", 256),
+        job_dir=tmp_path,
+    )
+    with pytest.raises(RunFailed, match=r"loss was NaN/inf 4 times \(trainer.max_nonfinite=3\)"):
+        handle.join(timeout=120)
+    log = (tmp_path / "rank_0.log").read_text()
+    assert log.count("non-finite loss") >= 3

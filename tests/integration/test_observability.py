@@ -286,3 +286,26 @@ def test_monitor_serves_loopback_and_stop_frees_the_port(tmp_path: Path) -> None
     with pytest.raises(OSError):
         http_get(url, timeout=2.0)
     monitor.stop()  # idempotent
+
+
+@pytest.mark.slow
+def test_python_api_port_in_use_fails_before_any_rank(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        handle = (
+            Trainer.builder(model_factory, optim_factory, classification_step)
+            .dataset(partial(data, "train", 256))
+            .batch_size(32)
+            .num_epochs(1)
+            .cluster(ClusterConfig(kind="cpu_rig", ranks=WORLD, speeds=[1.0, 0.5]))
+            .logger(LoggerConfig(progress="off", serve=port))
+            .output_dir(tmp_path / "job")
+            .run()
+        )
+        with pytest.raises(OSError, match=rf"logger.serve={port}: port already in use"):
+            handle.join(timeout=120)
+    assert not list(tmp_path.glob("**/rank_*.log"))  # no rank was started
+    assert not (tmp_path / "job" / "tb").exists()  # nor any writer
+    assert tensorboard_children() == []
