@@ -18,14 +18,22 @@ from flodl.config import (
 from flodl.metrics import EpochMetrics, RunSummary, SyncEvent, record_scalar
 
 # The trainer pulls in torch; keep `import flodl.sys` / `flodl.monitor` / the Hydra plugin light.
-_LAZY = {"RunHandle", "TrainedState", "Trainer", "TrainerBuilder"}
+_LAZY = {
+    "RunHandle": "flodl.trainer",
+    "TrainedState": "flodl.trainer",
+    "Trainer": "flodl.trainer",
+    "TrainerBuilder": "flodl.trainer",
+    "Ddp": "flodl.ddp",
+    "Rendezvous": "flodl.ddp",
+    "Monitor": "flodl.monitor.monitor",
+}
 
 
-def __getattr__(name: str):  # PEP 562: load the trainer on first use
+def __getattr__(name: str):  # PEP 562: load torch-heavy modules on first use
     if name in _LAZY:
-        from flodl import trainer
+        import importlib
 
-        return getattr(trainer, name)
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'flodl' has no attribute {name!r}")
 
 
@@ -35,10 +43,13 @@ __all__ = [
     "CallbackPolicy",
     "ClusterConfig",
     "ConfigError",
+    "Ddp",
     "ElCheConfig",
     "EpochMetrics",
     "LoggerConfig",
     "Mode",
+    "Monitor",
+    "Rendezvous",
     "RunHandle",
     "RunSummary",
     "SyncEvent",

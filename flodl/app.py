@@ -97,6 +97,9 @@ def train(cfg: Any) -> dict[str, Any]:
         scheduler_factory=(
             partial(build_scheduler, run_cfg.scheduler) if run_cfg.scheduler is not None else None
         ),
+        metrics_fn=_optional(task.metrics_fn),
+        eval_result_fn=_optional(task.eval_result_fn),
+        epoch_fn=_optional(task.epoch_fn),
         job_dir=job_dir,
         eval_metric=task.eval_metric,
         run_info=run_info,
@@ -109,6 +112,10 @@ def train(cfg: Any) -> dict[str, Any]:
         if os.environ.get("FLODL_FULL_ERROR"):
             log.exception("full traceback")
         return _read_summary(job_dir) | {"job": run_info["job"]}
+
+
+def _optional(path: str | None) -> Any:
+    return resolve_dotted(path) if path is not None else None
 
 
 def _read_summary(job_dir: Path) -> dict[str, Any]:

@@ -302,8 +302,11 @@ class TaskConfig(_Schema):
     eval_fn: str | None = Field(None, description="dotted path: fn(model, input, target) -> float")
     eval_metric: str = Field("accuracy", description="name of the eval value in summaries")
     eval_higher_is_better: bool = Field(True, description="direction of the eval metric")
+    metrics_fn: str | None = Field(None, description="dotted path: fn(EpochMetrics), launcher")
+    eval_result_fn: str | None = Field(None, description="dotted path: fn(epoch, value), launcher")
+    epoch_fn: str | None = Field(None, description="dotted path: fn(epoch), launcher")
 
-    @field_validator("train_step", "eval_fn")
+    @field_validator("train_step", "eval_fn", "metrics_fn", "eval_result_fn", "epoch_fn")
     @classmethod
     def _importable(cls, v: str | None) -> str | None:
         if v is not None:

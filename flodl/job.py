@@ -73,6 +73,7 @@ class Job:
         self.spec.speeds = topo.speeds
         self.spec.pace = topo.pace
         self.spec.backend = topo.backend
+        logging.getLogger("flodl").setLevel(cfg.logger.level)
         log.info("flodl: %s | mode %s", topo.description, cfg.elche.mode.value)
         dashboard = None
         try:

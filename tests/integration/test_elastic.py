@@ -106,3 +106,32 @@ def test_max_failure_saves_and_stops(tmp_path):
     assert meta.extra["lost_ranks"] == [1]
     summary = (tmp_path / "nccl_cadence" / "summary.json").read_text()
     assert '"status": "interrupted"' in summary
+
+
+def test_a_frozen_rank_is_dropped_when_its_heartbeat_goes_stale(tmp_path):
+    frozen = []
+
+    def metrics(m):
+        if m.epoch == 0 and not frozen:
+            os.kill(rank_pid(1), signal.SIGSTOP)  # alive but silent: only the heartbeat tells
+            frozen.append(1)
+
+    cluster = ClusterConfig(
+        kind="cpu_rig", ranks=3, speeds=[1.0, 0.7, 0.5], warmup_steps=2, heartbeat_timeout_s=4.0
+    )
+    handle = (
+        Trainer.builder(model_factory, optim_factory, classification_step)
+        .dataset(partial(data, "train", 2048))
+        .batch_size(32)
+        .num_epochs(2)
+        .cluster(cluster)
+        .logger(LoggerConfig(progress="off", tensorboard=False))
+        .metrics_fn(metrics)
+        .output_dir(tmp_path)
+        .run()
+    )
+    handle.join(timeout=300)
+    result = handle.result
+    assert frozen == [1]
+    assert result.summary.lost_ranks == [1]
+    assert result.coverage_exact and result.summary.samples_seen == 2 * 2048

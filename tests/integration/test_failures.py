@@ -125,3 +125,16 @@ def test_nan_loss_is_skipped_then_stops_the_run(tmp_path):
         handle.join(timeout=120)
     log = (tmp_path / "rank_0.log").read_text()
     assert log.count("non-finite loss") >= 3
+
+
+def test_launcher_never_initialises_cuda(tmp_path, monkeypatch):
+    """The launcher must not create a CUDA context before ranks exist (DESIGN §3): any path
+    into CUDA initialisation in this process is recorded and fails the test."""
+    from .helpers import small_run
+
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: calls.append("_lazy_init"))
+    monkeypatch.setattr(torch.cuda, "init", lambda: calls.append("init"))
+    small_run(tmp_path, "nccl_cadence", epochs=1, n_train=256)
+    assert calls == []
+    assert not torch.cuda.is_initialized()
