@@ -21,15 +21,10 @@ log = logging.getLogger(__name__)
 _CLOSED = object()
 
 
-class QueueLink:
-    """One end of an in-process link."""
+class _InboxLink:
+    """Receiving side shared by both links: messages wait in a queue until asked for."""
 
-    def __init__(self, inbox: queue.Queue, outbox: queue.Queue) -> None:
-        self._inbox = inbox
-        self._outbox = outbox
-
-    def send(self, msg: Any) -> None:
-        self._outbox.put(msg)
+    _inbox: queue.Queue
 
     def recv(self, timeout: float | None = None) -> Any:
         msg = self._inbox.get(timeout=timeout)
@@ -42,6 +37,17 @@ class QueueLink:
             return self.recv(timeout=0)
         except queue.Empty:
             return None
+
+
+class QueueLink(_InboxLink):
+    """One end of an in-process link."""
+
+    def __init__(self, inbox: queue.Queue, outbox: queue.Queue) -> None:
+        self._inbox = inbox
+        self._outbox = outbox
+
+    def send(self, msg: Any) -> None:
+        self._outbox.put(msg)
 
     def close(self) -> None:
         self._outbox.put(_CLOSED)
@@ -66,7 +72,7 @@ def in_process_link(post: Callable[[int, Any], None], rank: int = 0) -> tuple[Qu
     return rank_link, controller_link
 
 
-class SocketLink:
+class SocketLink(_InboxLink):
     """The rank's end of the control channel; a reader thread keeps receiving in the background.
 
     If the controller goes away without saying Stop (the launcher was killed), the reader ends
@@ -107,18 +113,6 @@ class SocketLink:
 
     def send(self, msg: Any) -> None:
         self.channel.send(msg)
-
-    def recv(self, timeout: float | None = None) -> Any:
-        msg = self._inbox.get(timeout=timeout)
-        if msg is _CLOSED:
-            raise ConnectionResetError("control channel closed")
-        return msg
-
-    def poll(self) -> Any | None:
-        try:
-            return self.recv(timeout=0)
-        except queue.Empty:
-            return None
 
     def close(self) -> None:
         self.stopping = True
