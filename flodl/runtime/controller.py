@@ -264,10 +264,10 @@ class Controller:
         if not self.alive:
             raise RunFailed(f"every rank was lost; last: {why}")
         first_open = self.completed_index()
-        self._void_windows(rank, first_open)
         members = tuple(self.alive)
+        self.regrouping = {r: False for r in members}  # no planning until survivors regroup
+        self._void_windows(rank, first_open)
         weights = {r: 1.0 / len(members) for r in members}
-        self.regrouping = {r: False for r in members}
         for r in members:
             self._send(r, Regroup(self.members.generation, members, first_open, weights))
 
@@ -276,13 +276,14 @@ class Controller:
         return min(self.windows, default=self.next_window)
 
     def _void_windows(self, dead: int, first_open: int) -> None:
-        """The dead rank's work in open windows is lost; later windows are void for everyone."""
+        """The dead rank's work in open windows is lost. Later windows are void: what survivors
+        already reported there (cpu_async runs ahead) stays trained, the rest is given back."""
         assert self.coverage is not None
         for index in sorted(self.windows):
             track = self.windows[index]
-            lost = [dead] if index == first_open else sorted(track.expected)
-            for r in lost:
-                self._give_back(track, r)
+            for r in sorted(track.expected):
+                if r == dead or (index != first_open and r not in track.reports):
+                    self._give_back(track, r)
             if index == first_open:
                 track.expected.discard(dead)
                 track.batches[dead] = 0

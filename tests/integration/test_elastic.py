@@ -68,7 +68,7 @@ def killing_run(tmp_path, mode, ranks, victim, kill_at_epoch=0, epochs=3, **trai
     return handle, killed
 
 
-@pytest.mark.parametrize("mode", ["nccl_cadence", "cpu_cadence"])
+@pytest.mark.parametrize("mode", ["nccl_cadence", "cpu_cadence", "cpu_async"])
 def test_kill_one_of_three_ranks_mid_run(tmp_path, mode):
     handle, killed = killing_run(tmp_path, mode, ranks=3, victim=2)
     handle.join(timeout=300)
