@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import queue
+import sys
 import threading
 import time
 from pathlib import Path
@@ -104,8 +105,17 @@ class Job:
             return self._run_in_process(controller)
         from flodl.runtime.launcher import ProcessLauncher
 
-        self.launcher = ProcessLauncher(self.spec, controller, self.job_dir, self.topology)
+        self.launcher = ProcessLauncher(
+            self.spec, controller, self.job_dir, self.topology, echo=self._rank_line
+        )
         return self.launcher.run(self._stop.is_set)
+
+    def _rank_line(self, line: str) -> None:
+        """A rank's warning or print: above the progress bar when one is drawn."""
+        if self.progress.drawing:
+            self.progress.echo(line)
+        else:
+            print(line, file=sys.stderr, flush=True)
 
     def _open_outputs(self) -> None:
         from flodl.monitor.console import Progress

@@ -117,6 +117,11 @@ class Progress:
         info = "  ".join(p for p in (loss_text, _share_text(shares)) if p)
         self._bar.update(self._task, completed=samples_done, info=info)
 
+    @property
+    def drawing(self) -> bool:
+        """True while a live bar owns the terminal (other output must go through echo)."""
+        return self._bar is not None
+
     def echo(self, line: str) -> None:
         """Print a line above the bar (or plainly, in lines mode); nothing when off."""
         if self._bar is not None:

@@ -34,11 +34,18 @@ _QUIET_PREFIXES = ("INFO ", "DEBUG ")
 _TERM_GRACE_S = 5.0
 
 
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 class RankProcess:
     """A rank child: its process, its log file and the thread forwarding its output."""
 
-    def __init__(self, rank: int, popen: subprocess.Popen, log_path: Path) -> None:
+    def __init__(
+        self, rank: int, popen: subprocess.Popen, log_path: Path, echo: Callable[[str], None]
+    ) -> None:
         self.rank = rank
+        self.echo = echo
         self.popen = popen
         self.log_path = log_path
         self.tail: deque[str] = deque(maxlen=20)
@@ -54,7 +61,7 @@ class RankProcess:
                 sink.flush()
                 self.tail.append(line)
                 if not line.startswith(_QUIET_PREFIXES):
-                    print(f"[rank {self.rank}] {line}", file=sys.stderr, flush=True)
+                    self.echo(f"[rank {self.rank}] {line}")
         self.popen.stdout.close()
 
     def last_error_line(self) -> str:
@@ -82,9 +89,15 @@ class ProcessLauncher:
     """Spawn, authenticate, supervise and tear down a cohort of rank processes."""
 
     def __init__(
-        self, spec: JobSpec, controller: Controller, job_dir: Path, topology: Topology
+        self,
+        spec: JobSpec,
+        controller: Controller,
+        job_dir: Path,
+        topology: Topology,
+        echo: Callable[[str], None] | None = None,
     ) -> None:
         self.spec = spec
+        self.echo = echo or _to_stderr
         self.topology = topology
         self.controller = controller
         self.job_dir = job_dir
@@ -141,7 +154,7 @@ class ProcessLauncher:
         assert popen.stdin is not None
         popen.stdin.write(self.secret.hex().encode() + b"\n")
         popen.stdin.close()
-        return RankProcess(rank, popen, self.job_dir / f"rank_{rank}.log")
+        return RankProcess(rank, popen, self.job_dir / f"rank_{rank}.log", self.echo)
 
     def _supervise(self) -> None:
         pending = {p.rank: p for p in self.procs}

@@ -99,3 +99,15 @@ def test_failing_factory_reported_once_nonzero_exit(tmp_path):
     assert "Traceback" not in console
     summary = json.loads((tmp_path / "0" / "summary.json").read_text())
     assert summary["status"] == "failed" and "rank" in summary["error"]
+
+
+@pytest.mark.slow
+def test_the_default_job_is_what_the_readme_promises(tmp_path):
+    """`make run` = `python run.py`: MLP on mnist5k, [1.0, 0.5] rig, nccl_cadence, >= 90 %."""
+    out = run_py(["logger.progress=lines"], tmp_path, timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((tmp_path / "0" / "summary.json").read_text())
+    assert summary["mode"] == "nccl_cadence" and summary["world_size"] == 2
+    assert summary["eval_value"] >= 0.90
+    assert summary["per_rank_batch_share"][0] == pytest.approx(2 / 3, abs=0.05)
+    assert summary["coverage_exact"] is True

@@ -1,0 +1,22 @@
+"""``python -m flodl <command>`` (also the ``flodl`` console script)."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in {"-h", "--help"}:
+        print("usage: python -m flodl probe [--json] [--port PORT] [--data-path PATH]")
+        return 0 if args else 2
+    if args[0] == "probe":
+        from flodl.probe import main as probe
+
+        return probe(args[1:])
+    print(f"error: unknown command {args[0]!r}; commands: probe", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
