@@ -12,31 +12,25 @@ Ranks keep their launch index for life; after a loss the survivors form a new pr
 from __future__ import annotations
 
 import logging
-import math
 import queue
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from flodl.config import Mode, Outer, TrainerConfig
+from flodl.config import TrainerConfig
 from flodl.elche import (
     ElChe,
     ElCheState,
-    auto_max_overshoot,
-    averaging_weights,
-    buffer_weights,
-    step_max_overshoot,
 )
 from flodl.metrics import EpochMetrics, SyncEvent
-from flodl.runtime.dispatch import Coverage, EpochCursor, chunk_batches
+from flodl.runtime.aggregation import Aggregation
+from flodl.runtime.dispatch import Coverage, EpochCursor
 from flodl.runtime.membership import Membership, failure_budget
 from flodl.runtime.messages import (
-    Average,
     EvalResult,
     Final,
     Heartbeat,
-    Plan,
     RankError,
     RankState,
     Ready,
@@ -44,16 +38,12 @@ from flodl.runtime.messages import (
     Regrouped,
     Report,
     Stop,
-    Window,
 )
+from flodl.runtime.planning import Planning
 from flodl.runtime.snapshots import Checkpointer, ResumePoint
-from flodl.runtime.tracking import ControllerResult, EpochTrack, WindowTrack, shares
+from flodl.runtime.tracking import ControllerResult, EpochTrack, WindowTrack
 
 log = logging.getLogger(__name__)
-
-# A sync-mode plan bundles enough lock-step windows for about this much work, so the controller
-# is not on every step's critical path.
-_SYNC_PLAN_S = 0.25
 
 __all__ = ["Controller", "ControllerResult", "Disconnected", "Exited", "Hooks", "RunFailed"]
 
@@ -85,7 +75,7 @@ class Hooks:
     kill_rank: Callable[[int], None] = lambda rank: None
 
 
-class Controller:
+class Controller(Planning, Aggregation):
     """Plans windows, feeds ElChe, averages for ``cpu_*`` modes, and aggregates metrics."""
 
     def __init__(
@@ -156,16 +146,6 @@ class Controller:
 
     def post(self, rank: int, msg: Any) -> None:
         self.inbox.put((rank, msg))
-
-    def _send(self, rank: int, msg: Any) -> None:
-        try:
-            self.links[rank].send(msg)
-        except OSError as exc:  # the rank is going away; its exit is handled as a loss
-            log.debug("send to rank %d failed: %s", rank, exc)
-
-    @property
-    def alive(self) -> list[int]:
-        return self.members.members
 
     # -- main loop -------------------------------------------------------------------------------
     def run(self, stop_requested: Callable[[], bool] = lambda: False) -> ControllerResult:
@@ -322,10 +302,6 @@ class Controller:
         self._fill()
         self._maybe_send_stop()
 
-    def _head(self) -> int:
-        """The rank that sends the final state: the first survivor."""
-        return self.alive[0] if self.alive else 0
-
     # -- stopping --------------------------------------------------------------------------------
     def begin_stop(self, reason: str, grace_s: float = 8.0) -> None:
         """Stop dispatching; once in-flight windows are averaged, save (if set up) and end."""
@@ -430,127 +406,6 @@ class Controller:
             self._send(rank, self.resume.restore_for(rank))
         return meta.epoch, self.resume.uncovered()
 
-    def _init_async(self, n_samples: int) -> None:
-        if self.mode is not Mode.CPU_ASYNC:
-            return
-        configured = self.cfg.elche.max_overshoot
-        if configured is not None:
-            self.overshoot = (configured, configured, configured)
-        else:
-            initial, cap = auto_max_overshoot(math.ceil(n_samples / self.cfg.batch_size))
-            self.overshoot = (initial, initial, cap)
-        self.lookahead = max(self.lookahead, self.overshoot[0] + 1)
-
-    def _new_epoch(self, epoch: int, n_samples: int, ranges: list | None = None) -> None:
-        self.cursors[epoch] = EpochCursor(epoch, n_samples, self.cfg.batch_size, list(ranges or []))
-        self.epochs[epoch] = EpochTrack(epoch, self.world)
-
-    # -- planning --------------------------------------------------------------------------------
-    def _fill(self) -> None:
-        while (
-            self.stop_reason is None
-            and not self.regrouping
-            and not self.all_planned
-            and self.next_window - self.completed <= self.lookahead
-        ):
-            self._plan_batch()
-
-    def _windows_per_plan(self) -> int:
-        if not self.mode.is_sync or self.elche is None or not self.elche.calibrated:
-            return 1
-        slow = max((ms for ms in self.elche.smoothed_ms if ms), default=0.0)
-        if slow <= 0:
-            return 1
-        return max(1, min(64, int(_SYNC_PLAN_S * 1000.0 / (slow * self.elche.anchor))))
-
-    def _cursor(self) -> EpochCursor | None:
-        """The lowest epoch with work left, opening the next epoch when all are done."""
-        for epoch in sorted(self.cursors):
-            if not self.cursors[epoch].done:
-                return self.cursors[epoch]
-        last = max(self.cursors)
-        if last + 1 >= self.cfg.num_epochs:
-            self.all_planned = True
-            return None
-        self._new_epoch(last + 1, self.cursors[last].n_samples)
-        return self.cursors[last + 1]
-
-    def _plan_batch(self) -> None:
-        per_rank: dict[int, list[Window]] = {r: [] for r in self.alive}
-        for _ in range(self._windows_per_plan()):
-            cursor = self._cursor()
-            if cursor is None:
-                break
-            for rank, window in self._plan_window(cursor).items():
-                per_rank[rank].append(window)
-        for rank, windows in per_rank.items():
-            if windows:
-                self._send(rank, Plan(tuple(windows)))
-        if not self.all_planned and self._cursor() is None:
-            self.all_planned = True
-
-    def _counts(self, remaining: int) -> list[int]:
-        alive = self.members.alive
-        if self.elche is None:
-            return [min(remaining, self.cfg.elche.anchor)]
-        if self.mode.is_sync:  # lock-step: one batch each, then average (classic DDP)
-            counts, left = [], remaining
-            for ok in alive:
-                counts.append(1 if ok and left > 0 else 0)
-                left -= counts[-1]
-            return counts
-        return self.elche.window(remaining, alive=alive)
-
-    def _plan_window(self, cursor: EpochCursor) -> dict[int, Window]:
-        chunks = cursor.take(self._counts(cursor.remaining_batches))
-        batches = [chunk_batches(c, self.cfg.batch_size) for c in chunks]
-        if self.world > 1:
-            weights = averaging_weights(batches, self.cfg.elche.gamma)
-            bweights = buffer_weights(batches)
-        else:
-            weights, bweights = [1.0], [1.0]
-        track = self.epochs[cursor.epoch]
-        track.planned += 1
-        index = self.next_window
-        self.next_window += 1
-        eval_rank, checkpoint = None, False
-        if cursor.done:
-            track.all_planned = True
-            eval_rank = track.eval_rank = self._eval_rank(cursor.epoch)
-            if self.checkpointer is not None:
-                checkpoint = self.checkpointer.due(cursor.epoch, self.cfg.num_epochs)
-            if checkpoint:
-                self._checkpoint_epochs[index] = cursor.epoch
-                self._checkpoints_open += 1
-        self.windows[index] = WindowTrack(
-            index, cursor.epoch, batches, list(chunks), set(self.alive)
-        )
-        return {
-            r: Window(
-                index,
-                cursor.epoch,
-                chunks[r],
-                weights[r],
-                bweights[r],
-                eval_after=eval_rank == r,
-                max_overshoot=self.overshoot[0],
-                checkpoint_after=checkpoint,
-                generation=self.members.generation,
-            )
-            for r in self.alive
-        }
-
-    def _eval_rank(self, epoch: int) -> int | None:
-        last = epoch == self.cfg.num_epochs - 1
-        if not self.has_eval or not (last or (epoch + 1) % self.cfg.eval_every == 0):
-            return None
-        policy = self.cfg.callback_policy
-        if policy.kind == "rank" and self.members.alive[policy.rank]:
-            return policy.rank
-        if self.elche is not None:
-            return self.elche.fastest_rank(alive=self.members.alive)
-        return self._head()
-
     # -- reports -----------------------------------------------------------------------------------
     def _on_report(self, report: Report) -> None:
         track = self.windows.get(report.window)
@@ -581,107 +436,4 @@ class Controller:
         self._fill()
         self._maybe_send_stop()
 
-    def _record_cycle(self, track: WindowTrack, reports: list[Report]) -> None:
-        if self.elche is None:
-            return
-        by_rank = {r.rank: r for r in reports}
-        compute = [by_rank[r].compute_ms if r in by_rank else 0.0 for r in range(self.world)]
-        batches = [by_rank[r].batches if r in by_rank else 0 for r in range(self.world)]
-        syncs = [r.prev_sync_ms for r in reports if r.prev_sync_ms is not None]
-        divs = [r.prev_divergence for r in reports if r.prev_divergence is not None]
-        # The rank that arrived last waited least: its sync time is the collective's own cost.
-        sync_ms = min(syncs) if syncs else 0.0
-        divergence = max(divs) if divs else None
-        if divergence is not None and not math.isfinite(divergence):
-            divergence = None
-        cycle = self.elche.report(
-            compute, batches, sync_ms, divergence=divergence, lr=reports[0].lr
-        )
-        event = SyncEvent(
-            index=track.index,
-            epoch=track.epoch,
-            wall_s=time.perf_counter() - self._t_train,
-            anchor=cycle.anchor,
-            counts=list(cycle.counts),
-            batches=batches,
-            compute_ms=compute,
-            sync_ms=sync_ms,
-            overhead=cycle.overhead,
-            divergence=cycle.divergence,
-            verdict=cycle.verdict.value,
-            phase=cycle.phase.value,
-        )
-        self.events.append(event)
-        self.hooks.on_sync(event)
-        if self.mode is Mode.CPU_ASYNC and self.cfg.elche.max_overshoot is None:
-            current, initial, cap = self.overshoot
-            self.overshoot = (
-                step_max_overshoot(current, cycle.verdict, initial, cap),
-                initial,
-                cap,
-            )
-            self.lookahead = max(self.lookahead, self.overshoot[0] + 1)
-
-    def _average(self, track: WindowTrack, reports: list[Report]) -> None:
-        from flodl.runtime.averaging import weighted_mean  # torch only where averaging happens
-
-        batches = [r.batches for r in reports]
-        weights = averaging_weights(batches, self.cfg.elche.gamma)
-        bweights = buffer_weights(batches)
-        n_params = self.ready[reports[0].rank].n_params
-        mean = weighted_mean([r.snapshot for r in reports], weights, bweights, n_params)
-        alpha = self.cfg.elche.effective_easgd_alpha
-        if alpha is not None and self.center is not None:
-            self.center = (1 - alpha) * self.center + alpha * mean
-        elif self.cfg.elche.outer is Outer.NESTEROV:
-            if self.outer is None:
-                from flodl.runtime.outer import make_outer
-
-                self.outer = make_outer(self.cfg.elche, n_params)
-            self.center = self.outer.step(mean)
-        else:
-            self.center = mean
-        for report in reports:
-            self._send(report.rank, Average(track.index, self.center))
-
-    def _progress(self, epoch: EpochTrack) -> None:
-        cursor = self.cursors.get(epoch.epoch)
-        total = cursor.n_samples if cursor is not None else 0
-        loss = epoch.loss_sum / epoch.loss_count if epoch.loss_count else None
-        self.hooks.on_progress(epoch.epoch, epoch.samples, total, loss, shares(epoch.batches))
-
     # -- epochs ----------------------------------------------------------------------------------
-    def _close_epochs(self) -> None:
-        while True:
-            first = min(self.epochs) if self.epochs else 0
-            epoch = first + len(self.closed_epochs)
-            track = self.epochs.get(epoch)
-            if track is None or not track.closed:
-                return
-            previous = self.epochs.get(epoch - 1)
-            track.start = previous.end if previous is not None else self._t_train
-            syncs = len(self.events) if self.world > 1 and self.mode is not Mode.SOLO else 0
-            metrics = track.metrics(
-                syncs, self.events[-1] if self.events else None, self.cfg.elche.anchor
-            )
-            self.closed_epochs.append(metrics)
-            self.hooks.on_epoch(metrics)
-
-    def _result(self) -> ControllerResult:
-        tracks = list(self.epochs.values())
-        rank_samples = [sum(t.rank_samples[r] for t in tracks) for r in range(self.world)]
-        return ControllerResult(
-            final=self.final,
-            epochs=self.closed_epochs,
-            events=self.events,
-            coverage=self.coverage,
-            train_s=max((self._t_end or time.perf_counter()) - self._t_train, 1e-9),
-            samples=sum(rank_samples),
-            rank_samples=rank_samples,
-            rank_batches=[sum(t.batches[r] for t in tracks) for r in range(self.world)],
-            rank_compute_ms=[sum(t.compute_ms[r] for t in tracks) for r in range(self.world)],
-            devices=[self.ready[r].device for r in range(self.world) if r in self.ready],
-            stopped=self.stop_reason,
-            saved=list(self.checkpointer.saved) if self.checkpointer is not None else [],
-            lost_ranks=list(self.members.lost),
-        )

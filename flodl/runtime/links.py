@@ -53,6 +53,18 @@ class QueueLink(_InboxLink):
         self._outbox.put(_CLOSED)
 
 
+class Outbound:
+    """The controller's sending side: one link per rank; a rank going away is not an error."""
+
+    links: dict[int, Any]
+
+    def _send(self, rank: int, msg: Any) -> None:
+        try:
+            self.links[rank].send(msg)
+        except OSError as exc:  # the rank is going away; its exit is handled as a loss
+            log.debug("send to rank %d failed: %s", rank, exc)
+
+
 class _Posting:
     """Quacks like a queue; puts ``(rank, msg)`` into the controller's inbox."""
 

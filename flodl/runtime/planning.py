@@ -1,0 +1,174 @@
+"""Planning: which rank trains which chunks in each window, and when the next window goes out.
+
+A mixin of :class:`flodl.runtime.controller.Controller`, split out so that each file holds one
+question: this one decides *what* is dispatched; the controller decides *when* and handles events.
+"""
+
+from __future__ import annotations
+
+import math
+
+from flodl.config import Mode, TrainerConfig
+from flodl.elche import ElChe, auto_max_overshoot, averaging_weights, buffer_weights
+from flodl.runtime.dispatch import EpochCursor, chunk_batches
+from flodl.runtime.links import Outbound
+from flodl.runtime.membership import Membership
+from flodl.runtime.messages import Plan, Window
+from flodl.runtime.snapshots import Checkpointer
+from flodl.runtime.tracking import EpochTrack, WindowTrack
+
+# A sync-mode plan bundles enough lock-step windows for about this much work, so the controller
+# is not on every step's critical path.
+_SYNC_PLAN_S = 0.25
+
+
+class Planning(Outbound):
+    """Window planning over the epoch cursors (needs the controller's state below)."""
+
+    cfg: TrainerConfig
+    world: int
+    mode: Mode
+    has_eval: bool
+    lookahead: int
+    members: Membership
+    elche: ElChe | None
+    checkpointer: Checkpointer | None
+    cursors: dict[int, EpochCursor]
+    epochs: dict[int, EpochTrack]
+    windows: dict[int, WindowTrack]
+    next_window: int
+    completed: int
+    all_planned: bool
+    stop_reason: str | None
+    regrouping: dict[int, bool]
+    overshoot: tuple[int, int, int]
+    _checkpoints_open: int
+    _checkpoint_epochs: dict[int, int]
+
+    @property
+    def alive(self) -> list[int]:
+        return self.members.members
+
+    def _head(self) -> int:
+        """The rank that sends the final state: the first survivor."""
+        return self.alive[0] if self.alive else 0
+
+    def _init_async(self, n_samples: int) -> None:
+        if self.mode is not Mode.CPU_ASYNC:
+            return
+        configured = self.cfg.elche.max_overshoot
+        if configured is not None:
+            self.overshoot = (configured, configured, configured)
+        else:
+            initial, cap = auto_max_overshoot(math.ceil(n_samples / self.cfg.batch_size))
+            self.overshoot = (initial, initial, cap)
+        self.lookahead = max(self.lookahead, self.overshoot[0] + 1)
+
+    def _new_epoch(self, epoch: int, n_samples: int, ranges: list | None = None) -> None:
+        self.cursors[epoch] = EpochCursor(epoch, n_samples, self.cfg.batch_size, list(ranges or []))
+        self.epochs[epoch] = EpochTrack(epoch, self.world)
+
+    def _fill(self) -> None:
+        while (
+            self.stop_reason is None
+            and not self.regrouping
+            and not self.all_planned
+            and self.next_window - self.completed <= self.lookahead
+        ):
+            self._plan_batch()
+
+    def _windows_per_plan(self) -> int:
+        if not self.mode.is_sync or self.elche is None or not self.elche.calibrated:
+            return 1
+        slow = max((ms for ms in self.elche.smoothed_ms if ms), default=0.0)
+        if slow <= 0:
+            return 1
+        return max(1, min(64, int(_SYNC_PLAN_S * 1000.0 / (slow * self.elche.anchor))))
+
+    def _cursor(self) -> EpochCursor | None:
+        """The lowest epoch with work left, opening the next epoch when all are done."""
+        for epoch in sorted(self.cursors):
+            if not self.cursors[epoch].done:
+                return self.cursors[epoch]
+        last = max(self.cursors)
+        if last + 1 >= self.cfg.num_epochs:
+            self.all_planned = True
+            return None
+        self._new_epoch(last + 1, self.cursors[last].n_samples)
+        return self.cursors[last + 1]
+
+    def _plan_batch(self) -> None:
+        per_rank: dict[int, list[Window]] = {r: [] for r in self.alive}
+        for _ in range(self._windows_per_plan()):
+            cursor = self._cursor()
+            if cursor is None:
+                break
+            for rank, window in self._plan_window(cursor).items():
+                per_rank[rank].append(window)
+        for rank, windows in per_rank.items():
+            if windows:
+                self._send(rank, Plan(tuple(windows)))
+        if not self.all_planned and self._cursor() is None:
+            self.all_planned = True
+
+    def _counts(self, remaining: int) -> list[int]:
+        alive = self.members.alive
+        if self.elche is None:
+            return [min(remaining, self.cfg.elche.anchor)]
+        if self.mode.is_sync:  # lock-step: one batch each, then average (classic DDP)
+            counts, left = [], remaining
+            for ok in alive:
+                counts.append(1 if ok and left > 0 else 0)
+                left -= counts[-1]
+            return counts
+        return self.elche.window(remaining, alive=alive)
+
+    def _plan_window(self, cursor: EpochCursor) -> dict[int, Window]:
+        chunks = cursor.take(self._counts(cursor.remaining_batches))
+        batches = [chunk_batches(c, self.cfg.batch_size) for c in chunks]
+        if self.world > 1:
+            weights = averaging_weights(batches, self.cfg.elche.gamma)
+            bweights = buffer_weights(batches)
+        else:
+            weights, bweights = [1.0], [1.0]
+        track = self.epochs[cursor.epoch]
+        track.planned += 1
+        index = self.next_window
+        self.next_window += 1
+        eval_rank, checkpoint = None, False
+        if cursor.done:
+            track.all_planned = True
+            eval_rank = track.eval_rank = self._eval_rank(cursor.epoch)
+            if self.checkpointer is not None:
+                checkpoint = self.checkpointer.due(cursor.epoch, self.cfg.num_epochs)
+            if checkpoint:
+                self._checkpoint_epochs[index] = cursor.epoch
+                self._checkpoints_open += 1
+        self.windows[index] = WindowTrack(
+            index, cursor.epoch, batches, list(chunks), set(self.alive)
+        )
+        return {
+            r: Window(
+                index,
+                cursor.epoch,
+                chunks[r],
+                weights[r],
+                bweights[r],
+                eval_after=eval_rank == r,
+                max_overshoot=self.overshoot[0],
+                checkpoint_after=checkpoint,
+                generation=self.members.generation,
+            )
+            for r in self.alive
+        }
+
+    def _eval_rank(self, epoch: int) -> int | None:
+        last = epoch == self.cfg.num_epochs - 1
+        if not self.has_eval or not (last or (epoch + 1) % self.cfg.eval_every == 0):
+            return None
+        policy = self.cfg.callback_policy
+        if policy.kind == "rank" and self.members.alive[policy.rank]:
+            return policy.rank
+        if self.elche is not None:
+            return self.elche.fastest_rank(alive=self.members.alive)
+        return self._head()
