@@ -15,14 +15,50 @@ from torch import nn
 
 
 class FlatState:
-    """A model's parameters and float buffers viewed as one flat vector."""
+    """A model's parameters and float buffers viewed as one flat vector.
 
-    def __init__(self, model: nn.Module) -> None:
+    With ``share_storage`` (the runtime's own replicas) the tensors are re-pointed into one
+    contiguous buffer, so averaging is a scale and one in-place all-reduce: no gather, no copy
+    back. It is done before the optimizer exists, and checked before every use: a module that
+    re-assigns a buffer (instead of updating it in place) quietly drops back to gather/copy.
+    """
+
+    def __init__(self, model: nn.Module, share_storage: bool = False) -> None:
         self.params = [p for p in model.parameters()]
         self.buffers = [b for b in model.buffers() if b.is_floating_point()]
         self.n_params = sum(p.numel() for p in self.params)
+        self.storage: torch.Tensor | None = None
+        self._ptrs: list[int] = []
+        tensors = [*self.params, *self.buffers]
+        uniform = len({(t.dtype, t.device) for t in tensors}) == 1
+        if share_storage and tensors and uniform and tensors[0].dtype == torch.float32:
+            self._share(tensors)
+
+    @torch.no_grad()
+    def _share(self, tensors: list[torch.Tensor]) -> None:
+        storage = torch.cat([t.detach().reshape(-1) for t in tensors])
+        pos = 0
+        for t in tensors:
+            n = t.numel()
+            t.data = storage[pos : pos + n].view_as(t)
+            pos += n
+        self.storage = storage
+        self._ptrs = [t.data_ptr() for t in tensors]
+
+    def shared(self) -> torch.Tensor | None:
+        """The contiguous storage, if every tensor still lives in it."""
+        if self.storage is None:
+            return None
+        if [t.data_ptr() for t in (*self.params, *self.buffers)] != self._ptrs:
+            self.storage = None  # something re-assigned a tensor: gather/copy from now on
+            return None
+        return self.storage
 
     def flatten(self) -> torch.Tensor:
+        """A copy of the state as one float32 vector (parameters first)."""
+        storage = self.shared()
+        if storage is not None:
+            return storage.clone()
         tensors = [t.detach().reshape(-1) for t in (*self.params, *self.buffers)]
         if not tensors:
             return torch.zeros(0)
@@ -30,6 +66,10 @@ class FlatState:
 
     @torch.no_grad()
     def load(self, flat: torch.Tensor) -> None:
+        storage = self.shared()
+        if storage is not None:
+            storage.copy_(flat)
+            return
         pos = 0
         for t in (*self.params, *self.buffers):
             n = t.numel()
@@ -47,11 +87,14 @@ def collective_average(
     state: FlatState, weight: float, buffer_weight: float, group: dist.ProcessGroup | None = None
 ) -> None:
     """Weighted all-reduce of the flat state, in place: one collective whatever the model."""
-    scaled = state.flatten()
-    scaled[: state.n_params] *= weight
-    scaled[state.n_params :] *= buffer_weight
+    storage = state.shared()
+    scaled = storage if storage is not None else state.flatten()
+    with torch.no_grad():
+        scaled[: state.n_params] *= weight
+        scaled[state.n_params :] *= buffer_weight
     dist.all_reduce(scaled, op=dist.ReduceOp.SUM, group=group)
-    state.load(scaled)
+    if storage is None:
+        state.load(scaled)
 
 
 def weighted_mean(

@@ -103,12 +103,13 @@ class Worker:
         if not isinstance(self.model, nn.Module):
             raise TypeError(f"model_factory must return an nn.Module, got {type(self.model)}")
         self.model.to(self.device).train()
+        # Before the optimizer: parameters move into one buffer the collectives use in place.
+        self.state = FlatState(self.model, share_storage=True)
         self.optimizer = self.spec.optim_factory(self.model.parameters())
         self._scale_lr()
         self.scheduler = (
             self.spec.scheduler_factory(self.optimizer) if self.spec.scheduler_factory else None
         )
-        self.state = FlatState(self.model)
         self.outer = make_outer(self.cfg.elche, self.state.n_params)
         dataset = resolve_dataset(self.spec.dataset)
         if self.cfg.batch_size > len(dataset):
@@ -330,7 +331,8 @@ class Worker:
         if self.world == 1 or self.mode is Mode.SOLO:
             return
         if not self.mode.via_controller:
-            before = self.state.flatten()
+            # The guard reads divergence; lock-step sync modes never consult it: skip the copy.
+            before = None if self.mode.is_sync else self.state.flatten()
             try:
                 collective_average(self.state, window.weight, window.buffer_weight)
             except (RuntimeError, dist.DistBackendError) as exc:  # a peer is gone
@@ -339,7 +341,8 @@ class Worker:
                 return
             if self.outer is not None:
                 self.state.load(self.outer.step(self.state.flatten()))
-            self._last_divergence = self.state.divergence(before, self.state.flatten())
+            if before is not None:
+                self._last_divergence = self.state.divergence(before, self.state.flatten())
             return
         self._outstanding.append(window.index)
         limit = window.max_overshoot if self.mode is Mode.CPU_ASYNC else 0
