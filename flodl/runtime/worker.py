@@ -152,6 +152,10 @@ class Worker:
             self.spec.train_step(probe, next(batches)).backward()
             optimizer.step()
 
+        if self.distributed:
+            # Measure together: a rank still importing or loading data would otherwise steal
+            # the other's core and inflate the nominal step every rank is then paced to.
+            dist.barrier()
         step_s = measure_step_s(step, n)
         if self.distributed:
             t = torch.tensor([step_s], dtype=torch.float64)
