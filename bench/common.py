@@ -307,13 +307,32 @@ def run_isolated(module: str, payload: dict[str, Any], timeout_s: float) -> dict
         try:
             log, _ = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            _kill_group(proc.pid)
             log, _ = proc.communicate()
             return {"status": "failed", "error": f"timed out after {timeout_s:.0f} s", "log": log}
+        except BaseException:  # interrupted (Ctrl-C, SIGTERM via exit_on_sigterm): no orphans
+            _kill_group(proc.pid)
+            raise
         if proc.returncode != 0 or not out.exists():
             tail = "\n".join(log.strip().splitlines()[-15:])
             return {"status": "failed", "error": f"exit code {proc.returncode}", "log": tail}
         return json.loads(out.read_text())
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM (``timeout``, ``kill``) into SystemExit, so a running child is killed too."""
+
+    def handler(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
 
 
 def child_main(argv: Sequence[str], run_one: Callable[[dict[str, Any]], dict[str, Any]]) -> bool:

@@ -23,7 +23,16 @@ import sys
 import time
 from typing import Any
 
-from bench.common import MODES, WORKLOADS, log, machine, run_flodl, wait_quiet, write_result
+from bench.common import (
+    MODES,
+    WORKLOADS,
+    exit_on_sigterm,
+    log,
+    machine,
+    run_flodl,
+    wait_quiet,
+    write_result,
+)
 
 RIG = [1.0, 0.4]
 VARIANTS = ("solo-fast", "solo-slow", *MODES)
@@ -60,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-wait", type=float, default=10.0)
     parser.add_argument("--out", default="convergence")
     args = parser.parse_args(argv)
+    exit_on_sigterm()
     if args.quick:
         args.epochs, args.resnet_samples = 1, 256
         if args.out == "convergence":

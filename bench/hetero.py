@@ -27,6 +27,7 @@ from typing import Any
 from bench.common import (
     MODES,
     child_main,
+    exit_on_sigterm,
     log,
     machine,
     median,
@@ -196,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if child_main(argv, run_one):
         return 0
+    exit_on_sigterm()
     parser = argparse.ArgumentParser(prog="python -m bench.hetero", description=__doc__)
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats (median)")
     parser.add_argument("--epochs", type=int, default=4, help="epochs of the 4,000-sample split")
@@ -213,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         default=0.6,
         help="before each run, wait while other processes keep this many cores busy",
     )
-    parser.add_argument("--max-wait", type=float, default=15.0, help="at most this long (s)")
+    parser.add_argument("--max-wait", type=float, default=10.0, help="at most this long (s)")
     parser.add_argument("--out", default="hetero", help="results file stem under bench/results")
     args = parser.parse_args(argv)
     if args.quick:
@@ -251,32 +253,34 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"[{rep + 1}/{args.repeats}] {kind} {speeds} FAILED: {res.get('error')}")
                 log(str(res.get("log", ""))[-2000:])
         repeats.append(results)
-    rows = summarise(rigs, repeats)
-    info["load_average_end"] = list(os.getloadavg())
-    data = {
-        "benchmark": "hetero",
-        "machine": info,
-        "settings": {
-            "workload": WORKLOAD,
-            "dataset": "mnist5k (4000 train / 1000 test)",
-            "batch_size": BATCH,
-            "epochs": args.epochs,
-            "samples_per_run": 4000 * args.epochs,
-            "pace_margin": PACE_MARGIN,
-            "seed": SEED,
-            "repeats": args.repeats,
-            "rigs": rigs,
-            "quick": args.quick,
-            "quiet_cores": args.quiet_cores,
-            "max_wait_s": args.max_wait,
-            "bench_wall_s": time.perf_counter() - started,
-        },
-        "command": "python -m bench.hetero " + " ".join(argv),
-        "order": order_log,
-        "rows": rows,
-    }
-    path = write_result(args.out, data)
-    log(f"wrote {path}")
+        # written after every repeat: a run cut short still leaves its finished repeats
+        rows = summarise(rigs, repeats)
+        info["load_average_end"] = list(os.getloadavg())
+        data = {
+            "benchmark": "hetero",
+            "machine": info,
+            "settings": {
+                "workload": WORKLOAD,
+                "dataset": "mnist5k (4000 train / 1000 test)",
+                "batch_size": BATCH,
+                "epochs": args.epochs,
+                "samples_per_run": 4000 * args.epochs,
+                "pace_margin": PACE_MARGIN,
+                "seed": SEED,
+                "repeats": len(repeats),
+                "repeats_requested": args.repeats,
+                "rigs": rigs,
+                "quick": args.quick,
+                "quiet_cores": args.quiet_cores,
+                "max_wait_s": args.max_wait,
+                "bench_wall_s": time.perf_counter() - started,
+            },
+            "command": "python -m bench.hetero " + " ".join(argv),
+            "order": order_log,
+            "rows": rows,
+        }
+        path = write_result(args.out, data)
+        log(f"wrote {path} ({len(repeats)} of {args.repeats} repeats)")
     failed = [r for r in rows if r["runs_ok"] < r["runs"]]
     return 1 if failed else 0
 

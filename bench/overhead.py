@@ -30,6 +30,7 @@ from typing import Any
 
 from bench.common import (
     child_main,
+    exit_on_sigterm,
     log,
     machine,
     median,
@@ -131,21 +132,116 @@ def run_one(payload: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def summarise(
+    configs: list[tuple[str, int]], runs: dict[tuple[str, int, str], list[dict[str, Any]]]
+) -> list[dict[str, Any]]:
+    """One row per (model, threads): medians; the ratio per repeat, then the median."""
+    rows = []
+    for name, threads in configs:
+        flodl_all, hand_all = runs[(name, threads, "flodl")], runs[(name, threads, "hand")]
+        flodl_runs = [r for r in flodl_all if r.get("status") == "ok"]
+        hand_runs = [r for r in hand_all if r.get("status") == "ok"]
+        pairs = [
+            (f, h)
+            for f, h in zip(flodl_all, hand_all, strict=True)
+            if f.get("status") == h.get("status") == "ok"
+        ]
+        rows.append(
+            {
+                "model": name,
+                "steps": flodl_runs[0]["steps"] if flodl_runs else None,
+                "threads": threads,
+                "flodl_train_s": median([r["train_s"] for r in flodl_runs]),
+                "hand_train_s": median([r["train_s"] for r in hand_runs]),
+                # per repeat (flodl and hand back to back), then the median
+                "train_ratio": median([f["train_s"] / h["train_s"] for f, h in pairs]),
+                "train_ratio_of_medians": (
+                    median([r["train_s"] for r in flodl_runs])
+                    / median([r["train_s"] for r in hand_runs])
+                    if flodl_runs and hand_runs
+                    else None
+                ),
+                # best of the repeats: the least disturbed run of each side
+                "train_ratio_of_mins": (
+                    min(r["train_s"] for r in flodl_runs) / min(r["train_s"] for r in hand_runs)
+                    if flodl_runs and hand_runs
+                    else None
+                ),
+                "flodl_total_s": median([r["total_s"] for r in flodl_runs]),
+                "hand_total_s": median([r["total_s"] for r in hand_runs]),
+                "total_ratio": median([f["total_s"] / h["total_s"] for f, h in pairs]),
+                "flodl_final_loss": median([r["final_loss"] for r in flodl_runs]),
+                "hand_final_loss": median([r["final_loss"] for r in hand_runs]),
+                "flodl_test_metric": median([r["test_metric"] for r in flodl_runs]),
+                "hand_test_metric": median([r["test_metric"] for r in hand_runs]),
+                "per_repeat": [
+                    {
+                        "flodl_train_s": f.get("train_s"),
+                        "hand_train_s": h.get("train_s"),
+                        "flodl_total_s": f.get("total_s"),
+                        "hand_total_s": h.get("total_s"),
+                        "load_before": [f.get("load_before"), h.get("load_before")],
+                        "others_busy_cores": [
+                            f.get("others_busy_cores"),
+                            h.get("others_busy_cores"),
+                        ],
+                    }
+                    for f, h in zip(flodl_all, hand_all, strict=True)
+                ],
+            }
+        )
+    return rows
+
+
+def write(
+    args: argparse.Namespace,
+    argv: list[str],
+    info: dict[str, Any],
+    started: float,
+    done: int,
+    configs: list[tuple[str, int]],
+    runs: dict[tuple[str, int, str], list[dict[str, Any]]],
+) -> None:
+    """Write the results so far (after every repeat: a cut-short run keeps what it finished)."""
+    info["load_average_end"] = list(os.getloadavg())
+    data = {
+        "benchmark": "overhead",
+        "machine": info,
+        "settings": {
+            "dataset": "mnist5k (4000 train)",
+            "batch_size": BATCH,
+            "epochs": args.epochs,
+            "seed": SEED,
+            "repeats": done,
+            "repeats_requested": args.repeats,
+            "models": args.models,
+            "threads": args.threads,
+            "quick": args.quick,
+            "bench_wall_s": time.perf_counter() - started,
+        },
+        "command": "python -m bench.overhead " + " ".join(argv),
+        "rows": summarise(configs, runs),
+    }
+    path = write_result(args.out, data)
+    log(f"wrote {path} ({done} of {args.repeats} repeats)")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if child_main(argv, run_one):
         return 0
+    exit_on_sigterm()
     parser = argparse.ArgumentParser(prog="python -m bench.overhead", description=__doc__)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--epochs", type=int, default=6, help="epochs of the 4,000-sample split")
     parser.add_argument("--models", nargs="+", default=["lenet", "mlp"])
     parser.add_argument(
-        "--threads", nargs="+", type=int, default=[1, 2], help="torch threads (both sides)"
+        "--threads", nargs="+", type=int, default=[1], help="torch threads (both sides)"
     )
     parser.add_argument("--quick", action="store_true", help="smoke test: 1 repeat, 1 epoch")
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--quiet-cores", type=float, default=0.6)
-    parser.add_argument("--max-wait", type=float, default=15.0)
+    parser.add_argument("--max-wait", type=float, default=10.0)
     parser.add_argument("--out", default="overhead")
     args = parser.parse_args(argv)
     if args.quick:
@@ -175,74 +271,7 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     log(f"[{rep + 1}/{args.repeats}] {name} {variant} FAILED: {res.get('error')}")
                     log(str(res.get("log", ""))[-2000:])
-    rows = []
-    for name, threads in configs:
-        flodl_all, hand_all = runs[(name, threads, "flodl")], runs[(name, threads, "hand")]
-        flodl_runs = [r for r in flodl_all if r.get("status") == "ok"]
-        hand_runs = [r for r in hand_all if r.get("status") == "ok"]
-        pairs = [
-            (f, h)
-            for f, h in zip(flodl_all, hand_all, strict=True)
-            if f.get("status") == h.get("status") == "ok"
-        ]
-        rows.append(
-            {
-                "model": name,
-                "steps": flodl_runs[0]["steps"] if flodl_runs else None,
-                "threads": threads,
-                "flodl_train_s": median([r["train_s"] for r in flodl_runs]),
-                "hand_train_s": median([r["train_s"] for r in hand_runs]),
-                # per repeat (flodl and hand back to back), then the median
-                "train_ratio": median([f["train_s"] / h["train_s"] for f, h in pairs]),
-                "train_ratio_of_medians": (
-                    median([r["train_s"] for r in flodl_runs])
-                    / median([r["train_s"] for r in hand_runs])
-                    if flodl_runs and hand_runs
-                    else None
-                ),
-                "flodl_total_s": median([r["total_s"] for r in flodl_runs]),
-                "hand_total_s": median([r["total_s"] for r in hand_runs]),
-                "total_ratio": median([f["total_s"] / h["total_s"] for f, h in pairs]),
-                "flodl_final_loss": median([r["final_loss"] for r in flodl_runs]),
-                "hand_final_loss": median([r["final_loss"] for r in hand_runs]),
-                "flodl_test_metric": median([r["test_metric"] for r in flodl_runs]),
-                "hand_test_metric": median([r["test_metric"] for r in hand_runs]),
-                "per_repeat": [
-                    {
-                        "flodl_train_s": f.get("train_s"),
-                        "hand_train_s": h.get("train_s"),
-                        "flodl_total_s": f.get("total_s"),
-                        "hand_total_s": h.get("total_s"),
-                        "load_before": [f.get("load_before"), h.get("load_before")],
-                        "others_busy_cores": [
-                            f.get("others_busy_cores"),
-                            h.get("others_busy_cores"),
-                        ],
-                    }
-                    for f, h in zip(flodl_all, hand_all, strict=True)
-                ],
-            }
-        )
-    info["load_average_end"] = list(os.getloadavg())
-    data = {
-        "benchmark": "overhead",
-        "machine": info,
-        "settings": {
-            "dataset": "mnist5k (4000 train)",
-            "batch_size": BATCH,
-            "epochs": args.epochs,
-            "seed": SEED,
-            "repeats": args.repeats,
-            "models": args.models,
-            "threads": args.threads,
-            "quick": args.quick,
-            "bench_wall_s": time.perf_counter() - started,
-        },
-        "command": "python -m bench.overhead " + " ".join(argv),
-        "rows": rows,
-    }
-    path = write_result(args.out, data)
-    log(f"wrote {path}")
+        write(args, argv, info, started, rep + 1, configs, runs)
     return 0 if all(r.get("status") == "ok" for v in runs.values() for r in v) else 1
 
 

@@ -113,8 +113,8 @@ def test_a_frozen_rank_is_dropped_when_its_heartbeat_goes_stale(tmp_path):
 
     def metrics(m):
         if m.epoch == 0 and not frozen:
-            os.kill(rank_pid(1), signal.SIGSTOP)  # alive but silent: only the heartbeat tells
-            frozen.append(1)
+            os.kill(rank_pid(2), signal.SIGSTOP)  # alive but silent: only the heartbeat tells
+            frozen.append(2)
 
     cluster = ClusterConfig(
         kind="cpu_rig", ranks=3, speeds=[1.0, 0.7, 0.5], warmup_steps=2, heartbeat_timeout_s=4.0
@@ -132,6 +132,6 @@ def test_a_frozen_rank_is_dropped_when_its_heartbeat_goes_stale(tmp_path):
     )
     handle.join(timeout=300)
     result = handle.result
-    assert frozen == [1]
-    assert result.summary.lost_ranks == [1]
+    assert frozen == [2]
+    assert result.summary.lost_ranks == [2]
     assert result.coverage_exact and result.summary.samples_seen == 2 * 2048

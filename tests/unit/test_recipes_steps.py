@@ -121,7 +121,15 @@ def test_reconstruction_step_trains_the_autoencoder_on_mnist5k() -> None:
 
 # --- config group ----------------------------------------------------------------------------
 
-TASK_KEYS = {"train_step", "eval_fn", "eval_metric", "eval_higher_is_better"}
+TASK_KEYS = {
+    "train_step",
+    "eval_fn",
+    "eval_metric",
+    "eval_higher_is_better",
+    "metrics_fn",
+    "eval_result_fn",
+    "epoch_fn",
+}
 
 
 @pytest.mark.parametrize("path", sorted((CONF / "task").glob("*.yaml")), ids=lambda p: p.stem)
