@@ -149,8 +149,9 @@ def elche_preset(mode: str) -> Any:
 # --- one flodl run --------------------------------------------------------------------------------
 
 
-def _probe_calibration(sink: list[float]) -> None:
-    """Record each rank's calibrated step (``Ready.step_ms``, after the MAX all-reduce).
+def _probe_calibration(sink: list[dict[str, Any]]) -> None:
+    """Record each rank's calibrated step (``Ready.step_ms``, after the MAX all-reduce), and the
+    launcher's wall and CPU clocks when it arrives (the last Ready starts the training clock).
 
     Read-only: wraps ``Controller._on_ready`` in this (the launcher's) process. flodl does not
     surface the nominal step ``T`` in its summary, and it differs run to run on a shared VM.
@@ -166,8 +167,13 @@ def _probe_calibration(sink: list[float]) -> None:
 
     def on_ready(self: Any, msg: Any) -> None:
         step_ms = getattr(msg, "step_ms", None)
-        if step_ms is not None:
-            on_ready._bench_sink.append(float(step_ms))  # type: ignore[attr-defined]
+        on_ready._bench_sink.append(  # type: ignore[attr-defined]
+            {
+                "step_ms": float(step_ms) if step_ms is not None else None,
+                "wall": time.perf_counter(),
+                "cpu": time.process_time(),
+            }
+        )
         original(self, msg)
 
     on_ready._bench_probe = True  # type: ignore[attr-defined]
@@ -206,8 +212,13 @@ def run_flodl(
         )
     else:
         cluster = ClusterConfig(kind="auto")
-    calibrated: list[float] = []
+    calibrated: list[dict[str, Any]] = []
     _probe_calibration(calibrated)
+    epoch_clock: list[tuple[float, float]] = []
+
+    def on_epoch(metrics: Any) -> None:
+        epoch_clock.append((time.perf_counter(), time.process_time()))
+
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="flodl-bench-") as tmp:
         t0 = time.perf_counter()
@@ -228,6 +239,7 @@ def run_flodl(
             .elche(elche_preset(mode))
             .cluster(cluster)
             .logger(LoggerConfig(progress="off", tensorboard=False, level="WARNING"))
+            .metrics_fn(on_epoch)
             .output_dir(tmp)
             .run()
         )
@@ -245,7 +257,13 @@ def run_flodl(
         for r, per in enumerate(epoch.per_rank):
             rank_ms[r] += per["compute_ms"]
             rank_batches[r] += int(per["batches"])
-    step_ms = max(calibrated) if calibrated else None
+    steps_ms = [c["step_ms"] for c in calibrated if c["step_ms"] is not None]
+    step_ms = max(steps_ms) if steps_ms else None
+    # CPU seconds this (the launcher's) process spent while training: the whole run for an
+    # in-process solo job, the controller's share for a process-per-rank job.
+    launcher_cpu_s = (
+        epoch_clock[-1][1] - calibrated[-1]["cpu"] if calibrated and epoch_clock else None
+    )
     paced = cluster_kind == "cpu_rig"
     return {
         "status": s.status,
@@ -276,6 +294,7 @@ def run_flodl(
         "calibrated_step_ms": step_ms,
         "nominal_step_ms": step_ms * pace_margin if (step_ms is not None and paced) else None,
         "final_anchor": s.anchor,
+        "launcher_cpu_train_s": launcher_cpu_s,
         "load_before": load_before,
         "load_after": load_after,
     }

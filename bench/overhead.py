@@ -1,11 +1,13 @@
 """Trainer overhead on one device: the flodl Trainer against a hand-written PyTorch loop.
 
-    .venv/bin/python -m bench.overhead --repeats 5 --epochs 6 --models lenet mlp
+    .venv/bin/python -m bench.overhead --repeats 5 --models lenet mlp
     .venv/bin/python -m bench.overhead --quick
 
 Both sides train the same model (seeded init), optimizer, data (mnist5k train split, as one
 ``TensorDataset``), batch size, seed, per-epoch permutation (``flodl.data.epoch_permutation``)
-and number of steps, in a fresh process each, with torch's default thread count:
+and number of steps, in a fresh process each, with the same torch thread count (``--threads``,
+1 by default: with 2 threads on 2 shared cores OpenMP's barriers make every step hostage to
+whatever else the machine runs, and the ratio becomes noise):
 
 * ``flodl``: ``Trainer`` with ``mode=solo``, ``cluster=auto`` (in-process, no pacing),
   ``progress=off``, ``tensorboard=False``, no eval set.
@@ -17,7 +19,9 @@ Training time: flodl's ``train_s`` (``samples / samples_per_s``: from the rank r
 the controller receiving the last window's report) against the hand loop's first-to-last-step
 time. Both include cutting batches out of the tensors (index + gather); neither includes process
 start, imports, loading the data set, building the model or the warm-up. The end-to-end wall
-(call to trained state) is reported separately. Variants are interleaved, medians reported.
+(call to trained state) is reported separately, and so is the CPU time the whole process spent
+while training (all threads: flodl's controller thread included), which other processes on the
+machine disturb far less than wall time. Variants are interleaved, medians reported.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ from bench.common import (
 BATCH = 64
 SEED = 42
 WARMUP_STEPS = 8  # flodl's ClusterConfig.warmup_steps default (its worker always calibrates)
+# epochs per model: a few seconds of training each (an MLP step is ~6x cheaper than LeNet's)
+DEFAULT_EPOCHS = {"lenet": 6, "mlp": 24, "logistic": 60, "conv_ae": 6, "resnet": 1}
 
 
 def hand_loop(name: str, epochs: int) -> dict[str, Any]:
@@ -81,7 +87,7 @@ def hand_loop(name: str, epochs: int) -> dict[str, Any]:
         probe_opt.step()
 
     steps, samples, last_loss_sum, last_count = 0, 0, 0.0, 0
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     for epoch in range(epochs):
         for idx in epoch_permutation(n, SEED, epoch).split(BATCH):
             x, y = inputs[idx], target[idx]
@@ -96,12 +102,14 @@ def hand_loop(name: str, epochs: int) -> dict[str, Any]:
                 last_loss_sum += value
                 last_count += 1
     train_s = time.perf_counter() - t0
+    cpu_s = time.process_time() - cpu0
     total_s = time.perf_counter() - t_start
     return {
         "status": "ok",
         "steps": steps,
         "samples": samples,
         "train_s": train_s,
+        "cpu_train_s": cpu_s,
         "total_s": total_s,
         "samples_per_s": samples / train_s,
         "final_loss": last_loss_sum / max(last_count, 1),
@@ -127,6 +135,7 @@ def run_one(payload: dict[str, Any]) -> dict[str, Any]:
             with_eval=False,
         )  # fmt: skip
         result["threads"] = torch.get_num_threads()
+        result["cpu_train_s"] = result["launcher_cpu_train_s"]  # in-process: all threads
         result["steps"] = -(-4000 // BATCH) * epochs
     result["load_before"] = load_before
     return result
@@ -167,6 +176,15 @@ def summarise(
                     if flodl_runs and hand_runs
                     else None
                 ),
+                # CPU seconds of the whole process while training (all threads): far less
+                # sensitive than wall time to other processes on the machine
+                "cpu_ratio": median(
+                    [
+                        f["cpu_train_s"] / h["cpu_train_s"]
+                        for f, h in pairs
+                        if f.get("cpu_train_s") and h.get("cpu_train_s")
+                    ]
+                ),
                 "flodl_total_s": median([r["total_s"] for r in flodl_runs]),
                 "hand_total_s": median([r["total_s"] for r in hand_runs]),
                 "total_ratio": median([f["total_s"] / h["total_s"] for f, h in pairs]),
@@ -180,6 +198,8 @@ def summarise(
                         "hand_train_s": h.get("train_s"),
                         "flodl_total_s": f.get("total_s"),
                         "hand_total_s": h.get("total_s"),
+                        "flodl_cpu_train_s": f.get("cpu_train_s"),
+                        "hand_cpu_train_s": h.get("cpu_train_s"),
                         "load_before": [f.get("load_before"), h.get("load_before")],
                         "others_busy_cores": [
                             f.get("others_busy_cores"),
@@ -210,7 +230,7 @@ def write(
         "settings": {
             "dataset": "mnist5k (4000 train)",
             "batch_size": BATCH,
-            "epochs": args.epochs,
+            "epochs": {m: args.epochs or DEFAULT_EPOCHS.get(m, 6) for m in args.models},
             "seed": SEED,
             "repeats": done,
             "repeats_requested": args.repeats,
@@ -233,7 +253,12 @@ def main(argv: list[str] | None = None) -> int:
     exit_on_sigterm()
     parser = argparse.ArgumentParser(prog="python -m bench.overhead", description=__doc__)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--epochs", type=int, default=6, help="epochs of the 4,000-sample split")
+    parser.add_argument(
+        "--epochs",
+        type=int,
+        default=None,
+        help=f"epochs of the 4,000-sample split (default per model: {DEFAULT_EPOCHS})",
+    )
     parser.add_argument("--models", nargs="+", default=["lenet", "mlp"])
     parser.add_argument(
         "--threads", nargs="+", type=int, default=[1], help="torch threads (both sides)"
@@ -248,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         args.repeats, args.epochs = 1, 1
         if args.out == "overhead":
             args.out = "overhead_quick"
+    epochs = {m: args.epochs or DEFAULT_EPOCHS.get(m, 6) for m in args.models}
     info = machine()
     started = time.perf_counter()
     runs: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
@@ -257,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             variants = ["flodl", "hand"] if rep % 2 == 0 else ["hand", "flodl"]
             for variant in variants:
                 quiet = wait_quiet(args.quiet_cores, args.max_wait)
-                payload = {"model": name, "variant": variant, "epochs": args.epochs}
+                payload = {"model": name, "variant": variant, "epochs": epochs[name]}
                 payload["threads"] = threads
                 res = run_isolated("bench.overhead", payload, args.timeout)
                 res.update(quiet)

@@ -124,9 +124,10 @@ def overhead_block(data: dict[str, Any]) -> str:
     lines = [
         _machine(data),
         "",
-        f"One device, in-process, torch default threads; {s['dataset']}, batch {s['batch_size']}, "
-        f"{s['epochs']} epochs; medians of {s['repeats']} interleaved repeats (ratio: per repeat, "
-        "then the median).",
+        f"One device, in-process, torch threads {s.get('threads')}; {s['dataset']}, "
+        f"batch {s['batch_size']}, "
+        f"epochs {s['epochs']}; medians of {s['repeats']} interleaved repeats (ratios: per repeat, "
+        "then the median; *ratio of bests*: fastest flodl run / fastest hand run).",
         "",
     ]
     header = [
@@ -137,6 +138,7 @@ def overhead_block(data: dict[str, Any]) -> str:
         "hand train s",
         "train ratio",
         "ratio of bests",
+        "CPU-time ratio",
         "flodl total s",
         "hand total s",
         "total ratio",
@@ -152,6 +154,7 @@ def overhead_block(data: dict[str, Any]) -> str:
             _num(r["hand_train_s"]),
             _num(r["train_ratio"], ".4f"),
             _num(r.get("train_ratio_of_mins"), ".4f"),
+            _num(r.get("cpu_ratio"), ".4f"),
             _num(r["flodl_total_s"], ".2f"),
             _num(r["hand_total_s"], ".2f"),
             _num(r["total_ratio"], ".2f"),
@@ -207,6 +210,30 @@ def convergence_block(data: dict[str, Any]) -> str:
         rows2.append(cells)
     table2 = _table(["training samples/s", *models], rows2)
     return "\n".join(lines) + "\n" + table + "\n\n" + table2
+
+
+def accuracy_block(short: dict[str, Any] | None, long: dict[str, Any] | None) -> str:
+    """Test accuracy against solo's, at the hetero run's length and at a longer one."""
+    runs = [d for d in (short, long) if d]
+    if not runs:
+        return "_No results yet: run the command above._"
+    lines = [f"Longer run: {_machine(long).splitlines()[-1]}", ""] if long else []
+    header = ["rig", "variant"]
+    for d in runs:
+        header += [f"test acc, {d['settings']['epochs']} epochs", "points below solo"]
+    keyed = [{(tuple(r["speeds"]), r["variant"]): r for r in d["rows"]} for d in runs]
+    rows = []
+    for key in keyed[0] if len(keyed) == 1 else [k for k in keyed[1] if k in keyed[0]]:
+        if key[1] == "solo_slow":
+            continue
+        cells = [_speeds(list(key[0])), key[1]]
+        for table in keyed:
+            r, solo = table.get(key), table.get((key[0], "solo_fast"))
+            acc = r["test_accuracy"] if r else None
+            gap = (solo["test_accuracy"] - acc) * 100 if acc is not None and solo else None
+            cells += [_num(acc, ".4f"), _num(gap, "+.2f")]
+        rows.append(cells)
+    return "\n".join([*lines, _table(header, rows)])
 
 
 def _verdict(ok: bool | None) -> str:
@@ -306,6 +333,7 @@ def render() -> dict[str, str]:
         "overhead": overhead_block(overhead) if overhead else missing,
         "convergence": convergence_block(convergence) if convergence else missing,
         "targets": targets_block(hetero, overhead),
+        "accuracy": accuracy_block(hetero, _load("hetero_long")),
     }
 
 
