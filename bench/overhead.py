@@ -1,6 +1,6 @@
 """Trainer overhead on one device: the flodl Trainer against a hand-written PyTorch loop.
 
-    .venv/bin/python -m bench.overhead --repeats 5 --models lenet mlp
+    .venv/bin/python -m bench.overhead --repeats 9 --models lenet mlp
     .venv/bin/python -m bench.overhead --quick
 
 Both sides train the same model (seeded init), optimizer, data (mnist5k train split, as one
@@ -47,7 +47,7 @@ BATCH = 64
 SEED = 42
 WARMUP_STEPS = 8  # flodl's ClusterConfig.warmup_steps default (its worker always calibrates)
 # epochs per model: a few seconds of training each (an MLP step is ~6x cheaper than LeNet's)
-DEFAULT_EPOCHS = {"lenet": 6, "mlp": 24, "logistic": 60, "conv_ae": 6, "resnet": 1}
+DEFAULT_EPOCHS = {"lenet": 4, "mlp": 16, "logistic": 40, "conv_ae": 4, "resnet": 1}
 
 
 def hand_loop(name: str, epochs: int) -> dict[str, Any]:
@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     exit_on_sigterm()
     parser = argparse.ArgumentParser(prog="python -m bench.overhead", description=__doc__)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=9, help="interleaved pairs (median)")
     parser.add_argument(
         "--epochs",
         type=int,

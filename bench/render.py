@@ -39,7 +39,7 @@ def _list(xs: Any, fmt: str = ".2f") -> str:
 
 
 def _speeds(xs: list[float]) -> str:
-    return "[" + ", ".join(f"{x:g}" for x in xs) + "]"
+    return "[" + ", ".join(str(float(x)) for x in xs) + "]"
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -217,7 +217,9 @@ def accuracy_block(short: dict[str, Any] | None, long: dict[str, Any] | None) ->
     runs = [d for d in (short, long) if d]
     if not runs:
         return "_No results yet: run the command above._"
-    lines = [f"Longer run: {_machine(long).splitlines()[-1]}", ""] if long else []
+    lines = []
+    if long:
+        lines = [f"Longer run ({long['settings']['epochs']} epochs). {_machine(long)}", ""]
     header = ["rig", "variant"]
     for d in runs:
         header += [f"test acc, {d['settings']['epochs']} epochs", "points below solo"]
@@ -240,7 +242,11 @@ def _verdict(ok: bool | None) -> str:
     return "n/a" if ok is None else ("**met**" if ok else "**missed**")
 
 
-def targets_block(hetero: dict[str, Any] | None, overhead: dict[str, Any] | None) -> str:
+def targets_block(
+    hetero: dict[str, Any] | None,
+    overhead: dict[str, Any] | None,
+    long: dict[str, Any] | None = None,
+) -> str:
     out = ["| target | measured | verdict |", "|---|---|---|"]
 
     def row(rig: list[float], variant: str) -> dict[str, Any] | None:
@@ -286,30 +292,40 @@ def targets_block(hetero: dict[str, Any] | None, overhead: dict[str, Any] | None
                 w,
                 w is not None and w <= 1.05,
             )
-    for rig in (hetero or {}).get("settings", {}).get("rigs", []):
-        solo = row(rig, "solo_fast")
-        if not solo or solo["test_accuracy"] is None:
-            continue
-        worst, worst_mode = None, None
-        for mode in ("nccl_sync", "nccl_cadence", "cpu_sync", "cpu_cadence", "cpu_async"):
-            r = row(rig, mode)
-            if r and r["test_accuracy"] is not None:
-                gap = (solo["test_accuracy"] - r["test_accuracy"]) * 100
-                if worst is None or gap > worst:
-                    worst, worst_mode = gap, mode
-        check(
-            f"{_speeds(rig)} every mode within 1 point of solo's test accuracy "
-            f"(largest gap, points: {worst_mode})",
-            worst,
-            worst is not None and worst <= 1.0,
-            ".2f",
-        )
+    for data in (hetero, long):
+        rows_by = {(tuple(r["speeds"]), r["variant"]): r for r in (data or {}).get("rows", [])}
+        for rig in (data or {}).get("settings", {}).get("rigs", []):
+            solo = rows_by.get((tuple(rig), "solo_fast"))
+            if not solo or solo["test_accuracy"] is None:
+                continue
+            worst, worst_mode = None, None
+            for mode in ("nccl_sync", "nccl_cadence", "cpu_sync", "cpu_cadence", "cpu_async"):
+                r = rows_by.get((tuple(rig), mode))
+                if r and r["test_accuracy"] is not None:
+                    gap = (solo["test_accuracy"] - r["test_accuracy"]) * 100
+                    if worst is None or gap > worst:
+                        worst, worst_mode = gap, mode
+            assert data is not None
+            check(
+                f"{_speeds(rig)} every mode within 1 point of solo's test accuracy, "
+                f"{data['settings']['epochs']} epochs (largest gap in points: {worst_mode})",
+                worst,
+                worst is not None and worst <= 1.0,
+                ".2f",
+            )
     for r in (overhead or {}).get("rows", []):
         t = r["train_ratio"]
         check(
             f"Trainer overhead <= 3 % ({r['model']}, training-time ratio)",
             t,
             t is not None and t <= 1.03,
+            ".4f",
+        )
+        c = r.get("cpu_ratio")
+        check(
+            f"Trainer overhead <= 3 % ({r['model']}, CPU-time ratio)",
+            c,
+            c is not None and c <= 1.03,
             ".4f",
         )
     return "\n".join(out)
@@ -332,7 +348,7 @@ def render() -> dict[str, str]:
         "hetero": hetero_block(hetero) if hetero else missing,
         "overhead": overhead_block(overhead) if overhead else missing,
         "convergence": convergence_block(convergence) if convergence else missing,
-        "targets": targets_block(hetero, overhead),
+        "targets": targets_block(hetero, overhead, _load("hetero_long")),
         "accuracy": accuracy_block(hetero, _load("hetero_long")),
     }
 
