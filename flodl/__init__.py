@@ -6,14 +6,19 @@ state = (Trainer.builder(model_factory, optim_factory, train_step)
          .elche(ElCheConfig.nccl_cadence()).run().join())
 """
 
+from flodl.cluster import ClusterBuilder
 from flodl.config import (
     CallbackPolicy,
     ClusterConfig,
     ConfigError,
+    ControllerAddress,
     ElCheConfig,
     LoggerConfig,
     Mode,
+    SlurmConfig,
+    SshConfig,
     TrainerConfig,
+    WorkerConfig,
 )
 from flodl.metrics import EpochMetrics, RunSummary, SyncEvent, record_scalar
 
@@ -41,8 +46,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CallbackPolicy",
+    "ClusterBuilder",
     "ClusterConfig",
     "ConfigError",
+    "ControllerAddress",
     "Ddp",
     "ElCheConfig",
     "EpochMetrics",
@@ -52,11 +59,14 @@ __all__ = [
     "Rendezvous",
     "RunHandle",
     "RunSummary",
+    "SlurmConfig",
+    "SshConfig",
     "SyncEvent",
     "TrainedState",
     "Trainer",
     "TrainerBuilder",
     "TrainerConfig",
+    "WorkerConfig",
     "__version__",
     "record_scalar",
 ]

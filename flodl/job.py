@@ -105,7 +105,12 @@ class Job:
             return self._run_in_process(controller)
         from flodl.runtime.launcher import ProcessLauncher
 
-        self.launcher = ProcessLauncher(
+        launcher_class: Any = ProcessLauncher
+        if self.topology.kind == "external":
+            from flodl.runtime.external import ExternalCohort as launcher_class
+        elif self.topology.kind == "slurm":
+            from flodl.runtime.slurm import SlurmLauncher as launcher_class
+        self.launcher = launcher_class(
             self.spec, controller, self.job_dir, self.topology, echo=self._rank_line
         )
         return self.launcher.run(self._stop.is_set)

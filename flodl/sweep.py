@@ -43,6 +43,9 @@ def launch_sweep(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
         loggers.append(run_cfg.logger)
 
     app.STATE["launched"] = 1
+    follower = _follower()
+    if follower is not None:  # torchrun / srun placed us: rank 0 runs the sweep, we serve it
+        return _follow_jobs(follower, jobs)
     sweep_dir.mkdir(parents=True, exist_ok=True)
     logger = loggers[0]
     dashboard = _serve(sweep_dir, logger) if logger.serve is not None else None
@@ -53,6 +56,32 @@ def launch_sweep(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
             _linger(dashboard, logger.keep_serving)
             app.STATE["serving"] = 0
     return returns
+
+
+def _follower() -> Any:
+    """This process's torchrun / srun role when it is a rank other than 0 (else ``None``)."""
+    from flodl.runtime.env import external_role
+
+    role = external_role()
+    return role if role is not None and role.world_size > 1 and not role.is_controller else None
+
+
+def _follow_jobs(role: Any, jobs: list) -> list:
+    """Train every job of the sweep as a worker of rank 0 (which writes every output)."""
+    from flodl.runtime.external import follow
+
+    codes = []
+    for idx, _, job_cfg in jobs:
+        run_cfg = validate_run_config(app.plain_config(job_cfg))
+        if run_cfg.elche.mode.value == "solo":
+            codes.append(0)  # solo trains on rank 0 alone
+            continue
+        code = follow(role, run_cfg.cluster.start_timeout_s)
+        log.info("job %d: rank %d finished with exit code %d", idx, role.rank, code)
+        codes.append(code)
+    if any(codes):
+        app.STATE["failed"] += sum(1 for c in codes if c)
+    return []
 
 
 def _serve(sweep_dir: Path, logger: Any) -> Any:

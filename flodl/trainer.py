@@ -249,6 +249,27 @@ class TrainerBuilder:
         return LauncherView(handle.join())
 
 
+def _follow_if_placed(config: TrainerConfig, cooperative: bool) -> None:
+    """Under torchrun / srun, every rank but 0 becomes a worker of rank 0's job, then exits."""
+    from flodl.runtime.env import external_role
+
+    role = external_role()
+    if role is None or role.world_size == 1:
+        return
+    if cooperative:
+        raise RuntimeError(
+            f"into_worker() under {role.launcher}: flodl's cooperative tier re-executes the "
+            "script itself; start it with python, or use Trainer.run / Ddp.wrap under torchrun"
+        )
+    if role.is_controller:
+        return
+    if config.elche.mode.value == "solo":
+        raise SystemExit(0)  # solo trains on rank 0 alone
+    from flodl.runtime.external import follow
+
+    raise SystemExit(follow(role, config.cluster.start_timeout_s))
+
+
 class Trainer:
     """Entry points. See the module docstring for how closures reach ranks."""
 
@@ -279,8 +300,14 @@ class Trainer:
         run_info: dict[str, Any] | None = None,
         cooperative: bool = False,
     ) -> RunHandle:
-        """Start a run; returns at once with a handle (``.join()`` for the trained state)."""
+        """Start a run; returns at once with a handle (``.join()`` for the trained state).
+
+        In a process torchrun (or srun) placed, rank 0 runs the job and the other ranks train
+        as its workers, then exit: code after ``run()`` runs on rank 0 only.
+        """
         from flodl.job import Job
+
+        _follow_if_placed(config, cooperative)
 
         spec = JobSpec(
             config=config,

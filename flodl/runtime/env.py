@@ -18,6 +18,9 @@ RANK = "FLODL_RANK"
 WORLD_SIZE = "FLODL_WORLD_SIZE"
 CONTROLLER = "FLODL_CONTROLLER"  # host:port of the control plane
 DEVICE = "FLODL_DEVICE"  # "cpu" or "cuda"
+LIFELINE = "FLODL_LIFELINE"  # "1": stdin stays open; its EOF means the launcher is gone
+PLACED_BY = "FLODL_PLACED_BY"  # who placed an external rank ("torchrun" unless told)
+SECRET_FILE = "FLODL_SECRET_FILE"  # external placement: a file holding the control-plane secret
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,73 @@ class RankEnv:
     controller_host: str
     controller_port: int
     device: str
+    local_rank: int = 0  # CUDA device index when the process sees every GPU of its host
+
+
+@dataclass(frozen=True)
+class ExternalRole:
+    """A process another launcher placed (torchrun, srun, submitit): who it is, where rank 0 is."""
+
+    launcher: str  # "torchrun", "srun" or "submitit"
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    device: str  # "cuda" when this host has a GPU for LOCAL_RANK, else "cpu"
+
+    @property
+    def is_controller(self) -> bool:
+        """Rank 0 hosts the controller beside its own worker."""
+        return self.rank == 0
+
+
+def external_role(environ: Mapping[str, str] | None = None) -> ExternalRole | None:
+    """The torchrun / SLURM placement of this process, or ``None`` when nobody placed it.
+
+    torchrun sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``;
+    under ``srun`` the rank comes from ``SLURM_PROCID`` / ``SLURM_NTASKS`` / ``SLURM_LOCALID`` and
+    ``MASTER_ADDR`` / ``MASTER_PORT`` are exported by the batch script. A process our own launcher
+    started (``FLODL_ROLE``) is never external.
+    """
+    env = os.environ if environ is None else environ
+    if env.get(ROLE):
+        return None
+    if "RANK" in env and "WORLD_SIZE" in env:
+        launcher = env.get(PLACED_BY, "torchrun")
+        rank, world, local = env["RANK"], env["WORLD_SIZE"], env.get("LOCAL_RANK", "0")
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "MASTER_ADDR" in env:
+        launcher = "srun"
+        rank, world = env["SLURM_PROCID"], env["SLURM_NTASKS"]
+        local = env.get("SLURM_LOCALID", "0")
+    else:
+        return None
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
+    if missing:
+        raise RuntimeError(f"{launcher} placement without {', '.join(missing)} in the environment")
+    try:
+        role = ExternalRole(
+            launcher=launcher,
+            rank=int(rank),
+            world_size=int(world),
+            local_rank=int(local),
+            master_addr=env["MASTER_ADDR"],
+            master_port=int(env["MASTER_PORT"]),
+            device=env.get(DEVICE) or _external_device(int(local)),
+        )
+    except ValueError as exc:
+        raise RuntimeError(f"bad {launcher} environment: {exc}") from None
+    if not 0 <= role.rank < role.world_size:
+        raise RuntimeError(
+            f"bad {launcher} environment: RANK={role.rank} WORLD_SIZE={role.world_size}"
+        )
+    return role
+
+
+def _external_device(local_rank: int) -> str:
+    from flodl.sys import detect_gpus  # reads nvidia-smi / KFD: CUDA stays untouched
+
+    return "cuda" if len(detect_gpus()) > local_rank else "cpu"
 
 
 def is_rank_process(environ: Mapping[str, str] | None = None) -> bool:
@@ -50,24 +120,30 @@ def rank_env(environ: Mapping[str, str] | None = None) -> RankEnv:
         raise RuntimeError(f"not started as a flodl rank: bad or missing {exc}") from None
 
 
-def child_env(rank: int, world_size: int, controller: str, device: str, gpu: int | None) -> dict:
-    """The environment of a rank child: ours plus its role; one visible GPU when on CUDA."""
-    env = dict(os.environ)
-    env.update(
-        {
-            ROLE: "rank",
-            RANK: str(rank),
-            WORLD_SIZE: str(world_size),
-            CONTROLLER: controller,
-            DEVICE: device,
-            "PYTHONUNBUFFERED": "1",
-            # The child imports what the parent imports (user modules, recipes, the project).
-            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
-        }
-    )
+def role_env(rank: int, world_size: int, controller: str, device: str, gpu: int | None) -> dict:
+    """Just the role variables of a rank (what a remote rank gets besides its worker's env)."""
+    env = {
+        ROLE: "rank",
+        RANK: str(rank),
+        WORLD_SIZE: str(world_size),
+        CONTROLLER: controller,
+        DEVICE: device,
+        "PYTHONUNBUFFERED": "1",
+    }
     if gpu is not None:
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    return env
+
+
+def child_env(rank: int, world_size: int, controller: str, device: str, gpu: int | None) -> dict:
+    """The environment of a local rank child: ours plus its role; one visible GPU when on CUDA."""
+    env = dict(os.environ)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)  # a launcher inside a torchrun-placed process must not leak its role
+    env.update(role_env(rank, world_size, controller, device, gpu))
+    # The child imports what the parent imports (user modules, recipes, the project).
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     return env
 
 

@@ -2,8 +2,13 @@
 
 The launcher hosts the controller (control plane) and the ``TCPStore`` the ranks rendezvous on
 (data plane). Children are fresh interpreters (``python -m flodl.runtime.rank``), never forks of
-a process that has torch initialised. Each child's output goes to ``<job_dir>/rank_N.log`` and,
-prefixed ``[rank N]``, to the console when it is a warning, an error or the user's own print.
+a process that has torch initialised; on a worker host of a cluster file they are started by the
+OpenSSH client (:mod:`flodl.remote`). Each child's output goes to ``<job_dir>/rank_N.log`` and,
+prefixed ``[rank N]`` (``[host:N]`` for a remote rank), to the console when it is a warning, an
+error or the user's own print.
+
+The secret goes to each child's stdin, never to a command line. A remote rank's stdin stays open
+as its lifeline: closing it (teardown) or losing the ssh link makes the remote rank exit.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from flodl.runtime.channel import AuthError, Channel, Listener, new_secret
 from flodl.runtime.controller import Controller, ControllerResult, Disconnected, Exited, RunFailed
 from flodl.runtime.messages import Hello
 from flodl.runtime.spec import JobSpec
-from flodl.topology import Topology
+from flodl.topology import Placement, Topology
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +47,15 @@ class RankProcess:
     """A rank child: its process, its log file and the thread forwarding its output."""
 
     def __init__(
-        self, rank: int, popen: subprocess.Popen, log_path: Path, echo: Callable[[str], None]
+        self,
+        rank: int,
+        popen: subprocess.Popen,
+        log_path: Path,
+        echo: Callable[[str], None],
+        label: str | None = None,
     ) -> None:
         self.rank = rank
+        self.label = label or f"rank {rank}"
         self.echo = echo
         self.popen = popen
         self.log_path = log_path
@@ -61,7 +72,7 @@ class RankProcess:
                 sink.flush()
                 self.tail.append(line)
                 if not line.startswith(_QUIET_PREFIXES):
-                    self.echo(f"[rank {self.rank}] {line}")
+                    self.echo(f"[{self.label}] {line}")
         self.popen.stdout.close()
 
     def last_error_line(self) -> str:
@@ -71,6 +82,11 @@ class RankProcess:
         return ""
 
     def terminate(self) -> None:
+        if self.popen.stdin is not None:  # a remote rank's lifeline: EOF = the launcher is done
+            try:
+                self.popen.stdin.close()
+            except OSError:
+                pass
         if self.popen.poll() is None:
             try:
                 os.killpg(self.popen.pid, signal.SIGTERM)
@@ -116,15 +132,18 @@ class ProcessLauncher:
     def run(self, stop_requested: Callable[[], bool]) -> ControllerResult:
         from torch.distributed import TCPStore  # the data-plane rendezvous; no CUDA involved
 
-        host = self.spec.config.cluster.host
-        self.listener = Listener(host)
+        address = self.spec.config.cluster.controller
+        self.listener = Listener(address.host, address.port)
         self.control_address = (self.listener.host, self.listener.port)
-        store = TCPStore(host, 0, is_master=True, wait_for_workers=False, use_libuv=False)
-        self.spec.store_host, self.spec.store_port = host, store.port
+        store_port = address.port + 1 if address.port else 0
+        store = TCPStore(
+            address.host, store_port, is_master=True, wait_for_workers=False, use_libuv=False
+        )
+        self.spec.store_host, self.spec.store_port = address.host, store.port
         try:
             threading.Thread(target=self._accept_loop, name="flodl-accept", daemon=True).start()
-            for rank in range(self.spec.world_size):
-                self.procs.append(self._spawn(rank))
+            for placement in self.topology.placements:
+                self.procs.append(self._spawn(placement))
             threading.Thread(target=self._supervise, name="flodl-supervise", daemon=True).start()
             return self.controller.run(stop_requested)
         finally:
@@ -132,29 +151,58 @@ class ProcessLauncher:
             del store
 
     # -- processes -------------------------------------------------------------------------------
-    def _spawn(self, rank: int) -> RankProcess:
-        device = "cuda" if self.spec.backend == "nccl" else "cpu"
-        gpu = self.topology.gpus[rank] if device == "cuda" else None
-        env = rank_env.child_env(
-            rank,
-            self.spec.world_size,
-            f"{self.listener.host}:{self.listener.port}",
-            device,
-            gpu,
-        )
+    def _spawn(self, place: Placement) -> RankProcess:
+        controller = f"{self.listener.host}:{self.listener.port}"
         entry = self.spec.entry or ["-m", "flodl.runtime.rank"]
+        workers = self.spec.config.cluster.workers
+        worker = workers[place.worker] if place.worker is not None else None
+        if worker is not None and worker.remote:
+            from flodl import remote
+
+            env = {
+                **remote.worker_env(worker),
+                **rank_env.role_env(
+                    place.rank, self.spec.world_size, controller, place.device, place.gpu
+                ),
+                rank_env.LIFELINE: "1",
+            }
+            argv = remote.ssh_argv(worker, remote.shell_line(worker, env, ["-u", *entry]))
+            popen = self._popen(argv, None, lifeline=True)
+        else:
+            env = rank_env.child_env(
+                place.rank, self.spec.world_size, controller, place.device, place.gpu
+            )
+            if worker is not None:
+                from flodl import remote
+
+                env.update(remote.worker_env(worker))
+            python = sys.executable
+            if worker is not None and worker.python != "python3":
+                python = worker.python
+            cwd = worker.project_path if worker is not None else None
+            popen = self._popen([python, "-u", *entry], env, lifeline=False, cwd=cwd)
+        log_path = self.job_dir / f"rank_{place.rank}.log"
+        return RankProcess(place.rank, popen, log_path, self.echo, place.label)
+
+    def _popen(
+        self, argv: list[str], env: dict | None, lifeline: bool, cwd: str | None = None
+    ) -> subprocess.Popen:
         popen = subprocess.Popen(
-            [sys.executable, "-u", *entry],
+            argv,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             env=env,
+            cwd=cwd,
             start_new_session=True,  # its own process group: teardown reaches its children too
         )
         assert popen.stdin is not None
         popen.stdin.write(self.secret.hex().encode() + b"\n")
-        popen.stdin.close()
-        return RankProcess(rank, popen, self.job_dir / f"rank_{rank}.log", self.echo)
+        popen.stdin.flush()
+        if not lifeline:
+            popen.stdin.close()
+            popen.stdin = None
+        return popen
 
     def _supervise(self) -> None:
         pending = {p.rank: p for p in self.procs}

@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import traceback
 from datetime import timedelta
 from functools import partial
@@ -37,14 +38,41 @@ def _die_with_parent() -> None:
             pass
 
 
+def _watch_lifeline() -> None:
+    """A remote rank: stdin stays open after the secret; EOF means the launcher (or its ssh link)
+    is gone, so this rank and its children go too. ``ssh -T`` delivers no SIGHUP to do it."""
+
+    def watch() -> None:
+        try:
+            while sys.stdin.readline():
+                pass
+        except (OSError, ValueError):
+            pass
+        print("WARNING launcher gone (its ssh link closed): exiting", flush=True)
+        try:
+            if os.getpgid(0) == os.getpid():
+                os.killpg(os.getpid(), signal.SIGTERM)  # our process group: loader workers too
+        except OSError:
+            pass
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="flodl-lifeline", daemon=True).start()
+
+
 def _connect() -> tuple[rank_env.RankEnv, Channel]:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     _die_with_parent()
     role = rank_env.rank_env()
     secret = rank_env.read_secret()
+    if os.environ.get(rank_env.LIFELINE) == "1":
+        _watch_lifeline()
+    return role, _hello(role, secret)
+
+
+def _hello(role: rank_env.RankEnv, secret: bytes) -> Channel:
     channel = connect(role.controller_host, role.controller_port, secret)
     channel.send(Hello(rank=role.rank, pid=os.getpid(), host=socket.gethostname()))
-    return role, channel
+    return channel
 
 
 def report_failure(channel: Channel, rank: int, exc: BaseException) -> None:
@@ -72,18 +100,25 @@ def join(channel: Channel, role: rank_env.RankEnv) -> tuple[Any, Any, Any]:
         torch.set_num_threads(cluster.threads_per_rank)
         device = torch.device("cpu")
     else:
-        device = torch.device("cuda", 0)
+        device = torch.device("cuda", role.local_rank)
         torch.cuda.set_device(device)
     link = SocketLink(channel, role.rank)
-    store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, use_libuv=False)
     dist.init_process_group(
         spec.backend,
-        store=store,
+        store=_data_store(spec, "generation0"),
         rank=role.rank,
         world_size=role.world_size,
         timeout=timedelta(seconds=cluster.start_timeout_s),
     )
     return spec, link, device
+
+
+def _data_store(spec: Any, generation: str) -> Any:
+    """The data plane's rendezvous: the launcher's store, under this job's and generation's keys."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, use_libuv=False)
+    return dist.PrefixStore(f"{spec.store_prefix}/{generation}", store)
 
 
 def regroup(spec: Any, role: rank_env.RankEnv, members: tuple[int, ...], generation: int) -> None:
@@ -94,10 +129,9 @@ def regroup(spec: Any, role: rank_env.RankEnv, members: tuple[int, ...], generat
         dist.destroy_process_group()
     if len(members) < 2:
         return  # a lone survivor trains on alone
-    store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, use_libuv=False)
     dist.init_process_group(
         spec.backend,
-        store=dist.PrefixStore(f"generation{generation}", store),
+        store=_data_store(spec, f"generation{generation}"),
         rank=members.index(role.rank),
         world_size=len(members),
         timeout=timedelta(seconds=spec.config.cluster.start_timeout_s),
@@ -112,9 +146,9 @@ def leave(link: Any) -> None:
         dist.destroy_process_group()
 
 
-def main() -> int:
-    """The managed tier: run the controller's plans until it says stop."""
-    role, channel = _connect()
+def run_managed(role: rank_env.RankEnv, secret: bytes) -> int:
+    """Join the controller as ``role`` and run its plans until it says stop; the exit code."""
+    channel = _hello(role, secret)
     link = None
     try:
         from flodl.runtime.worker import Worker
@@ -129,6 +163,17 @@ def main() -> int:
         if link is not None:
             leave(link)
         channel.close()
+
+
+def main() -> int:
+    """The managed tier: a process our launcher started (locally or over ssh)."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    _die_with_parent()
+    role = rank_env.rank_env()
+    secret = rank_env.read_secret()
+    if os.environ.get(rank_env.LIFELINE) == "1":
+        _watch_lifeline()
+    return run_managed(role, secret)
 
 
 def cooperative_worker() -> Any:

@@ -37,6 +37,7 @@ class JobSpec:
     backend: str = "gloo"
     store_host: str = "127.0.0.1"
     store_port: int = 0
+    store_prefix: str = "flodl"  # this job's keys in a store other jobs may share (torchrun's)
     entry: list[str] | None = None  # rank command after the interpreter (default: managed rank)
 
     @property

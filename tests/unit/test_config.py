@@ -54,15 +54,17 @@ SURFACE = {
         "relax_up",
     ],
     "ClusterConfig": [
+        "controller",
         "heartbeat_timeout_s",
-        "host",
         "kind",
         "pace_margin",
         "ranks",
+        "slurm",
         "speeds",
         "start_timeout_s",
         "threads_per_rank",
         "warmup_steps",
+        "workers",
     ],
     "LoggerConfig": ["host", "keep_serving", "level", "progress", "serve", "tensorboard"],
 }

@@ -1,0 +1,156 @@
+"""Ranks another launcher placed: torchrun, ``srun``, submitit.
+
+Every process of the cohort runs the user's entry point (``run.py`` or a script calling
+``Trainer.run``). Rank 0 becomes the launcher: it hosts the controller, and its own worker trains
+on a thread beside it, connected over loopback like any other rank. The other ranks are followers:
+they find the controller through the launcher's rendezvous store at ``MASTER_ADDR:MASTER_PORT``
+(torchrun's own store when its agent hosts one), authenticate, and run the controller's plans.
+
+The control-plane secret: with ``FLODL_SECRET_FILE`` set (a file every rank can read, e.g. on a
+shared file system, mode 0600), ranks read it there and it never crosses the network. Without it,
+rank 0 draws a fresh secret and publishes it in the rendezvous store, so the control plane is then
+exactly as private as torchrun's own data plane (whoever reaches ``MASTER_PORT`` can join that).
+
+Placed ranks cannot be restarted or signalled by us: a lost follower is dropped like any lost rank,
+but torchrun itself stops the survivors when a worker exits non-zero (its ``--max-restarts``
+policy), which is why flodl's own launcher is the elastic path.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from flodl.runtime import env as rank_env
+from flodl.runtime.channel import Listener, new_secret
+from flodl.runtime.launcher import ProcessLauncher
+
+log = logging.getLogger(__name__)
+
+_RUNS = itertools.count()  # one per job: rank 0 and its followers count the same jobs
+
+
+def next_run_key() -> str:
+    """Store prefix of the next job of this process (restart-aware: torchrun reuses its store)."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"flodl/{restart}/{next(_RUNS)}/"
+
+
+def rendezvous_store(role: rank_env.ExternalRole, timeout_s: float) -> Any:
+    """The launcher's store at MASTER_ADDR:MASTER_PORT: torchrun's agent store, or rank 0's."""
+    import torch.distributed as dist
+
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    return dist.TCPStore(
+        role.master_addr,
+        role.master_port,
+        is_master=role.rank == 0 and not agent,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        multi_tenant=True,
+        use_libuv=False,
+    )
+
+
+def _file_secret() -> bytes | None:
+    path = os.environ.get(rank_env.SECRET_FILE)
+    if not path:
+        return None
+    text = Path(path).read_text().strip()
+    if not text:
+        raise RuntimeError(f"{rank_env.SECRET_FILE}={path} is empty")
+    try:
+        return bytes.fromhex(text)
+    except ValueError:
+        return text.encode()
+
+
+def _bind_address(master_addr: str) -> str:
+    """Listen where followers will look (MASTER_ADDR); loopback stays loopback."""
+    import socket
+
+    try:
+        address = socket.gethostbyname(master_addr)
+    except OSError:
+        return "0.0.0.0"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind((address, 0))
+    except OSError:
+        return "0.0.0.0"  # MASTER_ADDR names a front (NAT, alias): take every interface
+    return address
+
+
+class ExternalCohort(ProcessLauncher):
+    """Rank 0's side: host the controller, publish where it is, train rank 0 on a thread."""
+
+    def run(self, stop_requested: Any) -> Any:
+        from flodl.runtime.controller import RunFailed
+
+        role = self.topology.external
+        assert role is not None
+        timeout = self.spec.config.cluster.start_timeout_s
+        key = next_run_key()
+        store = rendezvous_store(role, timeout)
+        self.secret = _file_secret() or new_secret()
+        self.listener = Listener(_bind_address(role.master_addr), 0)
+        self.control_address = (self.listener.host, self.listener.port)
+        self.spec.store_host, self.spec.store_port = role.master_addr, role.master_port
+        self.spec.store_prefix = key + "data"
+        store.set(key + "controller", f"{role.master_addr}:{self.listener.port}")
+        if os.environ.get(rank_env.SECRET_FILE) is None:
+            store.set(key + "secret", self.secret.hex())
+        log.info("%s placement: controller on port %d", role.launcher, self.listener.port)
+        failures: list[BaseException] = []
+        try:
+            threading.Thread(target=self._accept_loop, name="flodl-accept", daemon=True).start()
+            local = rank_env.RankEnv(
+                0, role.world_size, "127.0.0.1", self.listener.port, role.device, role.local_rank
+            )
+            worker = threading.Thread(
+                target=_own_rank, args=(local, self.secret, failures), name="flodl-rank0"
+            )
+            worker.daemon = True
+            worker.start()
+            result = self.controller.run(stop_requested)
+            worker.join(timeout=30.0)
+            return result
+        except RunFailed:
+            if failures:
+                log.debug("rank 0 worker failed: %r", failures[0])
+            raise
+        finally:
+            self.shutdown()
+            del store
+
+
+def _own_rank(role: rank_env.RankEnv, secret: bytes, failures: list[BaseException]) -> None:
+    from flodl.runtime.rank import run_managed
+
+    try:
+        run_managed(role, secret)
+    except BaseException as exc:  # reported to the controller by run_managed already
+        failures.append(exc)
+
+
+def follow(role: rank_env.ExternalRole, timeout_s: float = 120.0) -> int:
+    """A follower: find this job's controller in the store, join it, train; the exit code."""
+    from flodl.runtime.rank import run_managed
+
+    key = next_run_key()
+    store = rendezvous_store(role, timeout_s)
+    store.wait([key + "controller"], timedelta(seconds=timeout_s))
+    host, _, port = store.get(key + "controller").decode().rpartition(":")
+    secret = _file_secret()
+    if secret is None:
+        secret = bytes.fromhex(store.get(key + "secret").decode())
+    local = rank_env.RankEnv(
+        role.rank, role.world_size, host, int(port), role.device, role.local_rank
+    )
+    del store
+    return run_managed(local, secret)
