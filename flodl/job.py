@@ -100,6 +100,27 @@ class Job:
             if dashboard is not None and not cfg.logger.keep_serving:
                 dashboard.stop()
 
+    def control_only(self) -> ControllerResult:
+        """Run just the controller and this process's rank (task 0 of a ``controller: rank0``
+        SLURM job): the submitting launcher writes the outputs from the returned result."""
+        topo = self.topology
+        self.spec.world_size, self.spec.speeds = topo.world_size, topo.speeds
+        self.spec.pace, self.spec.backend = topo.pace, topo.backend
+        controller = Controller(
+            self.spec.config,
+            topo.world_size,
+            topo.speeds,
+            self.spec.has_eval,
+            Hooks(),
+            checkpointer=self._checkpointer(),
+            resume=self._resume_point(),
+        )
+        from flodl.runtime.external import ExternalCohort
+
+        self.job_dir.mkdir(parents=True, exist_ok=True)
+        cohort = ExternalCohort(self.spec, controller, self.job_dir, topo)
+        return cohort.run(self._stop.is_set)
+
     def _train(self, controller: Controller) -> ControllerResult:
         if self.topology.in_process:
             return self._run_in_process(controller)

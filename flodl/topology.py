@@ -98,7 +98,8 @@ def resolve_topology(config: TrainerConfig, probe_hosts: bool = True) -> Topolog
 
 def _external(cluster: ClusterConfig, role: rank_env.ExternalRole) -> Topology:
     """Ranks placed by torchrun / srun: this process is one; rank 0 hosts the controller."""
-    if cluster.kind in ("hosts", "slurm"):
+    placed_by_us = cluster.kind == "slurm" and role.launcher == "submitit"  # controller: rank0
+    if cluster.kind in ("hosts", "slurm") and not placed_by_us:
         raise ConfigError(
             f"cluster.kind={cluster.kind}: this process was placed by {role.launcher} "
             f"(RANK={role.rank}, WORLD_SIZE={role.world_size}); use cluster=auto or cpu_rig"

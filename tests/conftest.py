@@ -13,6 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+pytest_plugins = ["tests.netns_hosts"]  # make_test_hosts: fake hosts in network namespaces
+
 
 @pytest.fixture(autouse=True)
 def _hygiene():

@@ -1,0 +1,268 @@
+"""``cluster=slurm``: ranks placed by SLURM through submitit (the engine of Hydra's SLURM launcher).
+
+One submitit job of ``nodes x tasks_per_node`` tasks; each task is one rank and reads its rank
+from SLURM's environment (``submitit.JobEnvironment``). Two places for the controller:
+
+* ``controller: submitter`` (default): the launcher keeps the controller, as on one machine; the
+  tasks connect back to ``cluster.controller.host``, which must be reachable from the nodes. The
+  secret travels in a file of the job's submitit folder (mode 0600 in a 0700 directory, deleted at
+  the end), never on a command line.
+* ``controller: rank0``: for submit hosts the nodes cannot reach. Task 0 hosts the controller
+  beside its own worker and the others find it through a store at task 0's node (the
+  torchrun-style path of :mod:`flodl.runtime.external`); the launcher waits for the allocation
+  and writes the outputs from the result task 0 sends back. Live progress then appears in task
+  0's log only.
+
+``executor: local`` runs the same tasks on this machine (submitit's local executor): how the
+SLURM path is tested without a cluster.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from flodl.config import SlurmConfig
+from flodl.runtime import env as rank_env
+from flodl.runtime.controller import Exited
+from flodl.runtime.launcher import _QUIET_PREFIXES, _TERM_GRACE_S, ProcessLauncher
+
+log = logging.getLogger(__name__)
+
+
+def make_executor(slurm: SlurmConfig, folder: Path) -> Any:
+    """A submitit executor for the allocation (``auto``: SLURM where it is installed)."""
+    import submitit
+
+    cluster = None if slurm.executor == "auto" else slurm.executor
+    executor = submitit.AutoExecutor(folder=str(folder), cluster=cluster)
+    params: dict[str, Any] = {
+        "nodes": slurm.nodes,
+        "tasks_per_node": slurm.tasks_per_node,
+        "gpus_per_node": slurm.gpus_per_node,
+        "timeout_min": slurm.time_min,
+        "name": "flodl",
+    }
+    if slurm.cpus_per_task is not None:
+        params["cpus_per_task"] = slurm.cpus_per_task
+    if executor.cluster == "slurm":
+        if slurm.partition:
+            params["slurm_partition"] = slurm.partition
+        if slurm.additional_parameters:
+            params["slurm_additional_parameters"] = dict(slurm.additional_parameters)
+    executor.update_parameters(**params)
+    return executor
+
+
+def _device(slurm: SlurmConfig) -> str:
+    return "cuda" if slurm.gpus_per_node else "cpu"
+
+
+def task_main(controller: str, secret_file: str, device: str) -> int:
+    """One SLURM task of ``controller: submitter``: join the launcher's controller and train."""
+    import submitit
+
+    from flodl.runtime.rank import run_managed
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    job = submitit.JobEnvironment()
+    host, _, port = controller.rpartition(":")
+    role = rank_env.RankEnv(job.global_rank, job.num_tasks, host, int(port), device, job.local_rank)
+    secret = bytes.fromhex(Path(secret_file).read_text().strip())
+    code = run_managed(role, secret)
+    if code:
+        raise RuntimeError(f"rank {job.global_rank} failed (exit {code}); see the controller")
+    return code
+
+
+def rank0_task(spec: Any, job_dir: str) -> Any:
+    """One SLURM task of ``controller: rank0``: task 0 runs the controller, the others follow."""
+    import submitit
+
+    from flodl.runtime.external import follow
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+    os.environ[rank_env.PLACED_BY] = "submitit"
+    role = rank_env.external_role()
+    assert role is not None
+    if role.rank != 0:
+        code = follow(role, spec.config.cluster.start_timeout_s)
+        if code:
+            raise RuntimeError(f"rank {role.rank} failed (exit {code}); see task 0's log")
+        return None
+    from flodl.job import Job
+    from flodl.runtime.spec import Callbacks
+
+    job = Job(spec, Callbacks(), job_dir, eval_metric="eval", run_info={})
+    return job.control_only()
+
+
+def _wait_done(job: Any, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not job.done():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+class _Tail(threading.Thread):
+    """Follow one task's submitit log files into ``rank_N.log`` and the console."""
+
+    def __init__(self, launcher: SlurmLauncher, rank: int, paths: list[Path]) -> None:
+        super().__init__(name=f"slurm{rank}-tail", daemon=True)
+        self.launcher, self.rank, self.paths = launcher, rank, paths
+        self.tail: list[str] = []
+        self.finished = threading.Event()
+
+    def run(self) -> None:
+        offsets = dict.fromkeys(self.paths, 0)
+        log_path = self.launcher.job_dir / f"rank_{self.rank}.log"
+        with open(log_path, "a", encoding="utf-8", errors="replace") as sink:
+            while True:
+                last_pass = self.finished.is_set()
+                for path in self.paths:
+                    if not path.exists():
+                        continue
+                    with open(path, encoding="utf-8", errors="replace") as src:
+                        src.seek(offsets[path])
+                        chunk = src.read()
+                        if not chunk.endswith("\n") and not last_pass:
+                            chunk = chunk[: chunk.rfind("\n") + 1]
+                        offsets[path] += len(chunk.encode("utf-8", errors="replace"))
+                    for line in chunk.splitlines():
+                        sink.write(line + "\n")
+                        self.tail = [*self.tail[-19:], line]
+                        if not line.startswith(_QUIET_PREFIXES) and line.strip():
+                            self.launcher.echo(f"[slurm:{self.rank}] {line}")
+                    sink.flush()
+                if last_pass:
+                    return
+                time.sleep(0.2)
+
+    def last_error_line(self) -> str:
+        for line in reversed(self.tail):
+            if line.strip() and not line.startswith(_QUIET_PREFIXES):
+                return line.strip()
+        return ""
+
+
+class SlurmLauncher(ProcessLauncher):
+    """Submit the allocation, supervise it through submitit, cancel it on teardown."""
+
+    job: Any = None
+
+    def run(self, stop_requested: Any) -> Any:
+        slurm = self.spec.config.cluster.slurm
+        assert slurm is not None
+        self.folder = self.job_dir / slurm.folder
+        self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.folder, 0o700)
+        self.executor = make_executor(slurm, self.folder)
+        if slurm.controller == "rank0":
+            return self._run_beside_rank0(stop_requested)
+        return self._run_here(slurm, stop_requested)
+
+    def _run_here(self, slurm: SlurmConfig, stop_requested: Any) -> Any:
+        from flodl.runtime.channel import Listener
+
+        address = self.spec.config.cluster.controller
+        self.listener = Listener(address.host, address.port)
+        self.control_address = (self.listener.host, self.listener.port)
+        store = self._data_store(address)
+        secret_file = self.folder / "secret"
+        fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as sink:
+            sink.write(self.secret.hex())
+        try:
+            threading.Thread(target=self._accept_loop, name="flodl-accept", daemon=True).start()
+            controller = f"{self.listener.host}:{self.listener.port}"
+            self.job = self.executor.submit(task_main, controller, str(secret_file), _device(slurm))
+            log.info("slurm job %s: %d task(s)", self.job.job_id, slurm.world_size)
+            self._tails = [self._tail(r) for r in range(slurm.world_size)]
+            threading.Thread(target=self._watch, name="flodl-slurm", daemon=True).start()
+            return self.controller.run(stop_requested)
+        finally:
+            self.shutdown()
+            secret_file.unlink(missing_ok=True)
+            for pickle in self.folder.glob("*_submitted.pkl"):
+                pickle.unlink(missing_ok=True)
+            del store
+
+    def _data_store(self, address: Any) -> Any:
+        from torch.distributed import TCPStore
+
+        store_port = address.port + 1 if address.port else 0
+        store = TCPStore(
+            address.host, store_port, is_master=True, wait_for_workers=False, use_libuv=False
+        )
+        self.spec.store_host, self.spec.store_port = address.host, store.port
+        return store
+
+    def _tail(self, rank: int) -> _Tail:
+        task = self.job.task(rank)
+        tail = _Tail(self, rank, [Path(task.paths.stdout), Path(task.paths.stderr)])
+        tail.start()
+        return tail
+
+    def _watch(self) -> None:
+        """The allocation ended (all tasks, or cancelled): every rank still a member has exited."""
+        while not self._closing and not self.job.done():
+            time.sleep(0.2)
+        if self._closing:
+            return
+        for rank, tail in enumerate(self._tails):
+            tail.finished.set()
+            tail.join(timeout=2.0)
+            try:
+                self.job.task(rank).result()
+                code = 0
+            except Exception:
+                code = 1
+            self.controller.post(rank, Exited(code, tail.last_error_line()))
+
+    def kill_rank(self, rank: int) -> None:
+        log.warning("slurm: rank %d went silent; its task cannot be cancelled alone", rank)
+
+    def shutdown(self) -> None:
+        self._closing = True
+        for channel in self.channels:
+            channel.close()
+        if hasattr(self, "listener"):
+            self.listener.close()
+        # Ranks leave on the controller's stop; cancel only what is still running after that.
+        if self.job is not None and not _wait_done(self.job, _TERM_GRACE_S):
+            self.job.cancel(check=False)
+            _wait_done(self.job, 10.0)
+        for tail in getattr(self, "_tails", []):
+            tail.finished.set()
+            tail.join(timeout=2.0)
+
+    def _run_beside_rank0(self, stop_requested: Any) -> Any:
+        """Submit the whole job to the allocation; task 0 sends back the controller's result."""
+        slurm = self.spec.config.cluster.slurm
+        assert slurm is not None
+        self.job = self.executor.submit(rank0_task, self.spec, str(self.job_dir / "rank0"))
+        log.info(
+            "slurm job %s: %d task(s), controller beside rank 0", self.job.job_id, slurm.world_size
+        )
+        self._tails = [self._tail(r) for r in range(slurm.world_size)]
+        try:
+            while not self.job.done():
+                if stop_requested():
+                    raise KeyboardInterrupt("stop requested: the allocation is cancelled")
+                time.sleep(0.2)
+            for tail in self._tails:
+                tail.finished.set()
+                tail.join(timeout=2.0)
+            results = self.job.results()
+            return results[0]
+        finally:
+            self.shutdown()
+            for pickle in self.folder.glob("*_submitted.pkl"):
+                pickle.unlink(missing_ok=True)
