@@ -248,9 +248,10 @@ class SlurmConfig(_Schema):
     executor: Literal["auto", "slurm", "local"] = Field(
         "auto", description="submitit executor: slurm where sbatch exists, local runs tasks here"
     )
-    controller: Literal["submitter", "rank0"] = Field(
-        "submitter",
-        description="controller on the submitting host, or beside rank 0 when that is unreachable",
+    controller: Literal["auto", "submitter", "rank0"] = Field(
+        "auto",
+        description="controller on the submitting host, or beside rank 0 (auto: rank0 when "
+        "the nodes could not reach the submitter: a loopback controller.host on real SLURM)",
     )
     folder: str = Field("slurm", min_length=1, description="submitit logs, under the job dir")
     additional_parameters: dict[str, Any] = Field(

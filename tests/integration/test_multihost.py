@@ -68,9 +68,15 @@ def wait_until(predicate, timeout_s=20.0):
     return predicate()
 
 
+def chatty_model(device):
+    """A user's print on a rank: the launcher echoes it with the rank's [host:rank] prefix."""
+    print(f"model built on rank {os.environ.get('FLODL_RANK', '-')}", flush=True)
+    return model_factory(device)
+
+
 def run_on_hosts(tmp_path, cluster, mode, epochs=2, n_train=2048, metrics_fn=None):
     builder = (
-        Trainer.builder(model_factory, optim_factory, classification_step)
+        Trainer.builder(chatty_model, optim_factory, classification_step)
         .dataset(partial(data, "train", n_train))
         .eval_dataset(partial(data, "test"))
         .eval_fn(accuracy)
@@ -87,7 +93,7 @@ def run_on_hosts(tmp_path, cluster, mode, epochs=2, n_train=2048, metrics_fn=Non
 
 
 @pytest.mark.parametrize("mode", ["nccl_cadence", "cpu_async"])
-def test_two_hosts_train_together(tmp_path, make_test_hosts, mode):
+def test_two_hosts_train_together(tmp_path, make_test_hosts, capfd, mode):
     hosts = make_test_hosts(2)
     cluster = cluster_for(hosts, speeds=[[1.0], [0.5]])
     seen = {}
@@ -106,7 +112,10 @@ def test_two_hosts_train_together(tmp_path, make_test_hosts, mode):
     assert share[0] > 0.55, share  # the host paced at speed 1.0 does more than the one at 0.5
     assert result.summary.eval_value > 0.8
     log = (tmp_path / mode / "rank_1.log").read_text()
-    assert "Traceback" not in log
+    assert "Traceback" not in log and "model built on rank 1" in log
+    console = capfd.readouterr().err
+    for rank in (0, 1):
+        assert f"[{hosts.addresses[rank]}:{rank}] model built on rank {rank}" in console
     # teardown reached the remote hosts: no rank process is left in either namespace
     assert wait_until(lambda: not rank_processes(hosts, 0) and not rank_processes(hosts, 1))
 
@@ -201,9 +210,9 @@ def _cluster_file(conf_dir: Path, hosts) -> None:
     (conf_dir / "cluster" / "netns.yaml").write_text(text)
 
 
-@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM", "SIGKILL"])
 def test_launcher_death_or_signal_takes_remote_ranks_down(tmp_path, make_test_hosts, how):
-    """run.py with a cluster file: SIGTERM stops gracefully (exit 143); even SIGKILL of the
+    """run.py with a cluster file: SIGINT/SIGTERM stop gracefully (130/143); even SIGKILL of the
     launcher ends the remote ranks (their stdin lifeline closes with the ssh client)."""
     hosts = make_test_hosts(2)
     _cluster_file(tmp_path / "conf", hosts)
@@ -235,8 +244,8 @@ def test_launcher_death_or_signal_takes_remote_ranks_down(tmp_path, make_test_ho
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    if how == "SIGTERM":
-        assert proc.returncode == 143, out[-2000:]
+    if how != "SIGKILL":
+        assert proc.returncode == {"SIGINT": 130, "SIGTERM": 143}[how], out[-2000:]
         summary = json.loads((tmp_path / "out" / "0" / "summary.json").read_text())
         assert summary["status"] == "interrupted"
     else:

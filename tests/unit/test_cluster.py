@@ -234,3 +234,23 @@ def test_placed_ranks_refuse_a_second_placement(monkeypatch):
         resolve_topology(
             TrainerConfig(cluster=ClusterConfig(kind="cpu_rig", ranks=3, speeds=[1, 1, 1]))
         )
+
+
+@pytest.mark.parametrize(
+    ("where", "host", "executor", "beside_rank0"),
+    [
+        ("auto", "127.0.0.1", "slurm", True),  # nodes cannot reach a loopback submitter
+        ("auto", "10.0.0.1", "slurm", False),
+        ("auto", "127.0.0.1", "local", False),  # local tasks reach loopback
+        ("rank0", "10.0.0.1", "slurm", True),
+        ("submitter", "127.0.0.1", "slurm", False),
+    ],
+)
+def test_slurm_controller_placement(where, host, executor, beside_rank0):
+    from types import SimpleNamespace
+
+    from flodl.config import SlurmConfig
+    from flodl.runtime.slurm import controller_placement
+
+    slurm = SlurmConfig(controller=where)
+    assert controller_placement(slurm, host, SimpleNamespace(cluster=executor)) is beside_rank0
