@@ -117,6 +117,41 @@ def test_a_secret_file_keeps_the_secret_off_the_store(tmp_path):
     assert json.loads((out / "0" / "summary.json").read_text())["status"] == "ok"
 
 
+def test_srun_style_placement_trains(tmp_path):
+    """What ``srun --ntasks 2 python run.py`` gives each task: SLURM_PROCID / SLURM_NTASKS /
+    SLURM_LOCALID, plus the MASTER_ADDR / MASTER_PORT the batch script exports."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    out = tmp_path / "sweep"
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(ROOT / "run.py"), *QUICK, f"hydra.sweep.dir={out}"],
+            cwd=tmp_path,
+            env={
+                **base,
+                "SLURM_PROCID": str(task),
+                "SLURM_NTASKS": "2",
+                "SLURM_LOCALID": str(task),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            },
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for task in (0, 1)
+    ]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
+    summary = json.loads((out / "0" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["coverage_exact"] is True
+    assert "srun: 2 ranks" in outputs[0]
+
+
 def test_srun_environment_is_read(monkeypatch):
     from flodl.runtime.env import external_role
 
