@@ -8,7 +8,10 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if not args or args[0] in {"-h", "--help"}:
-        print("usage: python -m flodl probe [--json] [--port PORT] [--data-path PATH]")
+        print(
+            "usage: python -m flodl probe [cluster=NAME_OR_FILE] [cluster.KEY=VALUE ...] "
+            "[--json] [--port PORT] [--data-path PATH]"
+        )
         return 0 if args else 2
     if args[0] == "probe":
         from flodl.probe import main as probe

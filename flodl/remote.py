@@ -88,7 +88,7 @@ def run_on(worker: WorkerConfig, argv: list[str], timeout_s: float) -> subproces
     )
 
 
-def _last_line(text: str) -> str:
+def last_line(text: str) -> str:
     lines = [line for line in (text or "").strip().splitlines() if line.strip()]
     return lines[-1].strip() if lines else ""
 
@@ -103,11 +103,11 @@ def host_facts(worker: WorkerConfig) -> dict[str, Any]:
     except OSError as exc:
         raise RuntimeError(str(exc)) from None
     if out.returncode == 255 and worker.remote:
-        raise RuntimeError(f"unreachable over ssh: {_last_line(out.stderr) or 'exit 255'}")
+        raise RuntimeError(f"unreachable over ssh: {last_line(out.stderr) or 'exit 255'}")
     if out.returncode != 0:
-        why = _last_line(out.stderr) or f"exit {out.returncode}"
+        why = last_line(out.stderr) or f"exit {out.returncode}"
         raise RuntimeError(f"{worker.python} cannot run flodl there: {why}")
-    facts: dict[str, Any] = json.loads(_last_line(out.stdout))
+    facts: dict[str, Any] = json.loads(last_line(out.stdout))
     return facts
 
 

@@ -127,7 +127,7 @@ def _hosts(cluster: ClusterConfig, probe_hosts: bool) -> Topology:
     facts = host_facts_all(cluster.workers) if probe_hosts else {}
     places: list[Placement] = []
     for index, worker in enumerate(cluster.workers):
-        for device, gpu, speed in _worker_devices(index, worker, facts.get(index)):
+        for device, gpu, speed in worker_devices(index, worker, facts.get(index)):
             places.append(Placement(len(places), worker.host, index, device, gpu, speed))
     kinds = {p.device for p in places}
     if len(kinds) > 1:
@@ -145,7 +145,7 @@ def _hosts(cluster: ClusterConfig, probe_hosts: bool) -> Topology:
     return Topology(len(places), backend, speeds, pace, False, desc, tuple(places), "hosts")
 
 
-def _worker_devices(
+def worker_devices(
     index: int, worker: WorkerConfig, facts: dict | None
 ) -> list[tuple[str, int | None, float]]:
     key = f"cluster.workers.{index}"

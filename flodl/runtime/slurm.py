@@ -58,13 +58,13 @@ def make_executor(slurm: SlurmConfig, folder: Path) -> Any:
     return executor
 
 
-def controller_placement(slurm: SlurmConfig, controller_host: str, executor: Any) -> bool:
+def controller_placement(slurm: SlurmConfig, controller_host: str, executor: str) -> bool:
     """True when the controller must run beside rank 0: asked for, or (``auto``) when the
     tasks run on other nodes and ``controller.host`` is loopback, which they could not reach."""
     if slurm.controller != "auto":
         return slurm.controller == "rank0"
     loopback = controller_host in ("127.0.0.1", "localhost", "::1")
-    return executor.cluster != "local" and loopback
+    return executor != "local" and loopback
 
 
 def _device(slurm: SlurmConfig) -> str:
@@ -173,7 +173,8 @@ class SlurmLauncher(ProcessLauncher):
         self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.folder, 0o700)
         self.executor = make_executor(slurm, self.folder)
-        if controller_placement(slurm, self.spec.config.cluster.controller.host, self.executor):
+        host = self.spec.config.cluster.controller.host
+        if controller_placement(slurm, host, self.executor.cluster):
             return self._run_beside_rank0(stop_requested)
         return self._run_here(slurm, stop_requested)
 

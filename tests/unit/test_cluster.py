@@ -247,10 +247,8 @@ def test_placed_ranks_refuse_a_second_placement(monkeypatch):
     ],
 )
 def test_slurm_controller_placement(where, host, executor, beside_rank0):
-    from types import SimpleNamespace
-
     from flodl.config import SlurmConfig
     from flodl.runtime.slurm import controller_placement
 
     slurm = SlurmConfig(controller=where)
-    assert controller_placement(slurm, host, SimpleNamespace(cluster=executor)) is beside_rank0
+    assert controller_placement(slurm, host, executor) is beside_rank0
