@@ -129,7 +129,8 @@ class ProcessLauncher:
             if proc.rank == rank:
                 proc.kill()
 
-    def run(self, stop_requested: Callable[[], bool]) -> ControllerResult:
+    def open_planes(self) -> Any:
+        """Listen for the control plane and host the data plane's store; returns the store."""
         from torch.distributed import TCPStore  # the data-plane rendezvous; no CUDA involved
 
         address = self.spec.config.cluster.controller
@@ -140,6 +141,10 @@ class ProcessLauncher:
             address.host, store_port, is_master=True, wait_for_workers=False, use_libuv=False
         )
         self.spec.store_host, self.spec.store_port = address.host, store.port
+        return store
+
+    def run(self, stop_requested: Callable[[], bool]) -> ControllerResult:
+        store = self.open_planes()
         try:
             threading.Thread(target=self._accept_loop, name="flodl-accept", daemon=True).start()
             for placement in self.topology.placements:

@@ -179,12 +179,7 @@ class SlurmLauncher(ProcessLauncher):
         return self._run_here(slurm, stop_requested)
 
     def _run_here(self, slurm: SlurmConfig, stop_requested: Any) -> Any:
-        from flodl.runtime.channel import Listener
-
-        address = self.spec.config.cluster.controller
-        self.listener = Listener(address.host, address.port)
-        self.control_address = (self.listener.host, self.listener.port)
-        store = self._data_store(address)
+        store = self.open_planes()
         secret_file = self.folder / "secret"
         fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as sink:
@@ -203,16 +198,6 @@ class SlurmLauncher(ProcessLauncher):
             for pickle in self.folder.glob("*_submitted.pkl"):
                 pickle.unlink(missing_ok=True)
             del store
-
-    def _data_store(self, address: Any) -> Any:
-        from torch.distributed import TCPStore
-
-        store_port = address.port + 1 if address.port else 0
-        store = TCPStore(
-            address.host, store_port, is_master=True, wait_for_workers=False, use_libuv=False
-        )
-        self.spec.store_host, self.spec.store_port = address.host, store.port
-        return store
 
     def _tail(self, rank: int) -> _Tail:
         task = self.job.task(rank)
