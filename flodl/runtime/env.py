@@ -20,6 +20,7 @@ CONTROLLER = "FLODL_CONTROLLER"  # host:port of the control plane
 DEVICE = "FLODL_DEVICE"  # "cpu" or "cuda"
 LIFELINE = "FLODL_LIFELINE"  # "1": stdin stays open; its EOF means the launcher is gone
 PLACED_BY = "FLODL_PLACED_BY"  # who placed an external rank ("torchrun" unless told)
+RENDEZVOUS_FILE = "FLODL_RENDEZVOUS_FILE"  # SLURM rank0 mode: where rank 0 publishes itself
 SECRET_FILE = "FLODL_SECRET_FILE"  # external placement: a file holding the control-plane secret
 
 

@@ -19,9 +19,11 @@ policy), which is why flodl's own launcher is the elastic path.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -70,6 +72,25 @@ def _file_secret() -> bytes | None:
         return text.encode()
 
 
+def _write_private(path: Path, data: dict) -> None:
+    """Write ``data`` as JSON readable by its owner only, appearing all at once (rename)."""
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as sink:
+        json.dump(data, sink)
+    os.replace(tmp, path)
+
+
+def _read_when_written(path: Path, timeout_s: float) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 did not publish {path} within {timeout_s:.0f} s")
+        time.sleep(0.1)
+    published: dict = json.loads(path.read_text())
+    return published
+
+
 def _bind_address(master_addr: str) -> str:
     """Listen where followers will look (MASTER_ADDR); loopback stays loopback."""
     import socket
@@ -95,22 +116,41 @@ class ExternalCohort(ProcessLauncher):
         role = self.topology.external
         assert role is not None
         timeout = self.spec.config.cluster.start_timeout_s
-        key = next_run_key()
-        store = rendezvous_store(role, timeout)
         self.secret = _file_secret() or new_secret()
         self.listener = Listener(_bind_address(role.master_addr), 0)
         self.control_address = (self.listener.host, self.listener.port)
-        self.spec.store_host, self.spec.store_port = role.master_addr, role.master_port
+        controller = f"{role.master_addr}:{self.listener.port}"
+        key = next_run_key()
         self.spec.store_prefix = key + "data"
-        store.set(key + "controller", f"{role.master_addr}:{self.listener.port}")
-        if os.environ.get(rank_env.SECRET_FILE) is None:
-            store.set(key + "secret", self.secret.hex())
+        rendezvous_file = os.environ.get(rank_env.RENDEZVOUS_FILE)
+        if rendezvous_file:  # placed by our SLURM launcher: a file in the job's private folder
+            from torch.distributed import TCPStore
+
+            store = TCPStore(
+                _bind_address(role.master_addr),
+                0,
+                is_master=True,
+                wait_for_workers=False,
+                use_libuv=False,
+            )
+            self.spec.store_host, self.spec.store_port = role.master_addr, store.port
+            _write_private(
+                Path(rendezvous_file),
+                {"controller": controller, "secret": self.secret.hex()},
+            )
+        else:  # torchrun / srun: their rendezvous store at MASTER_ADDR:MASTER_PORT
+            store = rendezvous_store(role, timeout)
+            self.spec.store_host, self.spec.store_port = role.master_addr, role.master_port
+            store.set(key + "controller", controller)
+            if os.environ.get(rank_env.SECRET_FILE) is None:
+                store.set(key + "secret", self.secret.hex())
         log.info("%s placement: controller on port %d", role.launcher, self.listener.port)
         failures: list[BaseException] = []
         try:
             threading.Thread(target=self._accept_loop, name="flodl-accept", daemon=True).start()
+            here = "127.0.0.1" if self.listener.host == "0.0.0.0" else self.listener.host
             local = rank_env.RankEnv(
-                0, role.world_size, "127.0.0.1", self.listener.port, role.device, role.local_rank
+                0, role.world_size, here, self.listener.port, role.device, role.local_rank
             )
             worker = threading.Thread(
                 target=_own_rank, args=(local, self.secret, failures), name="flodl-rank0"
@@ -118,6 +158,7 @@ class ExternalCohort(ProcessLauncher):
             worker.daemon = True
             worker.start()
             result = self.controller.run(stop_requested)
+            self.await_goodbyes()
             worker.join(timeout=30.0)
             return result
         except RunFailed:
@@ -143,14 +184,19 @@ def follow(role: rank_env.ExternalRole, timeout_s: float = 120.0) -> int:
     from flodl.runtime.rank import run_managed
 
     key = next_run_key()
-    store = rendezvous_store(role, timeout_s)
-    store.wait([key + "controller"], timedelta(seconds=timeout_s))
-    host, _, port = store.get(key + "controller").decode().rpartition(":")
-    secret = _file_secret()
-    if secret is None:
-        secret = bytes.fromhex(store.get(key + "secret").decode())
+    rendezvous_file = os.environ.get(rank_env.RENDEZVOUS_FILE)
+    if rendezvous_file:
+        published = _read_when_written(Path(rendezvous_file), timeout_s)
+        controller, secret = published["controller"], bytes.fromhex(published["secret"])
+    else:
+        store = rendezvous_store(role, timeout_s)
+        store.wait([key + "controller"], timedelta(seconds=timeout_s))
+        controller = store.get(key + "controller").decode()
+        file_secret = _file_secret()
+        secret = file_secret or bytes.fromhex(store.get(key + "secret").decode())
+        del store
+    host, _, port = controller.rpartition(":")
     local = rank_env.RankEnv(
         role.rank, role.world_size, host, int(port), role.device, role.local_rank
     )
-    del store
     return run_managed(local, secret)

@@ -120,6 +120,7 @@ class ProcessLauncher:
         self.secret = new_secret()
         self.procs: list[RankProcess] = []
         self.channels: list[Channel] = []
+        self._reading: set[int] = set()  # ranks whose control channel is still open
         self._closing = False
         controller.hooks.kill_rank = self.kill_rank
 
@@ -150,10 +151,20 @@ class ProcessLauncher:
             for placement in self.topology.placements:
                 self.procs.append(self._spawn(placement))
             threading.Thread(target=self._supervise, name="flodl-supervise", daemon=True).start()
-            return self.controller.run(stop_requested)
+            result = self.controller.run(stop_requested)
+            self.await_goodbyes()
+            return result
         finally:
             self.shutdown()
             del store
+
+    def await_goodbyes(self, timeout_s: float = _TERM_GRACE_S) -> None:
+        """After a normal stop, let every rank close its channel itself before teardown closes
+        ours: a rank placed by torchrun or SLURM must see a goodbye, not a lost controller (its
+        exit code is what that launcher reports)."""
+        deadline = time.monotonic() + timeout_s
+        while self._reading and time.monotonic() < deadline:
+            time.sleep(0.02)
 
     # -- processes -------------------------------------------------------------------------------
     def _spawn(self, place: Placement) -> RankProcess:
@@ -261,9 +272,13 @@ class ProcessLauncher:
             channel.close()
             return
         self.channels.append(channel)
+        self._reading.add(hello.rank)
         self.controller.attach(hello.rank, channel)
         channel.send_code(self.spec)
-        self._read(hello.rank, channel)
+        try:
+            self._read(hello.rank, channel)
+        finally:
+            self._reading.discard(hello.rank)
 
     def _read(self, rank: int, channel: Channel) -> None:
         while True:

@@ -8,10 +8,12 @@ from SLURM's environment (``submitit.JobEnvironment``). Two places for the contr
   secret travels in a file of the job's submitit folder (mode 0600 in a 0700 directory, deleted at
   the end), never on a command line.
 * ``controller: rank0``: for submit hosts the nodes cannot reach. Task 0 hosts the controller
-  beside its own worker and the others find it through a store at task 0's node (the
-  torchrun-style path of :mod:`flodl.runtime.external`); the launcher waits for the allocation
-  and writes the outputs from the result task 0 sends back. Live progress then appears in task
-  0's log only.
+  beside its own worker (the placed-rank path of :mod:`flodl.runtime.external`) on free ports,
+  and publishes them with the secret in a 0600 file of the job's submitit folder, which every node
+  sees; the launcher waits for the allocation and writes the outputs from the result task 0 sends
+  back. Live progress then appears in task 0's log only.
+* ``controller: auto`` (default): ``rank0`` on a real SLURM cluster while ``controller.host`` is
+  loopback, else ``submitter``.
 
 ``executor: local`` runs the same tasks on this machine (submitit's local executor): how the
 SLURM path is tested without a cluster.
@@ -88,15 +90,30 @@ def task_main(controller: str, secret_file: str, device: str) -> int:
     return code
 
 
-def rank0_task(spec: Any, job_dir: str) -> Any:
-    """One SLURM task of ``controller: rank0``: task 0 runs the controller, the others follow."""
+def rank0_task(spec: Any, job_dir: str, rendezvous_file: str) -> Any:
+    """One SLURM task of ``controller: rank0``: task 0 runs the controller, the others follow.
+
+    Task 0 binds free ports and publishes them, with the secret, in ``rendezvous_file`` (0600, in
+    the job's 0700 submitit folder, which every node sees: submitit itself needs it shared), so no
+    fixed port can collide and the secret never crosses the network.
+    """
     import submitit
 
     from flodl.runtime.external import follow
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
-    os.environ[rank_env.PLACED_BY] = "submitit"
+    task = submitit.JobEnvironment()
+    os.environ.update(
+        {
+            "RANK": str(task.global_rank),
+            "WORLD_SIZE": str(task.num_tasks),
+            "LOCAL_RANK": str(task.local_rank),
+            "MASTER_ADDR": task.hostnames[0],
+            "MASTER_PORT": "0",  # unused: the rendezvous file says where rank 0 listens
+            rank_env.PLACED_BY: "submitit",
+            rank_env.RENDEZVOUS_FILE: rendezvous_file,
+        }
+    )
     role = rank_env.external_role()
     assert role is not None
     if role.rank != 0:
@@ -191,7 +208,9 @@ class SlurmLauncher(ProcessLauncher):
             log.info("slurm job %s: %d task(s)", self.job.job_id, slurm.world_size)
             self._tails = [self._tail(r) for r in range(slurm.world_size)]
             threading.Thread(target=self._watch, name="flodl-slurm", daemon=True).start()
-            return self.controller.run(stop_requested)
+            result = self.controller.run(stop_requested)
+            self.await_goodbyes()
+            return result
         finally:
             self.shutdown()
             secret_file.unlink(missing_ok=True)
@@ -242,7 +261,11 @@ class SlurmLauncher(ProcessLauncher):
         """Submit the whole job to the allocation; task 0 sends back the controller's result."""
         slurm = self.spec.config.cluster.slurm
         assert slurm is not None
-        self.job = self.executor.submit(rank0_task, self.spec, str(self.job_dir / "rank0"))
+        rendezvous = self.folder / "rendezvous.json"
+        rendezvous.unlink(missing_ok=True)
+        self.job = self.executor.submit(
+            rank0_task, self.spec, str(self.job_dir / "rank0"), str(rendezvous)
+        )
         log.info(
             "slurm job %s: %d task(s), controller beside rank 0", self.job.job_id, slurm.world_size
         )
@@ -259,5 +282,6 @@ class SlurmLauncher(ProcessLauncher):
             return results[0]
         finally:
             self.shutdown()
+            rendezvous.unlink(missing_ok=True)
             for pickle in self.folder.glob("*_submitted.pkl"):
                 pickle.unlink(missing_ok=True)
