@@ -23,7 +23,7 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 test: lint
-	$(BIN)/python -m pytest -q -ra --durations=15 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -ra --durations=15 -n 2 --dist loadgroup $(PYTEST_ARGS)
 
 format: $(STAMP)
 	$(BIN)/ruff format .

@@ -173,9 +173,9 @@ def _check_key(key: str) -> None:
 
 
 def _sigterm_as_interrupt() -> Any:
-    from flodl.trainer import _sigterm_as_interrupt as guard
+    from flodl.signals import sigterm_as_interrupt
 
-    return guard()
+    return sigterm_as_interrupt()
 
 
 def cli(main: Callable[[], Any]) -> None:

@@ -9,13 +9,11 @@ around the ``Trainer`` call runs once. With fewer than two devices the run stays
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,31 +30,9 @@ from flodl.config import (
 )
 from flodl.metrics import EpochMetrics, RunSummary, SyncEvent
 from flodl.runtime.spec import Callbacks, JobSpec
+from flodl.signals import sigterm_as_interrupt
 
 log = logging.getLogger(__name__)
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, handled like Ctrl-C: stop dispatch, save a graceful bundle, end every rank."""
-
-    exit_code = 143
-
-
-@contextlib.contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """While joining in the main thread, SIGTERM raises :class:`Terminated` (like SIGINT)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum: int, frame: Any) -> None:
-        raise Terminated()
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 @dataclass
@@ -131,7 +107,7 @@ class RunHandle:
         """Wait for the run; Ctrl-C stops every rank before it propagates."""
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            with _sigterm_as_interrupt():
+            with sigterm_as_interrupt():
                 while not self._done.is_set():
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:

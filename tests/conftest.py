@@ -16,6 +16,19 @@ if str(ROOT) not in sys.path:
 pytest_plugins = ["tests.netns_hosts"]  # make_test_hosts: fake hosts in network namespaces
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
+def pytest_collection_modifyitems(config, items):
+    """`make test` runs two xdist workers with ``--dist loadgroup``: every test that starts rank
+    processes (integration, e2e) goes to one worker, one after another, since each run wants
+    both cores; the unit tests and the ``light`` ones (they start no rank: refusals before any
+    rank, environment parsing) share the other worker instead of waiting their turn."""
+    for item in items:
+        if Path(item.path).relative_to(ROOT / "tests").parts[0] == "unit":
+            continue
+        if item.get_closest_marker("light") is None:
+            item.add_marker(pytest.mark.xdist_group("processes"))
+
+
 @pytest.fixture(autouse=True)
 def _hygiene():
     env_before = dict(os.environ)

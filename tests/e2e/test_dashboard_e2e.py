@@ -210,6 +210,7 @@ def test_served_tensorboard_over_http_then_sigint_releases_everything(tmp_path: 
     assert not port_in_use("127.0.0.1", port)
 
 
+@pytest.mark.light
 def test_port_in_use_fails_before_training(tmp_path: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -1,4 +1,4 @@
-"""``run.py`` end to end through a subprocess: single job, sweep, bad input, failing factory."""
+"""``run.py`` end to end in a subprocess: the default job, sweep, bad input, failing factory."""
 
 from __future__ import annotations
 
@@ -30,42 +30,24 @@ def run_py(args: list[str], sweep_dir: Path, timeout: float = 300) -> subprocess
 
 
 @pytest.mark.slow
-def test_single_job(tmp_path):
-    out = run_py(FAST, tmp_path)
-    assert out.returncode == 0, out.stderr[-3000:]
-    summary = json.loads((tmp_path / "0" / "summary.json").read_text())
-    assert summary["status"] == "ok" and summary["mode"] == "nccl_cadence"
-    assert summary["world_size"] == 2 and summary["eval_metric"] == "accuracy"
-    assert summary["eval_value"] > 0.8
-    assert (tmp_path / "0" / "model.pt").exists()
-    assert (tmp_path / "0" / "rank_0.log").exists() and (tmp_path / "0" / "rank_1.log").exists()
-    console = out.stdout + out.stderr
-    # One line per epoch from the launcher, not one copy per rank.
-    assert console.count("epoch 1/2") == 1 and console.count("epoch 2/2") == 1
-    assert "share [" in console
-    assert not (tmp_path / "ab_report.md").exists()  # a single job is not an A/B
-
-
-@pytest.mark.slow
 def test_sweep_writes_ab_report_and_keeps_failed_rows(tmp_path):
-    sweep = ["elche.mode=nccl_sync,nccl_cadence", "model.hidden=16,-1"]
-    args = ["-m", *FAST, "trainer.num_epochs=1", *sweep]
+    """A job that fails mid-sweep is a failed row; the next job still runs. (An all-ok sweep's
+    report is checked field by field in test_dashboard_e2e.)"""
+    args = ["-m", *FAST, "trainer.num_epochs=1", "model.hidden=-1,16"]
     out = run_py(args, tmp_path, timeout=400)
     assert out.returncode == 1, out.stderr[-3000:]  # one job failed; the sweep went on
     report = json.loads((tmp_path / "ab_report.json").read_text())
-    rows = report["rows"]
-    assert len(rows) == 4
-    statuses = sorted(r["status"] for r in rows)
-    assert statuses == ["failed", "failed", "ok", "ok"]
-    failed = [r for r in rows if r["status"] == "failed"]
-    assert all("hidden" in " ".join(r["overrides"]) for r in failed)
-    assert all(r["error"] for r in failed)
+    rows = sorted(report["rows"], key=lambda r: r["job"])
+    assert [r["status"] for r in rows] == ["failed", "ok"]
+    assert "model.hidden=-1" in rows[0]["overrides"] and rows[0]["error"]
+    assert rows[1]["syncs"] > 0 and rows[1]["final_loss"] is not None
     md = (tmp_path / "ab_report.md").read_text()
-    assert "nccl_sync" in md and "nccl_cadence" in md
-    for job in range(4):
+    assert "failed" in md and "nccl_cadence" in md
+    for job in range(2):
         assert (tmp_path / str(job) / "summary.json").exists()
 
 
+@pytest.mark.light
 @pytest.mark.parametrize(
     ("override", "expected"),
     [
@@ -114,3 +96,11 @@ def test_the_default_job_is_what_the_readme_promises(tmp_path):
     last = [ln for ln in (out.stdout + out.stderr).splitlines() if ln.startswith("epoch 8/8")]
     share = float(last[0].split("share [")[1].split()[0])
     assert share == pytest.approx(2 / 3, abs=0.05), last
+    job = tmp_path / "0"
+    assert summary["status"] == "ok" and summary["eval_metric"] == "accuracy"
+    assert (job / "model.pt").exists()
+    assert (job / "rank_0.log").exists() and (job / "rank_1.log").exists()
+    console = out.stdout + out.stderr
+    # One line per epoch from the launcher, not one copy per rank.
+    assert console.count("epoch 1/8") == 1 and console.count("epoch 8/8") == 1
+    assert not (tmp_path / "ab_report.md").exists()  # a single job is not an A/B

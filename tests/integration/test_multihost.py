@@ -142,6 +142,7 @@ def test_losing_one_hosts_ranks_is_survived(tmp_path, make_test_hosts):
     assert wait_until(lambda: not rank_processes(hosts, 0))
 
 
+@pytest.mark.light
 def test_an_unreachable_host_is_reported_before_any_rank_starts(tmp_path, make_test_hosts):
     hosts = make_test_hosts(1)
     nobody = hosts.controller_address.rsplit(".", 1)[0] + ".99"  # on the subnet, no host there
@@ -171,6 +172,7 @@ def test_an_unreachable_host_is_reported_before_any_rank_starts(tmp_path, make_t
     assert not rank_processes(hosts, 0)
 
 
+@pytest.mark.light
 def test_a_missing_device_or_python_is_reported_before_any_rank_starts(tmp_path, make_test_hosts):
     hosts = make_test_hosts(1)
 

@@ -144,6 +144,7 @@ def test_srun_style_placement_trains(tmp_path):
     assert "srun: 2 ranks" in outputs[0]
 
 
+@pytest.mark.light
 def test_srun_environment_is_read(monkeypatch):
     from flodl.runtime.env import external_role
 
@@ -197,6 +198,7 @@ def test_slurm_places_ranks_through_submitit(tmp_path, where):
     assert "[slurm:1]" in done.stderr or "[slurm:1]" in done.stdout
 
 
+@pytest.mark.light
 def test_slurm_bad_config_is_refused_before_submission(tmp_path):
     out = tmp_path / "sweep"
     done = subprocess.run(
