@@ -255,3 +255,40 @@ def test_launcher_death_or_signal_takes_remote_ranks_down(tmp_path, make_test_ho
     assert wait_until(lambda: not rank_processes(hosts, 0) and not rank_processes(hosts, 1)), (
         "a remote rank outlived its launcher"
     )
+
+
+def test_a_localhost_worker_starts_its_ranks_without_ssh(tmp_path, monkeypatch):
+    """A cluster file's own-machine worker (no ssh section): local processes, its python, its
+    project path and env, paced by its speeds; global ranks in worker order."""
+    monkeypatch.setenv("PATH", "/nonexistent")  # no ssh client could be found: none is used
+    cluster = (
+        ClusterBuilder()
+        .worker(
+            "localhost",
+            devices="cpu",
+            ranks=2,
+            speeds=[1.0, 0.5],
+            python=sys.executable,
+            project_path=str(ROOT),
+            env={"FLODL_TEST_MARK": "from-the-cluster-file"},
+        )
+        .options(warmup_steps=2)
+        .build()
+    )
+    seen = {}
+
+    def env_of_rank_1(m):
+        if not seen:
+            for proc in psutil.Process().children(recursive=True):
+                env = proc.environ()
+                if env.get("FLODL_RANK") == "1":
+                    seen.update(mark=env.get("FLODL_TEST_MARK"), cwd=proc.cwd())
+
+    handle = run_on_hosts(tmp_path, cluster, "nccl_cadence", metrics_fn=env_of_rank_1)
+    handle.join(timeout=300)
+    result = handle.result
+    assert result.summary.world_size == 2 and result.coverage_exact
+    assert result.summary.per_rank_batch_share[0] > 0.55
+    assert seen == {"mark": "from-the-cluster-file", "cwd": str(ROOT)}
+    log = (tmp_path / "nccl_cadence" / "rank_1.log").read_text()
+    assert "model built on rank 1" in log
