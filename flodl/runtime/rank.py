@@ -59,14 +59,15 @@ def _watch_lifeline() -> None:
     threading.Thread(target=watch, name="flodl-lifeline", daemon=True).start()
 
 
-def _connect() -> tuple[rank_env.RankEnv, Channel]:
+def _start() -> tuple[rank_env.RankEnv, bytes]:
+    """A process our launcher started: logging, parent-death signal, role, secret, lifeline."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     _die_with_parent()
     role = rank_env.rank_env()
     secret = rank_env.read_secret()
     if os.environ.get(rank_env.LIFELINE) == "1":
         _watch_lifeline()
-    return role, _hello(role, secret)
+    return role, secret
 
 
 def _hello(role: rank_env.RankEnv, secret: bytes) -> Channel:
@@ -167,13 +168,7 @@ def run_managed(role: rank_env.RankEnv, secret: bytes) -> int:
 
 def main() -> int:
     """The managed tier: a process our launcher started (locally or over ssh)."""
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    _die_with_parent()
-    role = rank_env.rank_env()
-    secret = rank_env.read_secret()
-    if os.environ.get(rank_env.LIFELINE) == "1":
-        _watch_lifeline()
-    return run_managed(role, secret)
+    return run_managed(*_start())
 
 
 def cooperative_worker() -> Any:
@@ -181,7 +176,8 @@ def cooperative_worker() -> Any:
     from flodl.cooperative import CooperativeWorker, exit_rank
     from flodl.runtime.worker import Worker
 
-    role, channel = _connect()
+    role, secret = _start()
+    channel = _hello(role, secret)
     previous_hook = sys.excepthook
 
     def on_uncaught(kind, exc, tb) -> None:  # the user's loop raised: tell the controller

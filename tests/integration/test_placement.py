@@ -163,24 +163,29 @@ def test_srun_environment_is_read(monkeypatch):
     assert (role.master_addr, role.master_port, role.device) == ("node-a", 29500, "cpu")
 
 
-@pytest.mark.parametrize("where", ["submitter", "rank0"])
-def test_slurm_places_ranks_through_submitit(tmp_path, where):
-    out = tmp_path / "sweep"
-    done = subprocess.run(
+def slurm_run_py(args: list[str], cwd: Path, out: Path) -> subprocess.CompletedProcess:
+    """run.py with cluster=slurm on submitit's local executor (the tasks run on this machine)."""
+    return subprocess.run(
         [
             sys.executable,
             str(ROOT / "run.py"),
             *QUICK,
             "cluster=slurm",
             "cluster.slurm.executor=local",
-            f"cluster.slurm.controller={where}",
+            *args,
             f"hydra.sweep.dir={out}",
         ],
-        cwd=tmp_path,
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=300,
     )
+
+
+@pytest.mark.parametrize("where", ["submitter", "rank0"])
+def test_slurm_places_ranks_through_submitit(tmp_path, where):
+    out = tmp_path / "sweep"
+    done = slurm_run_py([f"cluster.slurm.controller={where}"], tmp_path, out)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     job = out / "0"
     summary = json.loads((job / "summary.json").read_text())
@@ -201,21 +206,7 @@ def test_slurm_places_ranks_through_submitit(tmp_path, where):
 @pytest.mark.light
 def test_slurm_bad_config_is_refused_before_submission(tmp_path):
     out = tmp_path / "sweep"
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "run.py"),
-            *QUICK,
-            "cluster=slurm",
-            "cluster.slurm.executor=local",
-            "task.train_step=recipes.steps.no_such_step",
-            f"hydra.sweep.dir={out}",
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = slurm_run_py(["task.train_step=recipes.steps.no_such_step"], tmp_path, out)
     assert done.returncode == 2  # refused before anything is submitted
     assert "task.train_step" in done.stderr
     assert not (out / "0" / "slurm").exists()
