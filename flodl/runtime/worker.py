@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import gc
 import itertools
 import logging
 import math
@@ -337,10 +338,16 @@ class Worker:
         if not self.mode.via_controller:
             # The guard reads divergence; lock-step sync modes never consult it: skip the copy.
             before = None if self.mode.is_sync else self.state.flatten()
+            failure = None
             try:
                 collective_average(self.state, window.weight, window.buffer_weight)
             except (RuntimeError, dist.DistBackendError) as exc:  # a peer is gone
-                log.warning("rank %d: averaging failed (%s); waiting to regroup", self.rank, exc)
+                failure = str(exc)
+            if failure is not None:  # out of the except block: its traceback pins the group
+                log.warning(
+                    "rank %d: averaging failed (%s); waiting to regroup", self.rank, failure
+                )
+                self._release_group()
                 self._await_regroup()
                 return
             if self.outer is not None:
@@ -360,6 +367,19 @@ class Worker:
                 self._pending.append(msg)
 
     # -- membership ------------------------------------------------------------------------------
+    def _release_group(self) -> None:
+        """Close our side of the broken group now. A survivor still blocked inside the same
+        collective on *us* (alive, but gone from the collective) then fails at once instead of
+        waiting out gloo's timeout (``cluster.start_timeout_s``). The group must really die:
+        nothing may still reference it (the failed call's traceback did, hence the caller)."""
+        if self.regroup_fn is None or not dist.is_initialized():
+            return
+        try:
+            dist.destroy_process_group()
+        except Exception as exc:  # already broken: what matters is dropping our references
+            log.debug("rank %d: destroying the broken group: %s", self.rank, exc)
+        gc.collect()  # frames of the failed collective may sit in reference cycles
+
     def _await_regroup(self) -> None:
         while True:
             msg = self.link.recv(timeout=self.cfg.cluster.heartbeat_timeout_s * 2)
