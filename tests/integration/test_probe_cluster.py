@@ -7,7 +7,6 @@ system, so the venv's Python and this checkout are there too.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,20 +14,11 @@ import pytest
 
 from flodl import ClusterBuilder, SshConfig
 from flodl.probe import ClusterReport, Report, skew_checks
+from tests.unit.test_probe import run_probe
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def run_probe(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "flodl", "probe", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 def cluster_file(tmp_path: Path, hosts, extra_hosts=()) -> Path:

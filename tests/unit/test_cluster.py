@@ -29,7 +29,11 @@ def two_hosts(**worker_b):
 
 @pytest.mark.parametrize("path", sorted((ROOT / "conf" / "cluster").glob("*.yaml")), ids=str)
 def test_every_shipped_cluster_file_validates(path):
-    ClusterConfig.model_validate(yaml.safe_load(path.read_text()))
+    cluster = ClusterConfig.model_validate(yaml.safe_load(path.read_text()))
+    kinds = {"auto": "auto", "cpu_rig": "cpu_rig", "slurm": "slurm", "example_hosts": "hosts"}
+    assert cluster.kind == kinds[path.stem]
+    assert (cluster.slurm is not None) == (cluster.kind == "slurm")
+    assert bool(cluster.workers) == (cluster.kind == "hosts")
 
 
 def test_builder_gives_a_validated_hosts_cluster():
