@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -73,7 +74,11 @@ def _wait_children(me: psutil.Process, before: set[int], timeout_s: float = 10.0
     while True:
         leaked = [p for p in me.children(recursive=True) if p.pid not in before and _alive(p)]
         if not leaked or time.monotonic() > deadline:
-            return [f"{p.pid}:{' '.join(p.cmdline()[:4])}" for p in leaked if _alive(p)]
+            names = [f"{p.pid}:{' '.join(p.cmdline()[:4])}" for p in leaked if _alive(p)]
+            for p in leaked:  # reported; now gone, so one leak does not spill into later tests
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.kill()
+            return names
         time.sleep(0.1)
 
 

@@ -7,11 +7,13 @@ Everything travels as one flat vector: one collective per window, whatever the m
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from flodl.runtime import groups
 
 
 class FlatState:
@@ -84,17 +86,27 @@ class FlatState:
 
 
 def collective_average(
-    state: FlatState, weight: float, buffer_weight: float, group: dist.ProcessGroup | None = None
+    state: FlatState,
+    weight: float,
+    buffer_weight: float,
+    group: dist.ProcessGroup | None = None,
+    doomed: Callable[[], bool] | None = None,
 ) -> None:
-    """Weighted all-reduce of the flat state, in place: one collective whatever the model."""
-    storage = state.shared()
-    scaled = storage if storage is not None else state.flatten()
+    """Weighted all-reduce of the flat state: one collective whatever the model. The reduction
+    runs on a scaled copy and lands only when it succeeded: a collective that fails half way
+    (a peer died) leaves the rank's weights as they were, not scaled or partly summed. With
+    ``doomed``, a gloo collective is given up (:class:`groups.Abandoned`) once it says so."""
     with torch.no_grad():
+        scaled = state.flatten()
         scaled[: state.n_params] *= weight
         scaled[state.n_params :] *= buffer_weight
-    dist.all_reduce(scaled, op=dist.ReduceOp.SUM, group=group)
-    if storage is None:
-        state.load(scaled)
+    if doomed is not None and dist.get_backend(group) == "gloo":
+        groups.wait(
+            dist.all_reduce(scaled, op=dist.ReduceOp.SUM, group=group, async_op=True), doomed
+        )
+    else:
+        dist.all_reduce(scaled, op=dist.ReduceOp.SUM, group=group)
+    state.load(scaled)
 
 
 def weighted_mean(

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from flodl.runtime.channel import Channel
+from flodl.runtime.messages import Regroup
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +26,7 @@ class _InboxLink:
     """Receiving side shared by both links: messages wait in a queue until asked for."""
 
     _inbox: queue.Queue
+    announced_generation = 0  # the newest membership the controller announced (Regroup)
 
     def recv(self, timeout: float | None = None) -> Any:
         msg = self._inbox.get(timeout=timeout)
@@ -89,12 +91,17 @@ class SocketLink(_InboxLink):
 
     If the controller goes away without saying Stop (the launcher was killed), the reader ends
     this process: a rank must never outlive its launcher, even when blocked in a collective.
+    A new membership (Regroup) calls ``on_regroup`` from the reader thread *before* the message
+    is queued, so a collective on the old group can be aborted while the loop is blocked in it.
     """
 
-    def __init__(self, channel: Channel, rank: int) -> None:
+    def __init__(
+        self, channel: Channel, rank: int, on_regroup: Callable[[], Any] | None = None
+    ) -> None:
         self.channel = channel
         self.rank = rank
         self.stopping = False
+        self._on_regroup = on_regroup
         self._inbox: queue.Queue = queue.Queue()
         self._reader = threading.Thread(target=self._read, name="flodl-control", daemon=True)
         self._reader.start()
@@ -121,6 +128,10 @@ class SocketLink(_InboxLink):
                     os._exit(3)
                 self._inbox.put(_CLOSED)
                 return
+            if isinstance(msg, Regroup) and msg.generation > self.announced_generation:
+                self.announced_generation = msg.generation
+                if self._on_regroup is not None:
+                    self._on_regroup()
             self._inbox.put(msg)
 
     def send(self, msg: Any) -> None:

@@ -16,11 +16,11 @@ import socket
 import sys
 import threading
 import traceback
-from datetime import timedelta
 from functools import partial
 from typing import Any
 
 from flodl.runtime import env as rank_env
+from flodl.runtime import groups
 from flodl.runtime.channel import Channel, connect
 from flodl.runtime.messages import Hello, RankError
 
@@ -91,7 +91,6 @@ def report_failure(channel: Channel, rank: int, exc: BaseException) -> None:
 def join(channel: Channel, role: rank_env.RankEnv) -> tuple[Any, Any, Any]:
     """Receive the job, pin threads and device, join the process group: (spec, link, device)."""
     import torch
-    import torch.distributed as dist
 
     from flodl.runtime.links import SocketLink
 
@@ -103,13 +102,13 @@ def join(channel: Channel, role: rank_env.RankEnv) -> tuple[Any, Any, Any]:
     else:
         device = torch.device("cuda", role.local_rank)
         torch.cuda.set_device(device)
-    link = SocketLink(channel, role.rank)
-    dist.init_process_group(
+    link = SocketLink(channel, role.rank, on_regroup=groups.abort)
+    groups.form(
         spec.backend,
-        store=_data_store(spec, "generation0"),
-        rank=role.rank,
-        world_size=role.world_size,
-        timeout=timedelta(seconds=cluster.start_timeout_s),
+        _data_store(spec, "generation0"),
+        role.rank,
+        role.world_size,
+        cluster.start_timeout_s,
     )
     return spec, link, device
 
@@ -124,27 +123,21 @@ def _data_store(spec: Any, generation: str) -> Any:
 
 def regroup(spec: Any, role: rank_env.RankEnv, members: tuple[int, ...], generation: int) -> None:
     """Re-form the process group over the survivors, under a fresh store prefix."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    groups.release()
     if len(members) < 2:
         return  # a lone survivor trains on alone
-    dist.init_process_group(
+    groups.form(
         spec.backend,
-        store=_data_store(spec, f"generation{generation}"),
-        rank=members.index(role.rank),
-        world_size=len(members),
-        timeout=timedelta(seconds=spec.config.cluster.start_timeout_s),
+        _data_store(spec, f"generation{generation}"),
+        members.index(role.rank),
+        len(members),
+        spec.config.cluster.start_timeout_s,
     )
 
 
 def leave(link: Any) -> None:
-    import torch.distributed as dist
-
     link.stopping = True  # from here on, a closed channel is expected, not a lost launcher
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    groups.release()
 
 
 def run_managed(role: rank_env.RankEnv, secret: bytes) -> int:

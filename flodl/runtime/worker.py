@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import copy
-import gc
 import itertools
 import logging
 import math
@@ -26,6 +25,7 @@ from torch import nn
 from flodl.config import Mode
 from flodl.data import BatchSource, resolve_dataset
 from flodl.metrics import drain_scalars
+from flodl.runtime import groups
 from flodl.runtime.averaging import FlatState, broadcast_from, collective_average
 from flodl.runtime.messages import (
     Average,
@@ -338,16 +338,7 @@ class Worker:
         if not self.mode.via_controller:
             # The guard reads divergence; lock-step sync modes never consult it: skip the copy.
             before = None if self.mode.is_sync else self.state.flatten()
-            failure = None
-            try:
-                collective_average(self.state, window.weight, window.buffer_weight)
-            except (RuntimeError, dist.DistBackendError) as exc:  # a peer is gone
-                failure = str(exc)
-            if failure is not None:  # out of the except block: its traceback pins the group
-                log.warning(
-                    "rank %d: averaging failed (%s); waiting to regroup", self.rank, failure
-                )
-                self._release_group()
+            if not self._averaged(window.weight, window.buffer_weight):
                 self._await_regroup()
                 return
             if self.outer is not None:
@@ -367,18 +358,27 @@ class Worker:
                 self._pending.append(msg)
 
     # -- membership ------------------------------------------------------------------------------
-    def _release_group(self) -> None:
-        """Close our side of the broken group now. A survivor still blocked inside the same
-        collective on *us* (alive, but gone from the collective) then fails at once instead of
-        waiting out gloo's timeout (``cluster.start_timeout_s``). The group must really die:
-        nothing may still reference it (the failed call's traceback did, hence the caller)."""
-        if self.regroup_fn is None or not dist.is_initialized():
-            return
+    def _averaged(self, weight: float, buffer_weight: float) -> bool:
+        """The collective average; False when a peer is gone (the group is then released) or
+        the controller announced a new membership while it was in flight (abandoned)."""
+        failure, abandoned = None, False
         try:
-            dist.destroy_process_group()
-        except Exception as exc:  # already broken: what matters is dropping our references
-            log.debug("rank %d: destroying the broken group: %s", self.rank, exc)
-        gc.collect()  # frames of the failed collective may sit in reference cycles
+            collective_average(self.state, weight, buffer_weight, doomed=self._doomed)
+        except groups.Abandoned as exc:
+            failure, abandoned = str(exc), True
+        except (RuntimeError, dist.DistBackendError) as exc:  # a peer is gone
+            failure = str(exc)
+        if failure is None:
+            return True
+        # Out of the except block: its traceback pins the group, whose sockets must close now
+        # so a survivor blocked on us fails at once.
+        log.warning("rank %d: averaging failed (%s); waiting to regroup", self.rank, failure)
+        if self.regroup_fn is not None:
+            groups.release(abandoned)
+        return False
+
+    def _doomed(self) -> bool:
+        return bool(self.link.announced_generation > self.generation)
 
     def _await_regroup(self) -> None:
         while True:
@@ -399,9 +399,13 @@ class Worker:
         if self.regroup_fn is not None:
             self.regroup_fn(msg.members, msg.generation)
         self.distributed = self.world > 1
+        if self.link.announced_generation > msg.generation:
+            return  # lost another rank meanwhile: the newer Regroup is queued, form that one
         if self.distributed and not self.mode.via_controller:
             share = msg.weights[self.rank]
-            collective_average(self.state, share, share)
+            if not self._averaged(share, share):  # a survivor died while regrouping
+                self._await_regroup()
+                return
         if self.outer is not None:
             self.outer.reset(self.state.flatten())
         self.link.send(Regrouped(self.rank, msg.generation))

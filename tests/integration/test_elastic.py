@@ -145,3 +145,94 @@ def test_a_frozen_rank_is_dropped_when_its_heartbeat_goes_stale(tmp_path, victim
     assert frozen == [victim]
     assert result.summary.lost_ranks == [victim]
     assert result.coverage_exact and result.summary.samples_seen == 2 * 2048
+
+
+_BLOCKED_RANK = """
+import socket, sys, time
+import torch, torch.distributed as dist
+from flodl.runtime import groups
+from flodl.runtime.channel import Channel
+from flodl.runtime.links import SocketLink
+
+rank, store_port, control_port = (int(a) for a in sys.argv[1:4])
+store = dist.TCPStore("127.0.0.1", store_port, 2, is_master=rank == 0, use_libuv=False)
+groups.form("gloo", store, rank, 2, 300.0)  # gloo's own timeout: far beyond this test
+dist.all_reduce(torch.ones(4))
+if rank == 1:
+    time.sleep(300)  # alive, connected, but never joins the next collective
+link = SocketLink(Channel(socket.create_connection(("127.0.0.1", control_port))), 0,
+                  on_regroup=groups.abort)
+print("blocked", flush=True)
+t0 = time.monotonic()
+try:
+    groups.wait(dist.all_reduce(torch.ones(4), async_op=True),
+                lambda: link.announced_generation > 0)
+    print("completed", flush=True)
+except groups.Abandoned:
+    print(f"abandoned after {time.monotonic() - t0:.1f} s", flush=True)
+t0 = time.monotonic()
+groups.release(abandoned=True)  # must not join gloo's blocked thread
+msg = link.recv(timeout=10)
+print(type(msg).__name__, msg.generation, dist.is_initialized(), flush=True)
+link.stopping = True
+"""
+
+
+def _line(proc, timeout_s: float = 20.0) -> str:
+    """The process's next output line, or an assertion error when none comes in time."""
+    import select
+
+    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    assert ready, f"no output within {timeout_s:.0f} s"
+    return proc.stdout.readline().strip()
+
+
+def test_a_regroup_frees_a_rank_blocked_on_a_live_peer(tmp_path):
+    """The hang CI once hit: a survivor blocked in the old group's collective on a peer that is
+    alive but has moved on (it failed its own side and waits to regroup). Only the controller's
+    Regroup can tell it: the collective is abandoned within a poll of the announcement instead
+    of waiting out gloo's timeout (300 s here)."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from flodl.runtime.channel import Channel
+    from flodl.runtime.messages import Regroup
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        store_port = probe.getsockname()[1]
+    listener = socket.create_server(("127.0.0.1", 0))
+    control_port = listener.getsockname()[1]
+    script = tmp_path / "blocked_rank.py"
+    script.write_text(_BLOCKED_RANK)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(r), str(store_port), str(control_port)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
+    try:
+        listener.settimeout(60)
+        conn, _ = listener.accept()
+        assert _line(procs[0]) == "blocked"
+        time.sleep(1.0)  # let rank 0 sit inside the collective
+        sent = time.monotonic()
+        Channel(conn).send(Regroup(1, (0,), 0, {0: 1.0}))
+        outcome = _line(procs[0])
+        assert outcome.startswith("abandoned after"), outcome
+        # The message still reaches the loop, the group is gone, and the process exits at once
+        # (the abandoned group is leaked, not joined: joining would wait out gloo's timeout).
+        assert _line(procs[0]) == "Regroup 1 False"
+        assert procs[0].wait(timeout=20) == 0
+        assert time.monotonic() - sent < 20.0
+        conn.close()
+    finally:
+        listener.close()
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+            proc.stdout.close()
