@@ -5,9 +5,11 @@ when a collective on it failed (:func:`release`). The hard case is a rank blocke
 on a peer that is alive but no longer taking part (it failed its own side and went to regroup):
 nothing on the data plane tells it, and gloo would wait out its timeout (minutes). The controller's
 Regroup does tell it, so a collective is awaited in short slices (:func:`wait`) and *abandoned*
-once the control channel has announced a newer membership. gloo cannot cancel an operation in
-flight, and destroying its group joins the blocked thread, so an abandoned group is leaked on
-purpose: its thread ends at gloo's timeout, the rank is long gone by then. NCCL can abort a
+once the control channel has announced a newer membership. Usually the operation then fails by
+itself within milliseconds (the lost rank was killed) and the group is released like any failed
+one. One still blocked after a short grace is left behind: gloo cannot cancel an operation in
+flight, and destroying its group joins the blocked thread, so the group is unregistered and
+leaked on purpose; its thread ends at gloo's timeout, or when the process exits. NCCL can abort a
 communicator, which the control reader does at once (:func:`abort`).
 """
 
@@ -17,6 +19,7 @@ import ctypes
 import gc
 import logging
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -25,10 +28,20 @@ log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 POLL_S = 0.05
+GRACE_S = 2.0  # for an abandoned collective to end by itself before it is left behind
 
 
 class Abandoned(RuntimeError):
-    """A collective left behind because the membership changed while it was in flight."""
+    """A collective given up because the membership changed while it was in flight. ``settled``:
+    it ended during the grace that followed (the usual case: the lost rank was killed, so the
+    operation fails within milliseconds) and the group can be released like any failed one."""
+
+    def __init__(self, settled: bool) -> None:
+        super().__init__(
+            "the membership changed while this collective was in flight"
+            + ("" if settled else "; it is still blocked and is left behind")
+        )
+        self.settled = settled
 
 
 def form(backend: str, store: Any, rank: int, world_size: int, timeout_s: float) -> None:
@@ -44,19 +57,32 @@ def form(backend: str, store: Any, rank: int, world_size: int, timeout_s: float)
     )
 
 
-def wait(work: Any, doomed: Callable[[], bool], poll_s: float = POLL_S) -> None:
+def wait(
+    work: Any, doomed: Callable[[], bool], poll_s: float = POLL_S, grace_s: float = GRACE_S
+) -> None:
     """Wait for an async collective; raise :class:`Abandoned` once ``doomed()`` says the
     membership changed. Adds no latency: ``wait`` returns the moment the work completes."""
-    while True:
-        try:
-            if work.wait(timeout=timedelta(seconds=poll_s)) is not False:
-                return
-        except RuntimeError:
-            if work.is_completed():
-                work.wait()  # the collective's own outcome: its error, or (a race) success
-                return
+    while not _finished(work, poll_s):
         if doomed():
-            raise Abandoned("the membership changed while this collective was in flight")
+            deadline = time.monotonic() + grace_s
+            while time.monotonic() < deadline:
+                if _finished(work, poll_s, reraise=False):
+                    raise Abandoned(settled=True)
+            raise Abandoned(settled=False)
+
+
+def _finished(work: Any, poll_s: float, reraise: bool = True) -> bool:
+    """Whether ``work`` completed within ``poll_s``; its error is raised when ``reraise``."""
+    try:
+        if work.wait(timeout=timedelta(seconds=poll_s)) is not False:
+            return True
+    except RuntimeError:
+        if not work.is_completed():
+            return False  # only the poll's own timeout
+        if reraise:
+            work.wait()  # the collective's own outcome: its error, or (a race) success
+        return True
+    return False
 
 
 def release(abandoned: bool = False) -> None:
@@ -70,12 +96,36 @@ def release(abandoned: bool = False) -> None:
         if not dist.is_initialized():
             return
         if abandoned:
-            _leak(dist.group.WORLD)
+            _forget_default_group()
+            return
         try:
             dist.destroy_process_group()
         except Exception as exc:  # already broken: what matters is dropping our references
             log.debug("destroying the broken group: %s", exc)
     gc.collect()  # frames of the failed collective may sit in reference cycles
+
+
+def _forget_default_group() -> None:
+    """Unregister the default group *without* shutting it down, and leak it. Shutting it down
+    closes its sockets under the operation still in flight, whose late failure then closes the
+    same descriptor numbers again: by then they can belong to the next generation's group."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    pg = dist.group.WORLD
+    _leak(pg)
+    world = c10d._world
+    maps = ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag")
+    if not hasattr(c10d, "_update_default_pg") or not all(hasattr(world, m) for m in maps):
+        dist.destroy_process_group()  # a torch whose registry we do not know: the safe old way
+        return
+    c10d._update_default_pg(None)
+    for name in (*maps, "tags_to_pg", "pg_coalesce_state"):
+        getattr(world, name, {}).clear()
+    world.group_count = 0
+    unregister = getattr(c10d, "_unregister_all_process_groups", None)
+    if unregister is not None:
+        unregister()
 
 
 def abort() -> None:

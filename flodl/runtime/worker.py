@@ -365,14 +365,19 @@ class Worker:
         try:
             collective_average(self.state, weight, buffer_weight, doomed=self._doomed)
         except groups.Abandoned as exc:
-            failure, abandoned = str(exc), True
+            failure, abandoned = str(exc), not exc.settled
         except (RuntimeError, dist.DistBackendError) as exc:  # a peer is gone
             failure = str(exc)
         if failure is None:
             return True
         # Out of the except block: its traceback pins the group, whose sockets must close now
         # so a survivor blocked on us fails at once.
-        log.warning("rank %d: averaging failed (%s); waiting to regroup", self.rank, failure)
+        log.warning(
+            "rank %d: averaging failed in generation %d (%s); waiting to regroup",
+            self.rank,
+            self.generation,
+            failure,
+        )
         if self.regroup_fn is not None:
             groups.release(abandoned)
         return False
