@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from flodl.runtime import env as rank_env
+from flodl.runtime import groups
 from flodl.runtime.channel import Listener, new_secret
 from flodl.runtime.launcher import ProcessLauncher
 
@@ -118,6 +119,7 @@ class ExternalCohort(ProcessLauncher):
         timeout = self.spec.config.cluster.start_timeout_s
         self.secret = _file_secret() or new_secret()
         self.listener = Listener(_bind_address(role.master_addr), 0)
+        groups.protect_port(self.listener.port)  # rank 0 trains in this process, beside us
         self.control_address = (self.listener.host, self.listener.port)
         controller = f"{role.master_addr}:{self.listener.port}"
         key = next_run_key()

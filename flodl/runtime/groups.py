@@ -7,9 +7,10 @@ nothing on the data plane tells it, and gloo would wait out its timeout (minutes
 Regroup does tell it, so a collective is awaited in short slices (:func:`wait`) and *abandoned*
 once the control channel has announced a newer membership. Usually the operation then fails by
 itself within milliseconds (the lost rank was killed) and the group is released like any failed
-one. One still blocked after a short grace is left behind: gloo cannot cancel an operation in
-flight, and destroying its group joins the blocked thread, so the group is unregistered and
-leaked on purpose; its thread ends at gloo's timeout, or when the process exits. NCCL can abort a
+one. gloo cannot cancel an operation in flight, so one still blocked after a short grace is ended
+by hanging up the group's connections (:func:`hang_up`: ``shutdown``, never ``close``, so no
+descriptor number is reused under gloo). Only if even that fails is the group unregistered and
+leaked (destroying it would join the blocked thread). NCCL can abort a
 communicator, which the control reader does at once (:func:`abort`).
 """
 
@@ -18,6 +19,8 @@ from __future__ import annotations
 import ctypes
 import gc
 import logging
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -44,10 +47,20 @@ class Abandoned(RuntimeError):
         self.settled = settled
 
 
+_group_sockets: set[int] = set()  # descriptors the current group opened (its rendezvous, pairs)
+_protected_ports: set[int] = set()  # local ports of this process's control plane: never touched
+
+
+def protect_port(port: int) -> None:
+    """Sockets on this local port (a controller hosted in this process) are not a group's."""
+    _protected_ports.add(port)
+
+
 def form(backend: str, store: Any, rank: int, world_size: int, timeout_s: float) -> None:
     """Join a new default group (blocks until every member has joined, or the timeout)."""
     import torch.distributed as dist
 
+    before = _socket_fds()
     dist.init_process_group(
         backend,
         store=store,
@@ -55,6 +68,8 @@ def form(backend: str, store: Any, rank: int, world_size: int, timeout_s: float)
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
     )
+    _group_sockets.clear()
+    _group_sockets.update(_socket_fds() - before)
 
 
 def wait(
@@ -64,11 +79,55 @@ def wait(
     membership changed. Adds no latency: ``wait`` returns the moment the work completes."""
     while not _finished(work, poll_s):
         if doomed():
-            deadline = time.monotonic() + grace_s
-            while time.monotonic() < deadline:
-                if _finished(work, poll_s, reraise=False):
-                    raise Abandoned(settled=True)
-            raise Abandoned(settled=False)
+            if _settles(work, grace_s, poll_s):
+                raise Abandoned(settled=True)
+            hang_up()  # still blocked: end it by hanging up the group's connections
+            raise Abandoned(settled=_settles(work, grace_s, poll_s))
+
+
+def _settles(work: Any, grace_s: float, poll_s: float) -> bool:
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if _finished(work, poll_s, reraise=False):
+            return True
+    return False
+
+
+def hang_up() -> int:
+    """Shut down (not close) every connection of the current group: gloo sees end-of-stream on
+    each and fails the operation in flight, and every peer still in it fails too. The descriptors
+    stay open until the group is destroyed, so none can be reused under gloo. The count."""
+    count = 0
+    for fd in sorted(_group_sockets):
+        try:
+            with socket.socket(fileno=os.dup(fd)) as dup:  # a dup: closing it closes only ours
+                if dup.family not in (socket.AF_INET, socket.AF_INET6):
+                    continue
+                if dup.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    continue  # gloo's listener: shut down, its accept loop aborts the process
+                if dup.getsockname()[1] in _protected_ports:
+                    continue
+                dup.shutdown(socket.SHUT_RDWR)
+                count += 1
+        except OSError:
+            continue  # gone or not connected (a listener): nothing to hang up
+    log.debug("hung up %d connection(s) of the abandoned group", count)
+    return count
+
+
+def _socket_fds() -> set[int]:
+    fds: set[int] = set()
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:  # not Linux: no descriptors to hang up; the leak below still applies
+        return fds
+    for name in names:
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                fds.add(int(name))
+        except OSError:
+            continue
+    return fds
 
 
 def _finished(work: Any, poll_s: float, reraise: bool = True) -> bool:
@@ -102,6 +161,7 @@ def release(abandoned: bool = False) -> None:
             dist.destroy_process_group()
         except Exception as exc:  # already broken: what matters is dropping our references
             log.debug("destroying the broken group: %s", exc)
+        _group_sockets.clear()
     gc.collect()  # frames of the failed collective may sit in reference cycles
 
 
@@ -114,6 +174,7 @@ def _forget_default_group() -> None:
 
     pg = dist.group.WORLD
     _leak(pg)
+    _group_sockets.clear()
     world = c10d._world
     maps = ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag")
     if not hasattr(c10d, "_update_default_pg") or not all(hasattr(world, m) for m in maps):
