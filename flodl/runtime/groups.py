@@ -166,9 +166,9 @@ def release(abandoned: bool = False) -> None:
 
 
 def _forget_default_group() -> None:
-    """Unregister the default group *without* shutting it down, and leak it. Shutting it down
-    closes its sockets under the operation still in flight, whose late failure then closes the
-    same descriptor numbers again: by then they can belong to the next generation's group."""
+    """Unregister the default group *without* shutting it down, and leak it: destroying a gloo
+    group joins the thread still blocked in its operation (measured: until gloo's timeout). The
+    last resort, after :func:`hang_up` failed to end the operation."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
