@@ -404,7 +404,7 @@ class Worker:
         if self.regroup_fn is not None:
             self.regroup_fn(msg.members, msg.generation)
         self.distributed = self.world > 1
-        if self.link.announced_generation > msg.generation:
+        if self._doomed():
             return  # lost another rank meanwhile: the newer Regroup is queued, form that one
         if self.distributed and not self.mode.via_controller:
             share = msg.weights[self.rank]
