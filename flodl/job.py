@@ -248,6 +248,7 @@ class Job:
 
     def _on_sync(self, event: SyncEvent) -> None:
         self._trace.write(json.dumps(event.to_dict()) + "\n")
+        self._trace.flush()  # per event: a killed launcher still leaves the trace so far
         self.tb.sync_event(event)
 
     def _on_progress(self, epoch: int, done: int, total: int, loss: float | None, shares) -> None:

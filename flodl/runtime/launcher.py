@@ -37,6 +37,32 @@ log = logging.getLogger(__name__)
 # Lines from a rank's own flodl logging that stay in rank_N.log only.
 _QUIET_PREFIXES = ("INFO ", "DEBUG ")
 _TERM_GRACE_S = 5.0
+_REJECT_LOG_EVERY_S = 60.0  # a connection storm from one address logs one line a minute
+
+
+class RejectLog:
+    """Warn about rejected control-plane peers once per address per interval, with a count of
+    the ones not logged, so a storm of bad connections cannot flood the console."""
+
+    def __init__(self, every_s: float = _REJECT_LOG_EVERY_S) -> None:
+        self.every_s = every_s
+        self._last: dict[str, float] = {}
+        self._quiet: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def rejected(self, address: str, reason: object, now: float | None = None) -> bool:
+        """Record one rejection; returns True when it was logged."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            last = self._last.get(address)
+            if last is not None and now - last < self.every_s:
+                self._quiet[address] = self._quiet.get(address, 0) + 1
+                return False
+            self._last[address] = now
+            quiet = self._quiet.pop(address, 0)
+        more = f" ({quiet} more from it not logged in {self.every_s:.0f} s)" if quiet else ""
+        log.warning("rejected a control-plane peer %s: %s%s", address, reason, more)
+        return True
 
 
 def _to_stderr(line: str) -> None:
@@ -122,6 +148,7 @@ class ProcessLauncher:
         self.channels: list[Channel] = []
         self._reading: set[int] = set()  # ranks whose control channel is still open
         self._closing = False
+        self._rejects = RejectLog()
         controller.hooks.kill_rank = self.kill_rank
 
     def kill_rank(self, rank: int) -> None:
@@ -268,7 +295,7 @@ class ProcessLauncher:
             if not isinstance(hello, Hello) or not 0 <= hello.rank < self.spec.world_size:
                 raise AuthError(f"unexpected first message {type(hello).__name__}")
         except (AuthError, OSError, EOFError, ValueError) as exc:
-            log.warning("rejected a control-plane peer: %s", exc)
+            self._rejects.rejected(_peer_address(sock), exc)
             channel.close()
             return
         self.channels.append(channel)
@@ -289,6 +316,13 @@ class ProcessLauncher:
                     self.controller.post(rank, Disconnected(str(exc) or type(exc).__name__))
                 return
             self.controller.post(rank, msg)
+
+
+def _peer_address(sock: Any) -> str:
+    try:
+        return str(sock.getpeername()[0])
+    except (OSError, IndexError, TypeError):
+        return "unknown"
 
 
 __all__ = ["ProcessLauncher", "RankProcess", "RunFailed"]
