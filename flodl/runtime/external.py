@@ -32,6 +32,7 @@ from flodl.runtime import env as rank_env
 from flodl.runtime import groups
 from flodl.runtime.channel import Listener, new_secret
 from flodl.runtime.launcher import ProcessLauncher
+from flodl.runtime.store import serve_store
 
 log = logging.getLogger(__name__)
 
@@ -126,15 +127,7 @@ class ExternalCohort(ProcessLauncher):
         self.spec.store_prefix = key + "data"
         rendezvous_file = os.environ.get(rank_env.RENDEZVOUS_FILE)
         if rendezvous_file:  # placed by our SLURM launcher: a file in the job's private folder
-            from torch.distributed import TCPStore
-
-            store = TCPStore(
-                _bind_address(role.master_addr),
-                0,
-                is_master=True,
-                wait_for_workers=False,
-                use_libuv=False,
-            )
+            store = serve_store(_bind_address(role.master_addr))
             self.spec.store_host, self.spec.store_port = role.master_addr, store.port
             _write_private(
                 Path(rendezvous_file),

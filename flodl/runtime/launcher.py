@@ -30,6 +30,7 @@ from flodl.runtime.channel import AuthError, Channel, Listener, new_secret
 from flodl.runtime.controller import Controller, ControllerResult, Disconnected, Exited, RunFailed
 from flodl.runtime.messages import Hello
 from flodl.runtime.spec import JobSpec
+from flodl.runtime.store import serve_store
 from flodl.topology import Placement, Topology
 
 log = logging.getLogger(__name__)
@@ -159,15 +160,11 @@ class ProcessLauncher:
 
     def open_planes(self) -> Any:
         """Listen for the control plane and host the data plane's store; returns the store."""
-        from torch.distributed import TCPStore  # the data-plane rendezvous; no CUDA involved
-
         address = self.spec.config.cluster.controller
         self.listener = Listener(address.host, address.port)
         self.control_address = (self.listener.host, self.listener.port)
         store_port = address.port + 1 if address.port else 0
-        store = TCPStore(
-            address.host, store_port, is_master=True, wait_for_workers=False, use_libuv=False
-        )
+        store = serve_store(address.host, store_port)  # bound to the controller's address only
         self.spec.store_host, self.spec.store_port = address.host, store.port
         return store
 
