@@ -44,6 +44,7 @@ from flodl.runtime.snapshots import Checkpointer, ResumePoint
 from flodl.runtime.tracking import ControllerResult, EpochTrack, WindowTrack
 
 log = logging.getLogger(__name__)
+_STALL_S = 1.0  # a gap between two liveness checks longer than this is the judge's own stall
 
 __all__ = ["Controller", "ControllerResult", "Disconnected", "Exited", "Hooks", "RunFailed"]
 
@@ -129,6 +130,7 @@ class Controller(Planning, Aggregation):
         self._checkpoint_epochs: dict[int, int] = {}
         self._failure: tuple[float, str] | None = None
         self._t_start = time.perf_counter()
+        self._last_check = time.monotonic()
         self._t_train = 0.0
         self._t_end = 0.0
 
@@ -145,6 +147,9 @@ class Controller(Planning, Aggregation):
         self.links[rank] = link
 
     def post(self, rank: int, msg: Any) -> None:
+        # Liveness is stamped when a message arrives (reader threads), not when this thread gets
+        # to it: a slow callback or checkpoint write here must not make healthy ranks look dead.
+        self.members.seen(rank)
         self.inbox.put((rank, msg))
 
     # -- main loop -------------------------------------------------------------------------------
@@ -159,9 +164,23 @@ class Controller(Planning, Aggregation):
                 rank, msg = self.inbox.get(timeout=0.2)
             except queue.Empty:
                 continue
-            self.members.seen(rank)
-            self._handle(rank, msg)
+            self._handle_timed(rank, msg)
         return self._result()
+
+    def _handle_timed(self, rank: int, msg: Any) -> None:
+        """Handle one message; warn when that kept this thread (the liveness judge) busy."""
+        t0 = time.monotonic()
+        self._handle(rank, msg)
+        busy = time.monotonic() - t0
+        if busy > self.members.heartbeat_timeout_s / 2:
+            log.warning(
+                "the controller was busy %.1f s handling %s from rank %d (a slow metrics_fn, "
+                "callback or checkpoint write?); ranks are judged by when their heartbeats "
+                "arrived, so none was dropped for it",
+                busy,
+                type(msg).__name__,
+                rank,
+            )
 
     def _finished(self) -> bool:
         if self.final is None or self.windows or self._checkpoints_open or self.regrouping:
@@ -172,6 +191,7 @@ class Controller(Planning, Aggregation):
         return any(not t.closed for t in self.epochs.values())
 
     def _check_deadlines(self) -> None:
+        self._excuse_stalls()
         now = time.perf_counter()
         if self._failure is not None and now >= self._failure[0]:
             raise RunFailed(self._failure[1])
@@ -188,6 +208,16 @@ class Controller(Planning, Aggregation):
                 )
                 self.hooks.kill_rank(rank)
                 self._lose(rank, "heartbeat went stale")
+
+    def _excuse_stalls(self) -> None:
+        """A gap between two checks longer than a heartbeat interval means this process did not
+        run (SIGSTOP, a swapped-out VM) or this thread was blocked: heartbeats may be sitting
+        unread in the sockets, so the gap does not count as the ranks' silence."""
+        now = time.monotonic()
+        gap = now - self._last_check
+        self._last_check = now
+        if gap > _STALL_S:
+            self.members.excuse(gap)
 
     def _handle(self, rank: int, msg: Any) -> None:
         if isinstance(msg, Report):
