@@ -24,6 +24,7 @@ from flodl.elche import (
     ElCheState,
 )
 from flodl.metrics import EpochMetrics, SyncEvent
+from flodl.runtime import chaos
 from flodl.runtime.aggregation import Aggregation
 from flodl.runtime.dispatch import Coverage, EpochCursor
 from flodl.runtime.membership import Membership, failure_budget
@@ -336,6 +337,7 @@ class Controller(Planning, Aggregation):
     def begin_stop(self, reason: str, grace_s: float = 8.0) -> None:
         """Stop dispatching; once in-flight windows are averaged, save (if set up) and end."""
         log.warning("stopping (%s): finishing in-flight windows", reason)
+        chaos.point("stop")
         self.stop_reason = reason
         self._stop_deadline = time.perf_counter() + grace_s
         if not self._formed():
@@ -378,6 +380,7 @@ class Controller(Planning, Aggregation):
 
     def _write(self, states: dict, reason: str, epoch: int, uncovered: list) -> None:
         assert self.checkpointer is not None and self.coverage is not None
+        chaos.point("checkpoint_write")
         self.checkpointer.write(
             states,
             reason,

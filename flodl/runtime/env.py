@@ -22,6 +22,7 @@ LIFELINE = "FLODL_LIFELINE"  # "1": stdin stays open; its EOF means the launcher
 PLACED_BY = "FLODL_PLACED_BY"  # who placed an external rank ("torchrun" unless told)
 RENDEZVOUS_FILE = "FLODL_RENDEZVOUS_FILE"  # SLURM rank0 mode: where rank 0 publishes itself
 SECRET_FILE = "FLODL_SECRET_FILE"  # external placement: a file holding the control-plane secret
+CHAOS = "FLODL_CHAOS"  # test-only fault injection (flodl/runtime/chaos.py); unset in real runs
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,11 @@ def child_env(rank: int, world_size: int, controller: str, device: str, gpu: int
     # The child imports what the parent imports (user modules, recipes, the project).
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     return env
+
+
+def chaos_spec(environ: Mapping[str, str] | None = None) -> str:
+    """The fault-injection spec of this process (empty: no chaos)."""
+    return (os.environ if environ is None else environ).get(CHAOS, "")
 
 
 def read_secret(stream=None) -> bytes:

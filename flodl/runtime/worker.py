@@ -25,7 +25,7 @@ from torch import nn
 from flodl.config import Mode
 from flodl.data import BatchSource, resolve_dataset
 from flodl.metrics import drain_scalars
-from flodl.runtime import groups
+from flodl.runtime import chaos, groups
 from flodl.runtime.averaging import FlatState, broadcast_from, collective_average
 from flodl.runtime.messages import (
     Average,
@@ -157,6 +157,7 @@ class Worker:
             # Measure together: a rank still importing or loading data would otherwise steal
             # the other's core and inflate the nominal step every rank is then paced to.
             dist.barrier()
+        chaos.point("calibrate", self.rank)
         step_s = measure_step_s(step, n)
         if self.distributed:
             t = torch.tensor([step_s], dtype=torch.float64)
@@ -191,6 +192,7 @@ class Worker:
     def start(self) -> None:
         """Build, calibrate and tell the controller this rank is ready."""
         self.build()
+        chaos.point("start", self.rank)
         step_ms = self.calibrate()
         self.link.send(
             Ready(
@@ -258,6 +260,8 @@ class Worker:
         tally = self.begin_window(window)
         for batch in self.source.batches(window.epoch, window.chunks):
             tally.add(self.pacer.run(partial(self.train_batch, batch)))
+            if tally.batches == 1:
+                chaos.point("window", self.rank)
         self.end_window(window, tally)
 
     def begin_window(self, window: Window) -> WindowTally:
@@ -294,8 +298,10 @@ class Worker:
                 snapshot=snapshot,
             )
         )
+        chaos.point("report", self.rank)
         self.average(window)
         if window.checkpoint_after:
+            chaos.point("checkpoint", self.rank)
             self.link.send(self.rank_state(window.index, with_weights=self.rank == 0))
         if window.eval_after:
             self.evaluate(window.epoch)
@@ -335,6 +341,7 @@ class Worker:
     def average(self, window: Window) -> None:
         if self.world == 1 or self.mode is Mode.SOLO:
             return
+        chaos.point("average", self.rank)
         if not self.mode.via_controller:
             # The guard reads divergence; lock-step sync modes never consult it: skip the copy.
             before = None if self.mode.is_sync else self.state.flatten()
@@ -397,6 +404,7 @@ class Worker:
         """Survivors: rebuild the process group, agree on one set of weights, go on."""
         if msg.generation <= self.generation:
             return
+        chaos.point("regroup", self.rank)
         self.generation = msg.generation
         self._void_after = msg.last_window
         self._outstanding = [w for w in self._outstanding if w <= msg.last_window]
@@ -429,6 +437,7 @@ class Worker:
     @torch.no_grad()
     def evaluate(self, epoch: int) -> None:
         assert self.eval_source is not None and self.spec.eval_fn is not None
+        chaos.point("eval", self.rank)
         t0 = time.perf_counter()
         self.model.eval()
         total, count = 0.0, 0
