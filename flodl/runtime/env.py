@@ -46,6 +46,8 @@ class ExternalRole:
     master_addr: str
     master_port: int
     device: str  # "cuda" when this host has a GPU for LOCAL_RANK, else "cpu"
+    single_host: bool | None = None  # every rank on this host (None: the launcher did not say)
+    run_id: str = "none"  # the placing launcher's job id (TORCHELASTIC_RUN_ID, SLURM_JOB_ID)
 
     @property
     def is_controller(self) -> bool:
@@ -85,6 +87,8 @@ def external_role(environ: Mapping[str, str] | None = None) -> ExternalRole | No
             master_addr=env["MASTER_ADDR"],
             master_port=int(env["MASTER_PORT"]),
             device=env.get(DEVICE) or _external_device(int(local)),
+            single_host=_single_host(env, launcher, int(world)),
+            run_id=env.get("TORCHELASTIC_RUN_ID") or env.get("SLURM_JOB_ID") or "none",
         )
     except ValueError as exc:
         raise RuntimeError(f"bad {launcher} environment: {exc}") from None
@@ -93,6 +97,17 @@ def external_role(environ: Mapping[str, str] | None = None) -> ExternalRole | No
             f"bad {launcher} environment: RANK={role.rank} WORLD_SIZE={role.world_size}"
         )
     return role
+
+
+def _single_host(env: Mapping[str, str], launcher: str, world_size: int) -> bool | None:
+    """Whether the placing launcher put every rank on this host: torchrun's LOCAL_WORLD_SIZE,
+    SLURM's node count."""
+    if launcher != "srun" and env.get("LOCAL_WORLD_SIZE", "").isdigit():
+        return int(env["LOCAL_WORLD_SIZE"]) == world_size
+    for key in ("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES"):
+        if env.get(key, "").isdigit():
+            return int(env[key]) == 1
+    return None
 
 
 def _external_device(local_rank: int) -> str:

@@ -67,7 +67,8 @@ def run(args: argparse.Namespace) -> dict:
     try:
         result = handle.result
     except BaseException as exc:
-        out.update(status="no-result", detail=f"{type(exc).__name__}: {exc}")
+        out.update(status="failed" if error else "no-result", summary_error=error)
+        out.setdefault("detail", f"{type(exc).__name__}: {exc}")
         return out
     s = result.summary
     out.update(

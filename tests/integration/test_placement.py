@@ -128,6 +128,7 @@ def test_srun_style_placement_trains(tmp_path):
                 "SLURM_PROCID": str(task),
                 "SLURM_NTASKS": "2",
                 "SLURM_LOCALID": str(task),
+                "SLURM_NNODES": "1",
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(port),
             },
