@@ -16,6 +16,7 @@ import socket
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -121,8 +122,15 @@ def _data_store(spec: Any, generation: str) -> Any:
     return dist.PrefixStore(f"{spec.store_prefix}/{generation}", store)
 
 
-def regroup(spec: Any, role: rank_env.RankEnv, members: tuple[int, ...], generation: int) -> None:
-    """Re-form the process group over the survivors, under a fresh store prefix."""
+def regroup(
+    spec: Any,
+    role: rank_env.RankEnv,
+    members: tuple[int, ...],
+    generation: int,
+    doomed: Callable[[], bool] | None = None,
+) -> None:
+    """Re-form the process group over the survivors, under a fresh store prefix; given up
+    (:class:`groups.Abandoned`) once ``doomed()`` says a newer membership was announced."""
     groups.release()
     if len(members) < 2:
         return  # a lone survivor trains on alone
@@ -132,6 +140,7 @@ def regroup(spec: Any, role: rank_env.RankEnv, members: tuple[int, ...], generat
         members.index(role.rank),
         len(members),
         spec.config.cluster.start_timeout_s,
+        doomed=doomed,
     )
 
 

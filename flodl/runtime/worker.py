@@ -73,7 +73,7 @@ class Worker:
         link: Any,
         rank: int,
         device: torch.device,
-        regroup: Callable[[tuple[int, ...], int], None] | None = None,
+        regroup: Callable[..., None] | None = None,
     ) -> None:
         self.spec = spec
         self.regroup_fn = regroup  # rebuilds the process group over the survivors
@@ -410,7 +410,14 @@ class Worker:
         self._outstanding = [w for w in self._outstanding if w <= msg.last_window]
         self.world = len(msg.members)
         if self.regroup_fn is not None:
-            self.regroup_fn(msg.members, msg.generation)
+            try:
+                self.regroup_fn(msg.members, msg.generation, self._doomed)
+            except groups.Abandoned:
+                log.warning(
+                    "rank %d: gave up forming generation %d (a newer membership was announced)",
+                    self.rank,
+                    msg.generation,
+                )
         self.distributed = self.world > 1
         if self._doomed():
             return  # lost another rank meanwhile: the newer Regroup is queued, form that one
