@@ -129,7 +129,8 @@ class Controller(Planning, Aggregation):
         self._stop_deadline = 0.0
         self._checkpoints_open = 0
         self._checkpoint_epochs: dict[int, int] = {}
-        self._failure: tuple[float, str] | None = None
+        self._failure: tuple[float, str, int | None] | None = None
+        self._told: dict[int, int] = {}  # the membership generation each rank was told
         self._t_start = time.perf_counter()
         self._last_check = time.monotonic()
         self._t_train = 0.0
@@ -195,12 +196,12 @@ class Controller(Planning, Aggregation):
         self._excuse_stalls()
         now = time.perf_counter()
         if self._failure is not None and now >= self._failure[0]:
-            raise RunFailed(self._failure[1])
+            self._deferred_failure_due()
         timeout = self.cfg.cluster.start_timeout_s
-        if len(self.ready) < self.world and now - self._t_start > timeout:
-            missing = sorted(set(range(self.world)) - set(self.ready))
+        missing = sorted(set(self.alive) - set(self.ready))
+        if missing and self.coverage is None and now - self._t_start > timeout:
             raise RunFailed(f"ranks {missing} did not get ready within {timeout:.0f} s")
-        if len(self.ready) == self.world and not self._stop_sent:
+        if not self._stop_sent:
             for rank in self.members.stale():
                 log.warning(
                     "rank %d: no heartbeat for %.0f s; dropping it",
@@ -208,7 +209,52 @@ class Controller(Planning, Aggregation):
                     self.members.heartbeat_timeout_s,
                 )
                 self.hooks.kill_rank(rank)
-                self._lose(rank, "heartbeat went stale")
+                if self._formed():
+                    self._lose(rank, "heartbeat went stale")
+                else:
+                    self._lose_early(rank, "heartbeat went stale")
+
+    def _deferred_failure_due(self) -> None:
+        """A rank exited or hung up without an error of its own: before training began that
+        is a lost rank, survived like any other while ``trainer.max_failure`` allows."""
+        assert self._failure is not None
+        _, message, rank = self._failure
+        self._failure = None
+        if rank is None or self._stop_sent:
+            raise RunFailed(message)
+        if self._formed():
+            self._lose(rank, message)
+        else:
+            self._lose_early(rank, message)
+
+    def _lose_early(self, rank: int, why: str) -> None:
+        """Lose ``rank`` before the cohort formed: the others re-form without it and meet
+        again (the same weights, a new calibration); training then starts without it."""
+        if not self.members.lose(rank):
+            return
+        self.ready.pop(rank, None)
+        if not self.alive:
+            raise RunFailed(f"every rank was lost before training began; last: {why}")
+        if self.members.over_budget:
+            raise RunFailed(
+                f"{why}; trainer.max_failure={self.cfg.max_failure} allows "
+                f"{self.members.budget} lost rank(s) and nothing is trained yet to save"
+            )
+        log.warning(
+            "lost rank %d before training began (%s); %d rank(s) go on",
+            rank,
+            why,
+            len(self.alive),
+        )
+        for r in self.alive:
+            self._tell_membership(r)
+        self._maybe_begin()
+
+    def _tell_membership(self, rank: int) -> None:
+        members = tuple(self.alive)
+        weights = {r: 1.0 / len(members) for r in members}
+        self._told[rank] = self.members.generation
+        self._send(rank, Regroup(self.members.generation, members, -1, weights))
 
     def _excuse_stalls(self) -> None:
         """A gap between two checks longer than a heartbeat interval means this process did not
@@ -221,6 +267,9 @@ class Controller(Planning, Aggregation):
             self.members.excuse(gap)
 
     def _handle(self, rank: int, msg: Any) -> None:
+        told = self._told.get(rank, 0)
+        if told < self.members.generation and self.coverage is None and rank in self.alive:
+            self._tell_membership(rank)  # joined late, after a rank was lost: membership first
         if isinstance(msg, Report):
             self._on_report(msg)
         elif isinstance(msg, Heartbeat):
@@ -253,20 +302,21 @@ class Controller(Planning, Aggregation):
 
     def _on_failure(self, rank: int, message: str, immediate: bool = False) -> None:
         if not self._formed() or self._stop_sent:
-            # Before the cohort forms (or while it winds down) a failure fails the job fast.
+            # A rank's own error before the cohort forms (the same on every rank, typically)
+            # fails the job fast; a rank that just went away is a loss (see _deferred_failure_due).
             if immediate:
                 raise RunFailed(message)
-            self._defer_failure(message)
+            self._defer_failure(message, None if self._stop_sent else rank)
             return
         self._lose(rank, message)
 
     def _formed(self) -> bool:
-        return len(self.ready) == self.world and self.coverage is not None
+        return self.coverage is not None and set(self.alive) <= set(self.ready)
 
-    def _defer_failure(self, message: str, grace_s: float = 1.0) -> None:
+    def _defer_failure(self, message: str, rank: int | None, grace_s: float = 1.0) -> None:
         # Give the rank's own error message (already on its way) a moment to arrive first.
         if self._failure is None:
-            self._failure = (time.perf_counter() + grace_s, message)
+            self._failure = (time.perf_counter() + grace_s, message, rank)
 
     def _lose(self, rank: int, why: str) -> None:
         if not self.members.lose(rank):
@@ -394,8 +444,13 @@ class Controller(Planning, Aggregation):
 
     # -- start -----------------------------------------------------------------------------------
     def _on_ready(self, msg: Ready) -> None:
-        self.ready[msg.rank] = msg
-        if len(self.ready) < self.world:
+        if msg.rank in self.alive:
+            self.ready[msg.rank] = msg
+            self._maybe_begin()
+
+    def _maybe_begin(self) -> None:
+        """Start training once every member is ready."""
+        if self.coverage is not None or not set(self.alive) <= set(self.ready):
             return
         signatures = {r.signature for r in self.ready.values()}
         if len(signatures) > 1:
@@ -435,7 +490,7 @@ class Controller(Planning, Aggregation):
             raise RunFailed(
                 f"checkpoint saw {saved_n} samples per epoch, the dataset has {n_samples}"
             )
-        for rank in range(self.world):
+        for rank in self.alive:
             self._send(rank, self.resume.restore_for(rank))
         return meta.epoch, self.resume.uncovered()
 

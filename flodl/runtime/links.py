@@ -61,8 +61,11 @@ class Outbound:
     links: dict[int, Any]
 
     def _send(self, rank: int, msg: Any) -> None:
+        link = self.links.get(rank)
+        if link is None:  # never attached (lost before it said hello): nothing to tell it
+            return
         try:
-            self.links[rank].send(msg)
+            link.send(msg)
         except OSError as exc:  # the rank is going away; its exit is handled as a loss
             log.debug("send to rank %d failed: %s", rank, exc)
 

@@ -104,13 +104,17 @@ def join(channel: Channel, role: rank_env.RankEnv) -> tuple[Any, Any, Any]:
         device = torch.device("cuda", role.local_rank)
         torch.cuda.set_device(device)
     link = SocketLink(channel, role.rank, on_regroup=groups.abort)
-    groups.form(
-        spec.backend,
-        _data_store(spec, "generation0"),
-        role.rank,
-        role.world_size,
-        cluster.start_timeout_s,
-    )
+    try:
+        groups.form(
+            spec.backend,
+            _data_store(spec, "generation0"),
+            role.rank,
+            role.world_size,
+            cluster.start_timeout_s,
+            doomed=lambda: link.announced_generation > 0,
+        )
+    except groups.Abandoned:  # a rank was lost before it joined: the worker forms the next one
+        log.warning("rank %d: a rank was lost before the group formed; regrouping", role.rank)
     return spec, link, device
 
 

@@ -26,7 +26,7 @@ from flodl.config import Mode
 from flodl.data import BatchSource, resolve_dataset
 from flodl.metrics import drain_scalars
 from flodl.runtime import chaos, groups
-from flodl.runtime.averaging import FlatState, broadcast_from, collective_average
+from flodl.runtime.averaging import FlatState, collective_average
 from flodl.runtime.messages import (
     Average,
     EvalResult,
@@ -62,6 +62,14 @@ class WindowTally:
         if math.isfinite(loss):
             self.loss_sum += loss
             self.loss_count += 1
+
+
+class _CohortBroke(RuntimeError):
+    """A start-up collective failed or was given up: a member was lost."""
+
+    def __init__(self, message: str, abandoned: bool) -> None:
+        super().__init__(message)
+        self.abandoned = abandoned
 
 
 class Worker:
@@ -125,10 +133,6 @@ class Worker:
             self.eval_source = BatchSource(
                 eval_set, self.cfg.batch_size, self.cfg.seed, self.device
             )
-        if self.distributed:
-            broadcast_from(self.state, src=0)
-        if self.outer is not None:
-            self.outer.reset(self.state.flatten())
 
     def _scale_lr(self) -> None:
         factor = 1.0 + (self.spec.world_size - 1) * self.cfg.lr_scale_ratio
@@ -153,16 +157,14 @@ class Worker:
             self.spec.train_step(probe, next(batches)).backward()
             optimizer.step()
 
-        if self.distributed:
-            # Measure together: a rank still importing or loading data would otherwise steal
-            # the other's core and inflate the nominal step every rank is then paced to.
-            dist.barrier()
+        # Measure together: a rank still importing or loading data would otherwise steal the
+        # other's core and inflate the nominal step every rank is then paced to.
+        self._together(torch.zeros(1))
         chaos.point("calibrate", self.rank)
         step_s = measure_step_s(step, n)
-        if self.distributed:
-            t = torch.tensor([step_s], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            step_s = float(t.item())
+        t = torch.tensor([step_s], dtype=torch.float64)
+        self._together(t, op=dist.ReduceOp.MAX)
+        step_s = float(t.item())
         if self.spec.pace:
             self.pacer.set_nominal(step_s * self.cfg.cluster.pace_margin)
         drain_scalars()
@@ -186,14 +188,75 @@ class Worker:
             elif isinstance(msg, Regroup):
                 self.regroup(msg)
 
+    def _meet(self) -> float | None:
+        """One set of weights (the first member's) and the calibration; ``None`` when a member
+        was lost in a collective (the group is released; a Regroup will follow)."""
+        try:
+            if self.distributed:
+                flat = self.state.flatten()  # a copy: loaded only once the broadcast succeeded
+                self._together(flat, broadcast=True)
+                self.state.load(flat)
+            step_ms = self.calibrate()
+        except _CohortBroke as exc:
+            log.warning(
+                "rank %d: a member was lost before training (%s); waiting to regroup",
+                self.rank,
+                exc,
+            )
+            groups.release(exc.abandoned)
+            return None
+        if self.outer is not None:
+            self.outer.reset(self.state.flatten())
+        return step_ms
+
+    def _together(self, t: torch.Tensor, op: Any = None, broadcast: bool = False) -> None:
+        """A start-up collective over the current group (nothing alone), given up once a newer
+        membership is announced; a failure is :class:`_CohortBroke`, never the user's error."""
+        if not self.distributed:
+            return
+        failure, abandoned = None, False
+        try:
+            if broadcast:
+                work = dist.broadcast(t, src=0, async_op=True)
+            else:
+                work = dist.all_reduce(t, op=op or dist.ReduceOp.SUM, async_op=True)
+            if dist.get_backend() == "gloo":
+                groups.wait(work, self._doomed)
+            else:  # NCCL: the control reader aborts the communicator on a new membership
+                work.wait()
+        except groups.Abandoned as exc:
+            failure, abandoned = str(exc), not exc.settled
+        except (RuntimeError, dist.DistBackendError) as exc:
+            failure = str(exc)
+        if failure is not None:  # raised outside the except block: its traceback pins the group
+            raise _CohortBroke(failure, abandoned)
+
+    def _next_regroup(self) -> None:
+        """Before training: wait for the controller's next membership and form it (the
+        controller announces one as soon as it knows a member is gone, or ends the job)."""
+        while True:
+            msg = self._pending.popleft() if self._pending else self.link.recv()
+            if isinstance(msg, Regroup) and msg.generation > self.generation:
+                self.regroup(msg)
+                return
+            if not isinstance(msg, Regroup):
+                self._pending.append(msg)
+
     def next_message(self) -> Any:
         return self._pending.popleft() if self._pending else self.link.recv()
 
     def start(self) -> None:
-        """Build, calibrate and tell the controller this rank is ready."""
+        """Build, meet the cohort (same weights, one nominal step) and tell the controller this
+        rank is ready. A rank lost meanwhile is survived: the controller announces the smaller
+        membership, the survivors re-form their group and meet again."""
         self.build()
         chaos.point("start", self.rank)
-        step_ms = self.calibrate()
+        while True:
+            if not self._doomed():
+                step_ms = self._meet()
+                if step_ms is not None and not self._doomed():
+                    break
+            self._next_regroup()
         self.link.send(
             Ready(
                 rank=self.rank,
@@ -418,7 +481,7 @@ class Worker:
                     self.rank,
                     msg.generation,
                 )
-        self.distributed = self.world > 1
+        self.distributed = self.world > 1 and dist.is_initialized()
         if self._doomed():
             return  # lost another rank meanwhile: the newer Regroup is queued, form that one
         if self.distributed and not self.mode.via_controller:
