@@ -9,7 +9,7 @@
 * ``ACTION`` — ``kill`` (SIGKILL, default), ``stop`` (SIGSTOP: alive but silent) or ``raise``
   (a ``RuntimeError`` from that point, as a user's code would).
 
-Unset — as in every real run — each :func:`point` is one dictionary lookup. The chaos matrix
+Unset — as in every real run — each :func:`point` is one environment lookup. The chaos matrix
 (``tests/chaos/matrix.py``) and its in-suite part (``tests/integration/test_chaos.py``) use it.
 """
 
@@ -83,19 +83,19 @@ def _strike(fault: Fault) -> None:
     os.kill(os.getpid(), signal.SIGKILL if fault.action == "kill" else signal.SIGSTOP)
 
 
-_active: _Chaos | None = None
-_loaded = False
+_active: dict[str, _Chaos] = {}  # by spec: a test process may run several faulted jobs
 
 
 def point(moment: str, rank: int | None = None) -> None:
     """A named moment of this process: strike when a fault of ``FLODL_CHAOS`` names it.
     ``rank`` is the caller's global rank; ``None`` means the launcher."""
-    global _active, _loaded
-    if not _loaded:
-        spec = rank_env.chaos_spec()
-        _active, _loaded = (_Chaos(spec) if spec else None), True
-    if _active is not None:
-        _active.point("launcher" if rank is None else str(rank), moment)
+    spec = rank_env.chaos_spec()
+    if not spec:
+        return
+    if spec not in _active:
+        _active.clear()
+        _active[spec] = _Chaos(spec)
+    _active[spec].point("launcher" if rank is None else str(rank), moment)
 
 
 __all__ = ["LAUNCHER_MOMENTS", "RANK_MOMENTS", "Fault", "parse", "point"]

@@ -131,6 +131,8 @@ class Controller(Planning, Aggregation):
         self._checkpoint_epochs: dict[int, int] = {}
         self._failure: tuple[float, str, int | None] | None = None
         self._told: dict[int, int] = {}  # the membership generation each rank was told
+        self._recent: dict[int, WindowTrack] = {}  # completed windows, averaging in flight
+        self._unaveraged: set[int] = set()  # windows whose averaging a survivor saw fail
         self._t_start = time.perf_counter()
         self._last_check = time.monotonic()
         self._t_train = 0.0
@@ -369,12 +371,15 @@ class Controller(Planning, Aggregation):
         self.all_planned = False
 
     def _on_regrouped(self, msg: Regrouped) -> None:
+        if msg.unaveraged >= 0:
+            self._unaveraged.add(msg.unaveraged)
         if msg.generation != self.members.generation or msg.rank not in self.regrouping:
             return
         self.regrouping[msg.rank] = True
         if not all(self.regrouping.values()):
             return
         self.regrouping = {}
+        self._take_back_unaveraged()
         if self.members.over_budget:
             self.begin_stop("max_failure")
             return
@@ -506,8 +511,48 @@ class Controller(Planning, Aggregation):
         if track.complete:
             self._complete(track)
 
+    def _take_back_unaveraged(self) -> None:
+        """A window whose collective averaging failed counted the reports of ranks lost in it,
+        but their work never reached the survivors' weights (the regroup re-averages the
+        survivors only): give it back, so coverage counts only what the model holds. An epoch
+        already closed cannot take work back: its coverage is then recorded short, not exact."""
+        for index in sorted(self._unaveraged):
+            track = self._recent.pop(index, None)
+            if track is None:
+                continue
+            for rank in sorted(set(track.reports) - set(self.alive)):
+                self._give_back_settled(track, rank)
+        self._unaveraged.clear()
+
+    def _give_back_settled(self, track: WindowTrack, rank: int) -> None:
+        assert self.coverage is not None
+        chunks = track.chunks[rank]
+        closed = track.epoch < min(self.epochs, default=0) + len(self.closed_epochs)
+        if closed:
+            self.coverage.unrecord(track.epoch, chunks)
+            log.warning(
+                "rank %d was lost while averaging window %d, the last of epoch %d: its %d "
+                "samples there never reached the model; epoch %d's coverage is short",
+                rank,
+                track.index,
+                track.epoch + 1,
+                sum(size for _, size in chunks),
+                track.epoch + 1,
+            )
+            return
+        log.warning(
+            "rank %d was lost while averaging window %d: its work there is trained again",
+            rank,
+            track.index,
+        )
+        self._give_back(track, rank)  # the window stays completed; only this work returns
+
     def _complete(self, track: WindowTrack) -> None:
         reports = [track.reports[r] for r in sorted(track.reports)]
+        if not self.mode.via_controller and self.world > 1:
+            self._recent[track.index] = track  # until its averaging is known to have held
+            for old in [i for i in self._recent if i < track.index - 4]:
+                del self._recent[old]
         if self.mode.via_controller and self.world > 1:
             self._average(track, reports)
         self._record_cycle(track, reports)

@@ -154,3 +154,4 @@ class Regroup:
 class Regrouped:
     rank: int
     generation: int
+    unaveraged: int = -1  # the window whose collective averaging failed on this rank, if any

@@ -104,6 +104,7 @@ class Worker:
         self._outstanding: list[int] = []
         self._pending: collections.deque[Any] = collections.deque()
         self._nonfinite = 0
+        self._unaveraged = -1  # a window whose averaging failed, until the controller knows
 
     # -- set-up ------------------------------------------------------------------------------
     def build(self) -> None:
@@ -409,6 +410,7 @@ class Worker:
             # The guard reads divergence; lock-step sync modes never consult it: skip the copy.
             before = None if self.mode.is_sync else self.state.flatten()
             if not self._averaged(window.weight, window.buffer_weight):
+                self._unaveraged = window.index  # the lost rank's work there never arrived
                 self._await_regroup()
                 return
             if self.outer is not None:
@@ -491,7 +493,8 @@ class Worker:
                 return
         if self.outer is not None:
             self.outer.reset(self.state.flatten())
-        self.link.send(Regrouped(self.rank, msg.generation))
+        self.link.send(Regrouped(self.rank, msg.generation, self._unaveraged))
+        self._unaveraged = -1
 
     def _apply_average(self, msg: Average) -> None:
         if msg.window in self._outstanding:
