@@ -38,6 +38,7 @@ from flodl.runtime.messages import (
     Regroup,
     Regrouped,
     Report,
+    Settled,
     Stop,
 )
 from flodl.runtime.planning import Planning
@@ -132,7 +133,8 @@ class Controller(Planning, Aggregation):
         self._failure: tuple[float, str, int | None] | None = None
         self._told: dict[int, int] = {}  # the membership generation each rank was told
         self._recent: dict[int, WindowTrack] = {}  # completed windows, averaging in flight
-        self._unaveraged: set[int] = set()  # windows whose averaging a survivor saw fail
+        self._unaveraged: dict[int, set[int]] = {}  # window -> survivors whose averaging failed
+        self._settle_windows: dict[int, int] = {}  # an epoch's last window -> the epoch
         self._t_start = time.perf_counter()
         self._last_check = time.monotonic()
         self._t_train = 0.0
@@ -285,6 +287,8 @@ class Controller(Planning, Aggregation):
             self.final = msg
         elif isinstance(msg, RankState):
             self._on_rank_state(msg)
+        elif isinstance(msg, Settled):
+            self._on_settled(msg)
         elif isinstance(msg, Regrouped):
             self._on_regrouped(msg)
         elif isinstance(msg, RankError):
@@ -324,6 +328,8 @@ class Controller(Planning, Aggregation):
         if not self.members.lose(rank):
             return
         log.warning("lost rank %d (%s); %d rank(s) go on", rank, why, len(self.alive))
+        for epoch in self.epochs.values():
+            epoch.unsettled.discard(rank)  # its acknowledgement will never come
         if not self.alive:
             raise RunFailed(f"every rank was lost; last: {why}")
         first_open = self.completed_index()
@@ -372,7 +378,7 @@ class Controller(Planning, Aggregation):
 
     def _on_regrouped(self, msg: Regrouped) -> None:
         if msg.unaveraged >= 0:
-            self._unaveraged.add(msg.unaveraged)
+            self._unaveraged.setdefault(msg.unaveraged, set()).add(msg.rank)
         if msg.generation != self.members.generation or msg.rank not in self.regrouping:
             return
         self.regrouping[msg.rank] = True
@@ -511,18 +517,28 @@ class Controller(Planning, Aggregation):
         if track.complete:
             self._complete(track)
 
+    def _on_settled(self, msg: Settled) -> None:
+        epoch = self._settle_windows.get(msg.window)
+        if epoch is not None and epoch in self.epochs:
+            self.epochs[epoch].unsettled.discard(msg.rank)
+            self._close_epochs()
+
     def _take_back_unaveraged(self) -> None:
         """A window whose collective averaging failed counted the reports of ranks lost in it,
         but their work never reached the survivors' weights (the regroup re-averages the
         survivors only): give it back, so coverage counts only what the model holds. An epoch
         already closed cannot take work back: its coverage is then recorded short, not exact."""
-        for index in sorted(self._unaveraged):
+        for index, failed in sorted(self._unaveraged.items()):
+            epoch = self._settle_windows.get(index)
+            if epoch is not None and epoch in self.epochs:  # they will not settle it: regrouped
+                self.epochs[epoch].unsettled -= failed
             track = self._recent.pop(index, None)
             if track is None:
                 continue
             for rank in sorted(set(track.reports) - set(self.alive)):
                 self._give_back_settled(track, rank)
         self._unaveraged.clear()
+        self._close_epochs()
 
     def _give_back_settled(self, track: WindowTrack, rank: int) -> None:
         assert self.coverage is not None

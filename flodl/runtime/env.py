@@ -147,6 +147,8 @@ def role_env(rank: int, world_size: int, controller: str, device: str, gpu: int 
         DEVICE: device,
         "PYTHONUNBUFFERED": "1",
     }
+    if os.environ.get(CHAOS):  # a test's fault injection reaches remote ranks too
+        env[CHAOS] = os.environ[CHAOS]
     if gpu is not None:
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)

@@ -40,6 +40,15 @@ class Window:
     max_overshoot: int = 0  # cpu_async: averages this rank may leave in flight
     checkpoint_after: bool = False  # send RankState after this window's average
     generation: int = 0  # membership generation it was planned for
+    settle: bool = False  # the epoch's last window: acknowledge its averaging (Settled)
+
+
+@dataclass(frozen=True)
+class Settled:
+    """A rank's collective averaging of an epoch's last window held: the epoch may close."""
+
+    rank: int
+    window: int
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ class Planning(Outbound):
     overshoot: tuple[int, int, int]
     _checkpoints_open: int
     _checkpoint_epochs: dict[int, int]
+    _settle_windows: dict[int, int]
 
     @property
     def alive(self) -> list[int]:
@@ -136,8 +137,13 @@ class Planning(Outbound):
         index = self.next_window
         self.next_window += 1
         eval_rank, checkpoint = None, False
+        settle = False
         if cursor.done:
             track.all_planned = True
+            settle = self.world > 1 and self.mode is not Mode.SOLO and not self.mode.via_controller
+            if settle:
+                track.unsettled = set(self.alive)
+                self._settle_windows[index] = cursor.epoch
             eval_rank = track.eval_rank = self._eval_rank(cursor.epoch)
             if self.checkpointer is not None:
                 checkpoint = self.checkpointer.due(cursor.epoch, self.cfg.num_epochs)
@@ -158,6 +164,7 @@ class Planning(Outbound):
                 max_overshoot=self.overshoot[0],
                 checkpoint_after=checkpoint,
                 generation=self.members.generation,
+                settle=settle,
             )
             for r in self.alive
         }

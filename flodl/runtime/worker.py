@@ -38,6 +38,7 @@ from flodl.runtime.messages import (
     Regrouped,
     Report,
     Restore,
+    Settled,
     Stop,
     Window,
 )
@@ -363,7 +364,8 @@ class Worker:
             )
         )
         chaos.point("report", self.rank)
-        self.average(window)
+        if self.average(window) and window.settle:
+            self.link.send(Settled(self.rank, window.index))
         if window.checkpoint_after:
             chaos.point("checkpoint", self.rank)
             self.link.send(self.rank_state(window.index, with_weights=self.rank == 0))
@@ -402,9 +404,11 @@ class Worker:
         return math.nan
 
     # -- averaging -----------------------------------------------------------------------------
-    def average(self, window: Window) -> None:
+    def average(self, window: Window) -> bool:
+        """Average after ``window``; False when a collective averaging of it failed (the work
+        of a rank lost in it never reached this rank's weights)."""
         if self.world == 1 or self.mode is Mode.SOLO:
-            return
+            return True
         chaos.point("average", self.rank)
         if not self.mode.via_controller:
             # The guard reads divergence; lock-step sync modes never consult it: skip the copy.
@@ -412,12 +416,12 @@ class Worker:
             if not self._averaged(window.weight, window.buffer_weight):
                 self._unaveraged = window.index  # the lost rank's work there never arrived
                 self._await_regroup()
-                return
+                return False
             if self.outer is not None:
                 self.state.load(self.outer.step(self.state.flatten()))
             if before is not None:
                 self._last_divergence = self.state.divergence(before, self.state.flatten())
-            return
+            return True
         self._outstanding.append(window.index)
         limit = window.max_overshoot if self.mode is Mode.CPU_ASYNC else 0
         while len(self._outstanding) > limit:
@@ -428,6 +432,7 @@ class Worker:
                 self.regroup(msg)
             else:  # a plan or stop that arrived ahead of the average: keep it for the loop
                 self._pending.append(msg)
+        return True
 
     # -- membership ------------------------------------------------------------------------------
     def _averaged(self, weight: float, buffer_weight: float) -> bool:
@@ -484,8 +489,9 @@ class Worker:
                     msg.generation,
                 )
         self.distributed = self.world > 1 and dist.is_initialized()
-        if self._doomed():
-            return  # lost another rank meanwhile: the newer Regroup is queued, form that one
+        if self._doomed():  # lost another rank meanwhile: form the newer membership now, before
+            self._await_regroup()  # any window of this plan runs a collective on no group
+            return
         if self.distributed and not self.mode.via_controller:
             share = msg.weights[self.rank]
             if not self._averaged(share, share):  # a survivor died while regrouping
