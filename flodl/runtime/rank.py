@@ -77,8 +77,11 @@ def _hello(role: rank_env.RankEnv, secret: bytes) -> Channel:
 
 
 def report_failure(channel: Channel, rank: int, exc: BaseException) -> None:
-    """One line to the controller; the traceback to this rank's log only."""
-    message = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
+    """One line to the controller (the chain's innermost cause); the traceback to this rank's
+    log only."""
+    from flodl.failures import describe
+
+    message = describe(exc)
     trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     try:
         channel.send(RankError(rank, message, trace))
