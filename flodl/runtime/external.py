@@ -148,6 +148,7 @@ class ExternalCohort(ProcessLauncher):
                 store.set(key + "secret", self.secret.hex())
         log.info("%s placement: controller on port %d", role.launcher, self.listener.port)
         failures: list[BaseException] = []
+        self.own_ranks = {0}
         try:
             threading.Thread(target=self._accept_loop, name="flodl-accept", daemon=True).start()
             here = "127.0.0.1" if self.listener.host == "0.0.0.0" else self.listener.host
@@ -163,9 +164,13 @@ class ExternalCohort(ProcessLauncher):
             self.await_goodbyes()
             worker.join(timeout=30.0)
             return result
-        except RunFailed:
+        except RunFailed as exc:
             if failures:
                 log.debug("rank 0 worker failed: %r", failures[0])
+            self.abort(exc)
+            raise
+        except BaseException as exc:
+            self.abort(exc)
             raise
         finally:
             self.shutdown()

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from flodl.runtime.channel import Channel
-from flodl.runtime.messages import Regroup
+from flodl.runtime.messages import Abort, Regroup
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +128,10 @@ class SocketLink(_InboxLink):
                     os._exit(3)
                 self._inbox.put(_CLOSED)
                 return
+            if isinstance(msg, Abort):  # not an error of ours: the launcher said why
+                self.stopping = True
+                log.info("rank %d: the launcher ended the run (%s); exiting", self.rank, msg.reason)
+                os._exit(1)
             if isinstance(msg, Regroup) and msg.generation > self.announced_generation:
                 self.announced_generation = msg.generation
                 if self._on_regroup is not None:

@@ -22,7 +22,7 @@ from typing import Any
 from flodl.runtime import env as rank_env
 from flodl.runtime import groups
 from flodl.runtime.channel import Channel, connect
-from flodl.runtime.messages import Hello, RankError
+from flodl.runtime.messages import Abort, Hello, RankError
 
 log = logging.getLogger("flodl.rank")
 
@@ -98,6 +98,9 @@ def join(channel: Channel, role: rank_env.RankEnv) -> tuple[Any, Any, Any]:
     from flodl.runtime.links import SocketLink
 
     spec = channel.recv()
+    if isinstance(spec, Abort):  # another rank failed before this one got the job
+        log.info("rank %d: the launcher ended the run (%s); exiting", role.rank, spec.reason)
+        os._exit(1)
     cluster = spec.config.cluster
     if role.device == "cpu":
         torch.set_num_threads(cluster.threads_per_rank)
