@@ -50,6 +50,6 @@ def test_a_failed_save_stops_cleanly_and_keeps_the_trained_state(tmp_path, capfd
     torch.manual_seed(config.seed)
     fresh = MLP(SHAPE, CLASSES, hidden=32)
     assert any(
-        not torch.equal(a, b) for a, b in zip(trained.parameters(), fresh.parameters())
+        not torch.equal(a, b) for a, b in zip(trained.parameters(), fresh.parameters(), strict=True)
     )  # what was trained, not the initial weights
     assert f"flodl: outputs in {job}" in capfd.readouterr().err  # the API says where
