@@ -83,12 +83,12 @@ def report_failure(channel: Channel, rank: int, exc: BaseException) -> None:
 
     message = describe(exc)
     trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    for line in trace.splitlines():  # first: once the controller knows, teardown may be quick
+        print(f"DEBUG traceback| {line}", flush=True)
     try:
         channel.send(RankError(rank, message, trace))
     except OSError:
         pass
-    for line in trace.splitlines():
-        print(f"DEBUG traceback| {line}", flush=True)
 
 
 def join(channel: Channel, role: rank_env.RankEnv) -> tuple[Any, Any, Any]:
