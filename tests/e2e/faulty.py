@@ -12,7 +12,9 @@ from torch import nn
 class PretrainedBackbone(nn.Module):
     """A model whose constructor needs a file that is not there."""
 
-    def __init__(self, input_shape: list[int], num_classes: int, path: str = "pretrained") -> None:
+    def __init__(
+        self, input_shape: list[int], num_classes: int, hidden: int = 0, path: str = "pretrained"
+    ) -> None:
         super().__init__()
         raise FileNotFoundError(f"{path}/backbone.pt: no such file")
 
