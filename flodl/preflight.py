@@ -12,11 +12,15 @@ writable ``save_path``.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import inspect
+import io
 import json
+import logging
 import typing
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from flodl.config import ConfigError, TargetConfig, TrainerConfig, resolve_dotted
@@ -143,11 +147,30 @@ def dry_build(model: TargetConfig, optimizer: TargetConfig, scheduler: TargetCon
     architecture signature. A constructor's refusal becomes a :class:`ConfigError`."""
     import torch
 
+    with _quiet():
+        try:
+            with torch.device("meta"):
+                return _build_all(model, optimizer, scheduler, explain=False)
+        except Exception:  # some constructors cannot run on meta (they compute with values): CPU
+            return _build_all(model, optimizer, scheduler, explain=True)
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """What the constructors print, log or warn is the ranks' to say (they build for real): a
+    dry build in the launcher would only say it twice."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
     try:
-        with torch.device("meta"):
-            return _build_all(model, optimizer, scheduler, explain=False)
-    except Exception:  # some constructors cannot run on meta (they compute with values): CPU
-        return _build_all(model, optimizer, scheduler, explain=True)
+        with (
+            warnings.catch_warnings(),
+            contextlib.redirect_stdout(io.StringIO()),
+            contextlib.redirect_stderr(io.StringIO()),
+        ):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(previous)
 
 
 def _build_all(

@@ -124,3 +124,23 @@ def test_objective_follows_task_settings():
     assert objective(row, nested) == 0.7 and objective_maximized(nested)
     failed = objective({"status": "failed", "error": "x"}, with_eval)
     assert failed != failed  # NaN: an optimizing sweeper records a failed trial
+
+
+def test_a_sweeper_direction_against_the_objective_is_warned(caplog):
+    from omegaconf import OmegaConf
+
+    from flodl.config import TaskConfig
+    from flodl.sweep import _check_direction
+
+    task = TaskConfig(
+        train_step="recipes.steps.classification_step", eval_fn="recipes.steps.accuracy"
+    )
+    for sweeper, warned in [
+        ({"direction": "minimize"}, True),
+        ({"direction": "maximize"}, False),
+        ({"optim": {"maximize": False}}, True),
+        ({"max_batch_size": None}, False),  # the basic sweeper does not optimize
+    ]:
+        caplog.clear()
+        _check_direction(OmegaConf.create({"hydra": {"sweeper": sweeper}}), task)
+        assert ("is better when larger" in caplog.text) is warned, sweeper
