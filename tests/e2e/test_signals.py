@@ -127,9 +127,15 @@ def _ignore_sigint() -> None:  # what a shell does for `python run.py &` in a sc
 def test_background_sigint_and_sighup_stop_gracefully(tmp_path, sig, code, ignored):
     """In-process (no rank process: the launcher's handling is what is tested), with a bundle."""
     stem = tmp_path / "ckpt" / "run"
-    rig_free = [a for a in LONG if not a.startswith("cluster.")]
-    args = [*rig_free, "cluster=auto", "elche=solo", "trainer.device=cpu"]
-    args.append(f"trainer.save_path={stem}")
+    args = [
+        *(a for a in LONG if not a.startswith(("cluster.", "trainer.batch_size"))),
+        "cluster=auto",
+        "elche=solo",
+        "trainer.device=cpu",
+        "trainer.batch_size=128",
+        "model.hidden=16",
+        f"trainer.save_path={stem}",
+    ]
     proc = subprocess.Popen(
         [sys.executable, "run.py", *args, f"hydra.sweep.dir={tmp_path / 'sweep'}"],
         cwd=ROOT,
@@ -144,5 +150,6 @@ def test_background_sigint_and_sighup_stop_gracefully(tmp_path, sig, code, ignor
     assert proc.returncode == code, out[-3000:]
     _, meta = load_bundle(str(stem))
     assert meta.save_reason == "interrupted" and 2 <= meta.epoch < 200
+    assert f"error: interrupted (exit {code})" in out
     summary = json.loads((tmp_path / "sweep" / "0" / "summary.json").read_text())
     assert summary["status"] == "interrupted"
