@@ -147,12 +147,36 @@ def dry_build(model: TargetConfig, optimizer: TargetConfig, scheduler: TargetCon
     architecture signature. A constructor's refusal becomes a :class:`ConfigError`."""
     import torch
 
-    with _quiet():
+    with _quiet(), _without_dynamo_import():
         try:
             with torch.device("meta"):
                 return _build_all(model, optimizer, scheduler, explain=False)
         except Exception:  # some constructors cannot run on meta (they compute with values): CPU
             return _build_all(model, optimizer, scheduler, explain=True)
+
+
+@contextlib.contextmanager
+def _without_dynamo_import() -> Iterator[None]:
+    """``Optimizer.__init__`` imports ``torch._dynamo`` on its first call (1-2 s, more on a busy
+    machine) only to exclude ``add_param_group`` from compilation; a dry build compiles nothing.
+    torch's lazy wrapper caches the excluded function as ``__dynamo_disable``: seed that cache
+    with the plain function during the dry build, then remove it again."""
+    import sys
+
+    import torch
+
+    seeded = []
+    if "torch._dynamo" not in sys.modules:
+        for name in ("add_param_group", "state_dict", "load_state_dict", "zero_grad"):
+            raw = getattr(getattr(torch.optim.Optimizer, name, None), "__wrapped__", None)
+            if raw is not None and not hasattr(raw, "__dynamo_disable"):
+                raw.__dynamo_disable = raw
+                seeded.append(raw)
+    try:
+        yield
+    finally:
+        for raw in seeded:
+            del raw.__dynamo_disable
 
 
 @contextlib.contextmanager

@@ -144,3 +144,22 @@ def test_a_sweeper_direction_against_the_objective_is_warned(caplog):
         caplog.clear()
         _check_direction(OmegaConf.create({"hydra": {"sweeper": sweeper}}), task)
         assert ("is better when larger" in caplog.text) is warned, sweeper
+
+
+def test_the_dry_build_stays_cheap_no_dynamo_import():
+    """torch.optim imports torch._dynamo on the first optimizer (seconds); the launcher's dry
+    build avoids it, and a real optimizer built afterwards still gets it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from flodl import preflight\n"
+        "from flodl.config import validate_run_config\n"
+        f"preflight.check_factories(validate_run_config({BASE!r}))\n"
+        "assert 'torch._dynamo' not in sys.modules, 'dry build imported torch._dynamo'\n"
+        "torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)\n"
+        "assert 'torch._dynamo' in sys.modules\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
