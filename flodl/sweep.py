@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from hydra.experimental.callback import Callback
+
 from flodl import app
 from flodl.config import ConfigError, validate_run_config
 from flodl.failures import describe
@@ -212,3 +214,34 @@ def _row(ret: Any, idx: int, overrides: list[str]) -> dict[str, Any]:
     row.setdefault("job", str(idx))
     row.setdefault("overrides", overrides)
     return row
+
+
+class FailedJobs(Callback):
+    """Hydra callback (``hydra.callbacks`` in ``conf/config.yaml``): after a multirun, count the
+    jobs whose ``summary.json`` says failed, so the command exits 1 under any launcher, also
+    one that runs jobs in other processes or on other machines (joblib, submitit)."""
+
+    def __init__(self) -> None:
+        self._t0 = time.time()
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        self._t0 = time.time()
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        failed = count_failed(Path(str(config.hydra.sweep.dir)), since=self._t0)
+        app.STATE["failed"] = max(app.STATE["failed"], failed)
+
+
+def count_failed(sweep_dir: Path, since: float) -> int:
+    """Jobs of this sweep (summaries written since ``since``) whose status is not ``ok``."""
+    import json
+
+    failed = 0
+    for path in sweep_dir.glob("**/summary.json"):
+        try:
+            if path.stat().st_mtime < since - 1.0:
+                continue  # an earlier sweep into the same directory
+            failed += json.loads(path.read_text()).get("status") != "ok"
+        except (OSError, ValueError):
+            continue
+    return failed

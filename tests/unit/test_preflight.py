@@ -163,3 +163,30 @@ def test_the_dry_build_stays_cheap_no_dynamo_import():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_failed_jobs_are_counted_from_summaries_under_any_launcher(tmp_path, monkeypatch):
+    """A launcher that runs jobs elsewhere (joblib, submitit) leaves only summary.json files:
+    the callback counts this sweep's failed ones, so the command exits 1."""
+    import json
+    import os
+    import time
+
+    from omegaconf import OmegaConf
+
+    from flodl import app
+    from flodl.sweep import FailedJobs
+
+    monkeypatch.setitem(app.STATE, "failed", 0)
+    old = tmp_path / "0" / "summary.json"
+    old.parent.mkdir()
+    old.write_text(json.dumps({"status": "failed"}))
+    os.utime(old, (time.time() - 3600, time.time() - 3600))  # an earlier sweep, same directory
+    callback = FailedJobs()
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}})
+    callback.on_multirun_start(config)
+    for job, status in [("1", "ok"), ("2", "failed"), ("3", "interrupted")]:
+        (tmp_path / job).mkdir()
+        (tmp_path / job / "summary.json").write_text(json.dumps({"status": status}))
+    callback.on_multirun_end(config)
+    assert app.STATE["failed"] == 2
