@@ -77,9 +77,6 @@ def train(cfg: Any) -> float:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
-    from flodl import preflight
-    from flodl.trainer import Trainer
-
     run_cfg = schema.validate_run_config(plain_config(cfg))
     if STATE.get("serving"):  # the sweep serves one dashboard over all jobs
         run_cfg = run_cfg.model_copy(
@@ -88,35 +85,13 @@ def train(cfg: Any) -> float:
     logging.getLogger("flodl").setLevel(run_cfg.logger.level)
     hydra_cfg = HydraConfig.get()
     job_dir = Path(hydra_cfg.runtime.output_dir)
-    task = run_cfg.task
-    has_eval = task.eval_fn is not None
     run_info: dict[str, Any] = {
         "job": str(hydra_cfg.job.num),
         "overrides": list(hydra_cfg.overrides.task),
         "config_yaml": OmegaConf.to_yaml(OmegaConf.create(plain_config(cfg))),
     }
     try:
-        run_info["model_signature"] = preflight.check_factories(run_cfg)
-        handle = Trainer.run(
-            partial(build_model, run_cfg.model),
-            partial(build_optimizer, run_cfg.optimizer),
-            resolve_dotted(task.train_step),
-            run_cfg.trainer_config(),
-            dataset=partial(build_dataset, run_cfg.dataset, "train"),
-            eval_dataset=partial(build_dataset, run_cfg.dataset, "test") if has_eval else None,
-            eval_fn=resolve_dotted(task.eval_fn) if task.eval_fn is not None else None,
-            scheduler_factory=(
-                partial(build_scheduler, run_cfg.scheduler)
-                if run_cfg.scheduler is not None
-                else None
-            ),
-            metrics_fn=_optional(task.metrics_fn),
-            eval_result_fn=_optional(task.eval_result_fn),
-            epoch_fn=_optional(task.epoch_fn),
-            job_dir=job_dir,
-            eval_metric=task.eval_metric,
-            run_info=run_info,
-        )
+        handle = _start(run_cfg, job_dir, run_info)
     except ConfigError as exc:
         where = (
             f" (job {run_info['job']}: {' '.join(run_info['overrides'])})"
@@ -136,14 +111,42 @@ def train(cfg: Any) -> float:
         summary = _read_summary(job_dir)
     row = summary | {"job": run_info["job"]}
     ROWS[int(hydra_cfg.job.num)] = row
-    return objective(row, task)
+    return objective(row, run_cfg.task)
+
+
+def _start(run_cfg: RunConfig, job_dir: Path, run_info: dict[str, Any]) -> Any:
+    """Check everything the launcher can (:mod:`flodl.preflight`), then start the run."""
+    from flodl import preflight
+    from flodl.trainer import Trainer
+
+    task = run_cfg.task
+    has_eval = task.eval_fn is not None
+    run_info["model_signature"] = preflight.check_factories(run_cfg)
+    return Trainer.run(
+        partial(build_model, run_cfg.model),
+        partial(build_optimizer, run_cfg.optimizer),
+        resolve_dotted(task.train_step),
+        run_cfg.trainer_config(),
+        dataset=partial(build_dataset, run_cfg.dataset, "train"),
+        eval_dataset=partial(build_dataset, run_cfg.dataset, "test") if has_eval else None,
+        eval_fn=resolve_dotted(task.eval_fn) if task.eval_fn is not None else None,
+        scheduler_factory=(
+            partial(build_scheduler, run_cfg.scheduler) if run_cfg.scheduler is not None else None
+        ),
+        metrics_fn=_optional(task.metrics_fn),
+        eval_result_fn=_optional(task.eval_result_fn),
+        epoch_fn=_optional(task.epoch_fn),
+        job_dir=job_dir,
+        eval_metric=task.eval_metric,
+        run_info=run_info,
+    )
 
 
 def objective(row: dict[str, Any], task: schema.TaskConfig) -> float:
     """The number an optimizing sweeper sees: ``task.objective`` of the summary (``auto``: the
     final eval value, else the final loss); NaN for a failed job (Optuna records a failed trial).
     """
-    key = objective_key(task, has_eval=row.get("eval_value") is not None)
+    key = objective_key(task, has_eval=task.eval_fn is not None)
     value: Any = row
     for part in key.split("."):
         value = value.get(part) if isinstance(value, dict) else None
