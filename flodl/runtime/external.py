@@ -181,7 +181,7 @@ def _own_rank(role: rank_env.RankEnv, secret: bytes, failures: list[BaseExceptio
     from flodl.runtime.rank import run_managed
 
     try:
-        run_managed(role, secret)
+        run_managed(role, secret, in_launcher=True)
     except BaseException as exc:  # reported to the controller by run_managed already
         failures.append(exc)
 

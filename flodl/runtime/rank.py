@@ -91,7 +91,9 @@ def report_failure(channel: Channel, rank: int, exc: BaseException) -> None:
         pass
 
 
-def join(channel: Channel, role: rank_env.RankEnv) -> tuple[Any, Any, Any]:
+def join(
+    channel: Channel, role: rank_env.RankEnv, in_launcher: bool = False
+) -> tuple[Any, Any, Any]:
     """Receive the job, pin threads and device, join the process group: (spec, link, device)."""
     import torch
 
@@ -100,6 +102,8 @@ def join(channel: Channel, role: rank_env.RankEnv) -> tuple[Any, Any, Any]:
     spec = channel.recv()
     if isinstance(spec, Abort):  # another rank failed before this one got the job
         log.info("rank %d: the launcher ended the run (%s); exiting", role.rank, spec.reason)
+        if in_launcher:
+            raise RuntimeError(f"the run ended before rank {role.rank} started: {spec.reason}")
         os._exit(1)
     cluster = spec.config.cluster
     if role.device == "cpu":
@@ -108,7 +112,7 @@ def join(channel: Channel, role: rank_env.RankEnv) -> tuple[Any, Any, Any]:
     else:
         device = torch.device("cuda", role.local_rank)
         torch.cuda.set_device(device)
-    link = SocketLink(channel, role.rank, on_regroup=groups.abort)
+    link = SocketLink(channel, role.rank, on_regroup=groups.abort, in_launcher=in_launcher)
     groups.form(
         spec.backend,
         _data_store(spec, "generation0"),
@@ -146,14 +150,15 @@ def leave(link: Any) -> None:
     groups.release()
 
 
-def run_managed(role: rank_env.RankEnv, secret: bytes) -> int:
-    """Join the controller as ``role`` and run its plans until it says stop; the exit code."""
+def run_managed(role: rank_env.RankEnv, secret: bytes, in_launcher: bool = False) -> int:
+    """Join the controller as ``role`` and run its plans until it says stop; the exit code.
+    ``in_launcher``: this rank is a thread of the launcher's process (never exit the process)."""
     channel = _hello(role, secret)
     link = None
     try:
         from flodl.runtime.worker import Worker
 
-        spec, link, device = join(channel, role)
+        spec, link, device = join(channel, role, in_launcher)
         Worker(spec, link, role.rank, device, regroup=partial(regroup, spec, role)).run()
         return 0
     except BaseException as exc:
