@@ -63,6 +63,7 @@ def bind(key: str, target: TargetConfig, positional: int, provided: tuple[str, .
     if sig is None:
         return
     kwargs = {k: v for k, v in target.kwargs().items() if not k.startswith("_")}
+    positional += len(target.kwargs().get("_args_") or [])  # Hydra's positional arguments
     params = sig.parameters
     open_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
     named = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
@@ -99,6 +100,8 @@ def _check_type(key: str, name: str, value: Any, annotation: Any, target: str) -
     """Refuse a value none of the annotation's pydantic-checkable alternatives accepts."""
     if annotation is _EMPTY or annotation is Any or isinstance(annotation, str) or value is None:
         return
+    if _instantiated(value):  # Hydra builds `_target_` nodes first: the built object is passed
+        return
     import torch
     from pydantic import TypeAdapter
 
@@ -121,6 +124,14 @@ def _check_type(key: str, name: str, value: Any, annotation: Any, target: str) -
     raise ConfigError(
         f"{key}.{name}={_value(value)}: {target} expects {wanted}; give a value of that type"
     )
+
+
+def _instantiated(value: Any) -> bool:
+    if isinstance(value, dict):
+        return "_target_" in value or any(_instantiated(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_instantiated(v) for v in value)
+    return False
 
 
 def _is_union(annotation: Any) -> bool:

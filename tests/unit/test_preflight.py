@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import typing
 
 import pytest
 
@@ -190,3 +191,17 @@ def test_failed_jobs_are_counted_from_summaries_under_any_launcher(tmp_path, mon
         (tmp_path / job / "summary.json").write_text(json.dumps({"status": status}))
     callback.on_multirun_end(config)
     assert app.STATE["failed"] == 2
+
+
+def test_hydra_nodes_bind_as_hydra_passes_them():
+    """`_args_` are positional arguments; `activation: {_target_: torch.nn.ReLU}` reaches the
+    constructor built, not as a dict."""
+    data = copy.deepcopy(BASE)
+    data["model"] = {
+        "_target_": "torch.nn.Sequential",
+        "_args_": [{"_target_": "torch.nn.Linear", "in_features": 64, "out_features": 10}],
+    }
+    preflight.bind("model", validate_run_config(data).model, positional=0)
+    data["model"] = {"_target_": "torch.nn.Linear", "_args_": [64, 10]}
+    preflight.check_factories(validate_run_config(data))  # positional `_args_` count as bound
+    preflight._check_type("model", "act", {"_target_": "torch.nn.ReLU"}, typing.Callable, "x")
