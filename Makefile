@@ -9,7 +9,7 @@ STAMP   := $(VENV)/.installed
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -c constraints.txt --config-settings editable_mode=compat -e '.[test]'
+	$(BIN)/pip install -q -c constraints.txt --config-settings editable_mode=lenient -e '.[test]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -165,6 +165,13 @@ class ControllerAddress(_Schema):
         0, ge=0, le=65535, description="control-plane port (0 = any free); the store takes port+1"
     )
 
+    @field_validator("port")
+    @classmethod
+    def _store_port_fits(cls, v: int) -> int:
+        if v == 65535:
+            raise ValueError("must be at most 65534: the data-plane store listens on port+1")
+        return v
+
 
 class SshConfig(_Schema):
     """How the launcher reaches a worker host with the OpenSSH client (``ssh -T``, BatchMode)."""
@@ -370,6 +377,14 @@ class TrainerKnobs(_Schema):
     )
     resume_from: str | None = Field(None, description="bundle stem to resume from")
     checkpoint_every: int | None = Field(None, ge=1, description="save every N epochs")
+
+    @field_validator("save_path", "resume_from", check_fields=False)
+    @classmethod
+    def _stem_not_empty(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("empty: give a path or fsspec URL, or null")
+        return v
+
     max_failure: int | str | None = Field(
         None, description="ranks that may be lost (count or 'N%') before save-and-stop; null: any"
     )
@@ -433,6 +448,15 @@ class TaskConfig(_Schema):
     eval_fn: str | None = Field(None, description="dotted path: fn(model, input, target) -> float")
     eval_metric: str = Field("accuracy", description="name of the eval value in summaries")
     eval_higher_is_better: bool = Field(True, description="direction of the eval metric")
+    objective: str = Field(
+        "auto",
+        min_length=1,
+        description="a job's return value for optimizing sweepers: auto (final eval value, "
+        "else final loss), eval, loss, or a numeric summary.json key (dots reach nested keys)",
+    )
+    objective_direction: Literal["auto", "minimize", "maximize"] = Field(
+        "auto", description="direction of the objective (auto: the eval metric's, loss: minimize)"
+    )
     metrics_fn: str | None = Field(None, description="dotted path: fn(EpochMetrics), launcher")
     eval_result_fn: str | None = Field(None, description="dotted path: fn(epoch, value), launcher")
     epoch_fn: str | None = Field(None, description="dotted path: fn(epoch), launcher")

@@ -21,9 +21,8 @@ from typing import Any
 
 import torch
 
-from flodl.checkpoint import CheckpointError
 from flodl.metrics import EpochMetrics, RunSummary, SyncEvent
-from flodl.runtime.controller import Controller, ControllerResult, Hooks
+from flodl.runtime.controller import Controller, ControllerResult, Hooks, RunFailed
 from flodl.runtime.links import in_process_link
 from flodl.runtime.snapshots import Checkpointer, ResumePoint
 from flodl.runtime.spec import Callbacks, JobSpec
@@ -52,6 +51,13 @@ class Job:
         self.eval_metric = eval_metric
         self.run_info = run_info
         self.topology: Topology = resolve_topology(spec.config)
+        from flodl.preflight import check_run
+
+        # Before any rank: the callback rank, a writable save_path, the resume bundle.
+        signature = run_info.pop("model_signature", None)
+        self._resume: ResumePoint | None = check_run(
+            spec.config, self.topology.world_size, signature
+        )
         self._stop = threading.Event()
         self.launcher: Any = None  # the process launcher, once a cohort is spawned
         self.cooperative = False
@@ -86,7 +92,7 @@ class Job:
                 self.spec.has_eval,
                 self._hooks(),
                 checkpointer=self._checkpointer(),
-                resume=self._resume_point(),
+                resume=self._resume,
             )
             dashboard = self._serve()
             self._open_outputs()
@@ -113,7 +119,7 @@ class Job:
             self.spec.has_eval,
             Hooks(),
             checkpointer=self._checkpointer(),
-            resume=self._resume_point(),
+            resume=self._resume,
         )
         from flodl.runtime.external import ExternalCohort
 
@@ -167,20 +173,6 @@ class Job:
         digest = hashlib.sha256(cfg.model_dump_json().encode()).hexdigest()[:16]
         return Checkpointer(cfg.save_path, cfg.checkpoint_every, digest, self.topology.world_size)
 
-    def _resume_point(self) -> ResumePoint | None:
-        """Load and check the bundle before any rank starts: a bad one fails fast."""
-        stem = self.spec.config.resume_from
-        if stem is None:
-            return None
-        point = ResumePoint.load(stem)
-        saved, world = point.meta.world_size, self.topology.world_size
-        if saved != world:
-            raise CheckpointError(
-                f"checkpoint {stem} was saved by {saved} ranks, this run has {world}: resume "
-                f"with the same cluster size (cluster.ranks={saved}) or start fresh"
-            )
-        return point
-
     def _serve(self) -> Any:
         logger = self.spec.config.logger
         if logger.serve is None:
@@ -206,10 +198,11 @@ class Job:
             try:
                 Worker(self.spec, rank_end, 0, device).run()
             except BaseException as exc:
+                from flodl.failures import describe
                 from flodl.runtime.messages import RankError
 
                 failure.append(exc)
-                controller.post(0, RankError(0, f"{type(exc).__name__}: {exc}", ""))
+                controller.post(0, RankError(0, describe(exc), ""))
 
         if self.cooperative:
             from flodl.cooperative import CooperativeWorker
@@ -221,9 +214,9 @@ class Job:
         thread.start()
         try:
             return controller.run(self._stop.is_set)
-        except Exception:
-            if failure:
-                raise failure[0] from None
+        except RunFailed as exc:
+            if failure:  # the rank's own exception stays reachable for API callers
+                raise exc from failure[0]
             raise
         finally:
             thread.join(timeout=5.0)
@@ -281,6 +274,13 @@ class Job:
         self._result_state = state
         state.save(self.job_dir / "model.pt")
         summary = self._summary(result)
+        if result.save_error is not None:  # stopped cleanly; what was trained is in model.pt
+            summary.status = "failed"
+            summary.error = (
+                f"{result.save_error}; the trained state was saved to {self.job_dir / 'model.pt'}"
+            )
+            self._interrupted_summary = summary
+            raise RunFailed(summary.error)
         if result.stopped is not None:
             summary.status = "interrupted"
             summary.error = f"stopped ({result.stopped}); saved: {result.saved or 'nothing'}"
@@ -325,9 +325,9 @@ class Job:
 
     def _failed_summary(self, exc: BaseException) -> RunSummary:
         message = str(exc) or type(exc).__name__
+        if self._interrupted_summary is not None:
+            return self._interrupted_summary  # a clean stop (signal, failed save) wrote it
         if isinstance(exc, KeyboardInterrupt):
-            if self._interrupted_summary is not None:
-                return self._interrupted_summary  # the graceful stop already wrote it
             message = "interrupted"
         return RunSummary(
             status="failed",

@@ -300,4 +300,6 @@ class Trainer:
             spec.entry = list(sys.orig_argv[1:])
         job = Job(spec, callbacks, job_dir, eval_metric=eval_metric, run_info=run_info or {})
         job.cooperative = cooperative
+        if run_info is None:  # the Python API: say where the outputs go (Hydra prints its own)
+            print(f"flodl: outputs in {job.job_dir}", file=sys.stderr, flush=True)
         return RunHandle(job)

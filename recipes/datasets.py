@@ -474,3 +474,37 @@ def cifar10(
     std = np.asarray(CIFAR10_STD, np.float32).reshape(1, 3, 1, 1)
     x = (images.reshape(len(images), 3, 32, 32).astype(np.float32) / 255.0 - mean) / std
     return _finish(x, labels, name="cifar10", input_shape=input_shape, num_classes=num_classes)
+
+
+# ---------------------------------------------------------------------------------------------
+# cheap lengths: a factory's ``num_samples`` takes the factory's own arguments and returns the
+# split's length without loading anything, so flodl's launcher can compare trainer.batch_size
+# with it before any rank starts
+
+
+def _holdout_length(total: int, default_test: int) -> Callable[..., int]:
+    def num_samples(split: str = "train", test_size: int = default_test, **_: Any) -> int:
+        return int(test_size) if split == "test" else total - int(test_size)
+
+    return num_samples
+
+
+def _fixed_length(train: int, test: int) -> Callable[..., int]:
+    def num_samples(split: str = "train", **_: Any) -> int:
+        return test if split == "test" else train
+
+    return num_samples
+
+
+def _synthetic_length(
+    split: str = "train", n_train: int = 2048, n_test: int = 512, **_: Any
+) -> int:
+    return int(n_train if split == "train" else n_test)
+
+
+mnist5k.num_samples = _holdout_length(5000, 1000)  # type: ignore[attr-defined]
+digits.num_samples = _holdout_length(1797, 360)  # type: ignore[attr-defined]
+synthetic.num_samples = _synthetic_length  # type: ignore[attr-defined]
+mnist.num_samples = _fixed_length(60000, 10000)  # type: ignore[attr-defined]
+fashion_mnist.num_samples = _fixed_length(60000, 10000)  # type: ignore[attr-defined]
+cifar10.num_samples = _fixed_length(50000, 10000)  # type: ignore[attr-defined]

@@ -148,4 +148,5 @@ class Aggregation(Outbound):
             stopped=self.stop_reason,
             saved=list(self.checkpointer.saved) if self.checkpointer is not None else [],
             lost_ranks=list(self.members.lost),
+            save_error=getattr(self, "save_error", None),
         )

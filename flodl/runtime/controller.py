@@ -135,6 +135,7 @@ class Controller(Planning, Aggregation):
         self._recent: dict[int, WindowTrack] = {}  # completed windows, averaging in flight
         self._unaveraged: dict[int, set[int]] = {}  # window -> survivors whose averaging failed
         self._settle_windows: dict[int, int] = {}  # an epoch's last window -> the epoch
+        self.save_error: str | None = None  # set when a bundle could not be written
         self._t_start = time.perf_counter()
         self._last_check = time.monotonic()
         self._t_train = 0.0
@@ -411,7 +412,9 @@ class Controller(Planning, Aggregation):
         if self.stop_reason is None and not self.all_planned:
             return
         self._stop_sent = True
-        save = self.checkpointer is not None and self.checkpointer.enabled
+        save = (
+            self.checkpointer is not None and self.checkpointer.enabled and self.save_error is None
+        )
         if save:
             self._checkpoints_open += 1
         head = self._head()
@@ -425,13 +428,28 @@ class Controller(Planning, Aggregation):
         states = self.checkpointer.collect(msg, len(self.alive))
         if states is None:
             return
-        if msg.window >= 0:  # an epoch-boundary checkpoint: the epoch is complete
-            epoch = self._checkpoint_epochs.pop(msg.window)
-            self._write(states, "checkpoint", epoch + 1, [])
-        else:  # the end of the run, or a stop: the lowest unfinished epoch is the resume point
-            epoch, uncovered = self._resume_point()
-            self._write(states, self.stop_reason or "final", epoch, uncovered)
-        self._checkpoints_open -= 1
+        try:
+            if msg.window >= 0:  # an epoch-boundary checkpoint: the epoch is complete
+                epoch = self._checkpoint_epochs.pop(msg.window)
+                self._write(states, "checkpoint", epoch + 1, [])
+            else:  # the end of the run, or a stop: the lowest unfinished epoch is the resume point
+                epoch, uncovered = self._resume_point()
+                self._write(states, self.stop_reason or "final", epoch, uncovered)
+        except Exception as exc:
+            self._save_failed(exc, mid_run=msg.window >= 0)
+        finally:
+            self._checkpoints_open -= 1
+
+    def _save_failed(self, exc: Exception, mid_run: bool) -> None:
+        """A bundle could not be written: never lose what was trained. Stop cleanly; the trained
+        state still reaches the launcher (Final), which writes it to the job directory."""
+        from flodl.failures import describe
+
+        assert self.checkpointer is not None
+        self.save_error = f"saving a checkpoint to {self.checkpointer.stem} failed: {describe(exc)}"
+        log.error("%s; stopping", self.save_error)
+        if mid_run and self.stop_reason is None:
+            self.begin_stop("checkpoint save failed")
 
     def _resume_point(self) -> tuple[int, list]:
         for epoch in sorted(self.cursors):

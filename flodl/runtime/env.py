@@ -69,10 +69,11 @@ def external_role(environ: Mapping[str, str] | None = None) -> ExternalRole | No
     if "RANK" in env and "WORLD_SIZE" in env:
         launcher = env.get(PLACED_BY, "torchrun")
         rank, world, local = env["RANK"], env["WORLD_SIZE"], env.get("LOCAL_RANK", "0")
-    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "MASTER_ADDR" in env:
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env and _srun_step(env):
         launcher = "srun"
         rank, world = env["SLURM_PROCID"], env["SLURM_NTASKS"]
         local = env.get("SLURM_LOCALID", "0")
+        env = {**env, **_slurm_master(env)}
     else:
         return None
     missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
@@ -108,6 +109,38 @@ def _single_host(env: Mapping[str, str], launcher: str, world_size: int) -> bool
         if env.get(key, "").isdigit():
             return int(env[key]) == 1
     return None
+
+
+def _srun_step(env: Mapping[str, str]) -> bool:
+    """Tasks of an ``srun`` step (a batch script itself has no step id): placed, even when the
+    script exported no MASTER_ADDR. One task alone is no cohort."""
+    step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID"))
+    return "MASTER_ADDR" in env or (step is not None and env.get("SLURM_NTASKS", "1") != "1")
+
+
+def _slurm_master(env: Mapping[str, str]) -> dict[str, str]:
+    """MASTER_ADDR / MASTER_PORT as Lightning's SLURMEnvironment derives them: the first node of
+    the step's node list, and 15000 + the job id's last four digits."""
+    from flodl.runtime.hostlist import root_node
+
+    derived: dict[str, str] = {}
+    if not env.get("MASTER_ADDR"):
+        nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_NODELIST") or ""
+        if not nodes:
+            raise RuntimeError(
+                "srun placement without MASTER_ADDR and without SLURM_NODELIST: export "
+                "MASTER_ADDR (rank 0's host) in the batch script"
+            )
+        try:
+            derived["MASTER_ADDR"] = root_node(nodes)
+        except ValueError as exc:
+            raise RuntimeError(f"srun placement without MASTER_ADDR: {exc}; export it") from None
+    if not env.get("MASTER_PORT"):
+        job = env.get("SLURM_JOB_ID", "")
+        if not job[-4:].isdigit():
+            raise RuntimeError("srun placement without MASTER_PORT or SLURM_JOB_ID: export it")
+        derived["MASTER_PORT"] = str(15000 + int(job[-4:]))
+    return derived
 
 
 def _external_device(local_rank: int) -> str:

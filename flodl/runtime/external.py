@@ -193,6 +193,7 @@ class ExternalCohort(ProcessLauncher):
                 store.set(key + "handoff", name)
         log.info("%s placement: controller on port %d", role.launcher, self.listener.port)
         failures: list[BaseException] = []
+        self.own_ranks = {0}
         try:
             threading.Thread(target=self._accept_loop, name="flodl-accept", daemon=True).start()
             here = "127.0.0.1" if self.listener.host == "0.0.0.0" else self.listener.host
@@ -208,9 +209,13 @@ class ExternalCohort(ProcessLauncher):
             self.await_goodbyes()
             worker.join(timeout=30.0)
             return result
-        except RunFailed:
+        except RunFailed as exc:
             if failures:
                 log.debug("rank 0 worker failed: %r", failures[0])
+            self.abort(exc)
+            raise
+        except BaseException as exc:
+            self.abort(exc)
             raise
         finally:
             self.shutdown()
@@ -224,7 +229,7 @@ def _own_rank(role: rank_env.RankEnv, secret: bytes, failures: list[BaseExceptio
     from flodl.runtime.rank import run_managed
 
     try:
-        run_managed(role, secret)
+        run_managed(role, secret, in_launcher=True)
     except BaseException as exc:  # reported to the controller by run_managed already
         failures.append(exc)
 

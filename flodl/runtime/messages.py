@@ -142,6 +142,13 @@ class RankError:
 
 
 @dataclass(frozen=True)
+class Abort:
+    """The launcher ends the run (another rank failed): exit quietly, this is no lost launcher."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
 class Heartbeat:
     rank: int
 

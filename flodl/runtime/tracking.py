@@ -141,4 +141,5 @@ class ControllerResult:
     stopped: str | None = None
     saved: list[str] = field(default_factory=list)
     lost_ranks: list[int] = field(default_factory=list)
+    save_error: str | None = None  # a checkpoint that could not be written (the run stopped)
     extra: dict[str, Any] = field(default_factory=dict)

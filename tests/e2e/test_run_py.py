@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+MISSING = "tests.e2e.faulty.missing_dataset"  # fails on every rank: FileNotFoundError
 FAST = [
     "dataset=digits",
     "trainer.num_epochs=2",
@@ -33,13 +34,15 @@ def run_py(args: list[str], sweep_dir: Path, timeout: float = 300) -> subprocess
 def test_sweep_writes_ab_report_and_keeps_failed_rows(tmp_path):
     """A job that fails mid-sweep is a failed row; the next job still runs. (An all-ok sweep's
     report is checked field by field in test_dashboard_e2e.)"""
-    args = ["-m", *FAST, "trainer.num_epochs=1", "model.hidden=-1,16"]
+    failing = f"dataset._target_={MISSING},recipes.datasets.digits"
+    args = ["-m", *FAST, "trainer.num_epochs=1", failing]
     out = run_py(args, tmp_path, timeout=400)
     assert out.returncode == 1, out.stderr[-3000:]  # one job failed; the sweep went on
     report = json.loads((tmp_path / "ab_report.json").read_text())
     rows = sorted(report["rows"], key=lambda r: r["job"])
     assert [r["status"] for r in rows] == ["failed", "ok"]
-    assert "model.hidden=-1" in rows[0]["overrides"] and rows[0]["error"]
+    assert f"dataset._target_={MISSING}" in rows[0]["overrides"]
+    assert "FileNotFoundError: pretrained/backbone.pt: no such file" in rows[0]["error"]
     assert rows[1]["syncs"] > 0 and rows[1]["final_loss"] is not None
     md = (tmp_path / "ab_report.md").read_text()
     assert "failed" in md and "nccl_cadence" in md
@@ -74,13 +77,18 @@ def test_bad_input_exits_2_with_one_line_and_starts_nothing(tmp_path, override, 
 
 @pytest.mark.slow
 def test_failing_factory_reported_once_nonzero_exit(tmp_path):
-    out = run_py([*FAST, "model.hidden=-1"], tmp_path)
+    """A factory that fails on the ranks (the launcher never builds datasets): its root cause,
+    once, in the console (with the job directory) and summary.json; exit 1."""
+    out = run_py([*FAST, f"dataset._target_={MISSING}"], tmp_path)
     assert out.returncode == 1
     console = out.stdout + out.stderr
+    cause = "FileNotFoundError: pretrained/backbone.pt: no such file"
+    assert console.count(cause) == 1, console[-3000:]
     assert console.count("job 0 failed: rank") == 1, console[-3000:]
-    assert "Traceback" not in console
+    assert f"(outputs in {tmp_path / '0'})" in console
+    assert "Traceback" not in console and "control channel lost" not in console
     summary = json.loads((tmp_path / "0" / "summary.json").read_text())
-    assert summary["status"] == "failed" and "rank" in summary["error"]
+    assert summary["status"] == "failed" and cause in summary["error"]
 
 
 @pytest.mark.slow

@@ -82,3 +82,10 @@ def test_plugin_import_is_light():
         cwd=CONF.parent,
     )
     assert out.stdout.split() == ["False", "False"]
+
+
+@pytest.mark.parametrize("cluster", [p.stem for p in sorted((CONF / "cluster").glob("*.yaml"))])
+def test_cluster_settings_the_readme_lists_override_without_plus(cluster):
+    """`cluster.heartbeat_timeout_s=5` works as written (no `+`) with every cluster option."""
+    cfg = _compose([f"cluster={cluster}", "cluster.heartbeat_timeout_s=5"])
+    assert validate_run_config(plain_config(cfg)).cluster.heartbeat_timeout_s == 5

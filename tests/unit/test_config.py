@@ -11,6 +11,7 @@ from flodl.config import (
     ElCheConfig,
     LoggerConfig,
     Mode,
+    TaskConfig,
     TrainerConfig,
     TrainerKnobs,
     validate_run_config,
@@ -67,11 +68,24 @@ SURFACE = {
         "workers",
     ],
     "LoggerConfig": ["host", "keep_serving", "level", "progress", "serve", "tensorboard"],
+    "TaskConfig": [
+        "epoch_fn",
+        "eval_fn",
+        "eval_higher_is_better",
+        "eval_metric",
+        "eval_result_fn",
+        "metrics_fn",
+        "objective",
+        "objective_direction",
+        "train_step",
+    ],
 }
 
 
 @pytest.mark.parametrize(
-    "model", [TrainerKnobs, ElCheConfig, ClusterConfig, LoggerConfig], ids=lambda m: m.__name__
+    "model",
+    [TrainerKnobs, ElCheConfig, ClusterConfig, LoggerConfig, TaskConfig],
+    ids=lambda m: m.__name__,
 )
 def test_config_surface_is_pinned(model):
     assert sorted(model.model_fields) == SURFACE[model.__name__]
