@@ -426,6 +426,16 @@ class TargetConfig(_Schema):
         return dict(self.model_extra or {})
 
 
+class SchedulerConfig(TargetConfig):
+    """An LR scheduler reference; ``interval`` says how it advances (the rest are its kwargs)."""
+
+    interval: Literal["step", "epoch"] = Field(
+        "epoch",
+        description="step: advanced on the global progress clock per optimizer step; "
+        "epoch: stepped once per epoch",
+    )
+
+
 class TaskConfig(_Schema):
     """What one step and one evaluation mean for the chosen model."""
 
@@ -452,8 +462,8 @@ class RunConfig(_Schema):
     optimizer: TargetConfig
     dataset: TargetConfig
     task: TaskConfig
-    scheduler: TargetConfig | None = Field(
-        None, description="per-rank LR scheduler, stepped per epoch"
+    scheduler: SchedulerConfig | None = Field(
+        None, description="per-rank LR scheduler (total_steps: auto = the run's length)"
     )
     trainer: TrainerKnobs = Field(default_factory=TrainerKnobs)
     elche: ElCheConfig = Field(default_factory=ElCheConfig)

@@ -78,6 +78,9 @@ class Job:
         log.info("flodl: %s | mode %s", topo.description, cfg.elche.mode.value)
         dashboard = None
         try:
+            from flodl.runtime.preflight import preflight
+
+            self.run_info["lr_scaling"] = preflight(self.spec, topo.world_size)
             # Everything that can refuse the run does so before any rank (or server) starts.
             controller = Controller(
                 cfg,

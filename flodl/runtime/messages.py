@@ -40,6 +40,8 @@ class Window:
     max_overshoot: int = 0  # cpu_async: averages this rank may leave in flight
     checkpoint_after: bool = False  # send RankState after this window's average
     generation: int = 0  # membership generation it was planned for
+    progress: int = 0  # global progress clock: samples of the run dispatched before this window
+    window_samples: int = 0  # samples of this window over all ranks
 
 
 @dataclass(frozen=True)

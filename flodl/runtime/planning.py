@@ -124,6 +124,9 @@ class Planning(Outbound):
         return self.elche.window(remaining, alive=alive)
 
     def _plan_window(self, cursor: EpochCursor) -> dict[int, Window]:
+        remaining = cursor.remaining_samples
+        # The LR clock: derived from epoch and coverage only, so a resumed run lands on it too.
+        progress = cursor.epoch * cursor.n_samples + cursor.n_samples - remaining
         chunks = cursor.take(self._counts(cursor.remaining_batches))
         batches = [chunk_batches(c, self.cfg.batch_size) for c in chunks]
         if self.world > 1:
@@ -158,6 +161,8 @@ class Planning(Outbound):
                 max_overshoot=self.overshoot[0],
                 checkpoint_after=checkpoint,
                 generation=self.members.generation,
+                progress=progress,
+                window_samples=remaining - cursor.remaining_samples,
             )
             for r in self.alive
         }

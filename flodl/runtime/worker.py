@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flodl import schedules
 from flodl.config import Mode
 from flodl.data import BatchSource, resolve_dataset
 from flodl.metrics import drain_scalars
@@ -62,6 +63,14 @@ class WindowTally:
         if math.isfinite(loss):
             self.loss_sum += loss
             self.loss_count += 1
+
+
+def _batch_samples(batch: Any) -> int:
+    """Samples in a batch: the leading dimension of its first tensor."""
+    first = batch[0] if isinstance(batch, (list, tuple)) else batch
+    if isinstance(first, dict):
+        first = next(iter(first.values()))
+    return int(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() else 1
 
 
 class Worker:
@@ -108,9 +117,6 @@ class Worker:
         self.state = FlatState(self.model, share_storage=True)
         self.optimizer = self.spec.optim_factory(self.model.parameters())
         self._scale_lr()
-        self.scheduler = (
-            self.spec.scheduler_factory(self.optimizer) if self.spec.scheduler_factory else None
-        )
         self.outer = make_outer(self.cfg.elche, self.state.n_params)
         dataset = resolve_dataset(self.spec.dataset)
         if self.cfg.batch_size > len(dataset):
@@ -119,6 +125,7 @@ class Worker:
                 f"({len(dataset)} samples)"
             )
         self.source = BatchSource(dataset, self.cfg.batch_size, self.cfg.seed, self.device)
+        self._build_scheduler()
         self.eval_source = None
         if self.spec.has_eval:
             eval_set = resolve_dataset(self.spec.eval_dataset, "eval_dataset")
@@ -129,6 +136,30 @@ class Worker:
             broadcast_from(self.state, src=0)
         if self.outer is not None:
             self.outer.reset(self.state.flatten())
+
+    def _build_scheduler(self) -> None:
+        self.per_step = self.spec.scheduler_interval == "step"
+        self.run_length = schedules.RunLength(
+            self.cfg.num_epochs * len(self.source), self._global_batch()
+        )
+        total = self.run_length.total_steps if self.per_step else self.cfg.num_epochs
+        factory = self.spec.scheduler_factory
+        self.scheduler = schedules.build(factory, self.optimizer, total) if factory else None
+        self._clock = (0, 0, 0)  # (progress before the window, its samples, this rank's share)
+        self._own_done = 0
+
+    def _global_batch(self) -> int:
+        """Samples of one global step: every rank's batch, times the micro-batches per step."""
+        return self.cfg.batch_size * self.spec.world_size
+
+    def tick(self, batch: Any) -> None:
+        """Advance a per-step scheduler to the global progress after this batch."""
+        if self.scheduler is None or not self.per_step:
+            return
+        self._own_done += _batch_samples(batch)
+        before, in_window, own_total = self._clock
+        done = schedules.global_samples(before, in_window, self._own_done, own_total)
+        schedules.advance_to(self.scheduler, self.run_length.target_step(done))
 
     def _scale_lr(self) -> None:
         factor = 1.0 + (self.spec.world_size - 1) * self.cfg.lr_scale_ratio
@@ -244,7 +275,7 @@ class Worker:
         self._epoch = msg.epoch - 1
 
     def _start_epoch(self, epoch: int) -> None:
-        if self._epoch >= 0 and self.scheduler is not None:
+        if self._epoch >= 0 and self.scheduler is not None and not self.per_step:
             self.scheduler.step()
         self._epoch = epoch
 
@@ -258,6 +289,7 @@ class Worker:
         tally = self.begin_window(window)
         for batch in self.source.batches(window.epoch, window.chunks):
             tally.add(self.pacer.run(partial(self.train_batch, batch)))
+            self.tick(batch)
         self.end_window(window, tally)
 
     def begin_window(self, window: Window) -> WindowTally:
@@ -268,6 +300,8 @@ class Worker:
             elapsed = (time.perf_counter() - self._sync_started) * 1000.0
             self._last_sync_ms = max(0.0, elapsed - self._eval_ms)
         self._eval_ms = 0.0
+        own = sum(size for _, size in window.chunks)
+        self._clock, self._own_done = (window.progress, window.window_samples, own), 0
         return WindowTally(time.perf_counter())
 
     def end_window(self, window: Window, tally: WindowTally) -> None:

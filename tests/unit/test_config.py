@@ -11,6 +11,7 @@ from flodl.config import (
     ElCheConfig,
     LoggerConfig,
     Mode,
+    SchedulerConfig,
     TrainerConfig,
     TrainerKnobs,
     validate_run_config,
@@ -67,11 +68,14 @@ SURFACE = {
         "workers",
     ],
     "LoggerConfig": ["host", "keep_serving", "level", "progress", "serve", "tensorboard"],
+    "SchedulerConfig": ["interval", "target"],
 }
 
 
 @pytest.mark.parametrize(
-    "model", [TrainerKnobs, ElCheConfig, ClusterConfig, LoggerConfig], ids=lambda m: m.__name__
+    "model",
+    [TrainerKnobs, ElCheConfig, ClusterConfig, LoggerConfig, SchedulerConfig],
+    ids=lambda m: m.__name__,
 )
 def test_config_surface_is_pinned(model):
     assert sorted(model.model_fields) == SURFACE[model.__name__]

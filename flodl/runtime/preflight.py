@@ -1,0 +1,82 @@
+"""Launch-time checks and notices of the training features, in the launcher, before any rank.
+
+The optimizer and scheduler factories are dry-built on one CPU parameter (never CUDA, never the
+model), so the LR scaling can be announced with real numbers and a per-step scheduler under
+``interval=epoch`` is warned about before anything trains.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from flodl import schedules
+from flodl.config import ConfigError
+from flodl.runtime.spec import JobSpec
+
+log = logging.getLogger("flodl")
+
+
+def _dry_optimizer(spec: JobSpec) -> torch.optim.Optimizer | None:
+    try:
+        optimizer = spec.optim_factory([torch.nn.Parameter(torch.zeros(1))])
+    except Exception:  # a factory that needs the real model: announce the factor only
+        return None
+    return optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+
+
+def lr_scaling(base_lr: float | None, ratio: float, world: int) -> dict[str, Any]:
+    """The linear scaling rule's numbers: ``lr x (1 + (world - 1) x ratio)``."""
+    factor = 1.0 + (world - 1) * ratio
+    return {
+        "base_lr": base_lr,
+        "factor": factor,
+        "lr_scale_ratio": ratio,
+        "world_size": world,
+        "lr": base_lr * factor if base_lr is not None else None,
+    }
+
+
+def _num(x: float) -> str:
+    text = f"{x:.6g}"
+    return text if any(c in text for c in ".en") else f"{text}.0"
+
+
+def format_lr_scaling(record: dict[str, Any]) -> str:
+    """``lr 0.05 \u00d7 2.0 (lr_scale_ratio 1.0, 2 ranks) = 0.1``."""
+    ranks = f"{record['world_size']} rank{'s' if record['world_size'] != 1 else ''}"
+    why = f"(lr_scale_ratio {_num(record['lr_scale_ratio'])}, {ranks})"
+    if record["base_lr"] is None:
+        return f"lr \u00d7 {_num(record['factor'])} {why}"
+    return (
+        f"lr {_num(record['base_lr'])} \u00d7 {_num(record['factor'])} {why} = {_num(record['lr'])}"
+    )
+
+
+def _check_scheduler(spec: JobSpec, optimizer: torch.optim.Optimizer | None) -> None:
+    if spec.scheduler_factory is None or optimizer is None:
+        return
+    try:
+        scheduler = schedules.build(spec.scheduler_factory, optimizer, 1000)
+    except Exception as exc:
+        raise ConfigError(f"scheduler: building it failed ({type(exc).__name__}: {exc})") from None
+    if spec.scheduler_interval == "epoch" and schedules.is_per_step(scheduler):
+        log.warning(
+            "scheduler %s is meant to advance per optimizer step, but scheduler.interval=epoch "
+            "steps it once per epoch (%d times in this run): set scheduler.interval=step",
+            type(scheduler).__name__,
+            spec.config.num_epochs,
+        )
+
+
+def preflight(spec: JobSpec, world: int) -> dict[str, Any]:
+    """Run the launch-time checks; announce the LR scaling once. Returns what summary.json
+    records about it."""
+    optimizer = _dry_optimizer(spec)
+    base = float(optimizer.param_groups[0]["lr"]) if optimizer is not None else None
+    record = lr_scaling(base, spec.config.lr_scale_ratio, world)
+    log.info("flodl: %s", format_lr_scaling(record))
+    _check_scheduler(spec, optimizer)
+    return record
