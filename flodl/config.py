@@ -376,6 +376,18 @@ class TrainerKnobs(_Schema):
     max_nonfinite: int = Field(
         10, ge=0, description="NaN/inf losses skipped (with a warning) before the run stops"
     )
+    precision: Literal["32", "bf16-mixed", "16-mixed"] = Field(
+        "32", description="32 (fp32), bf16-mixed (autocast) or 16-mixed (fp16 + GradScaler, CUDA)"
+    )
+    accumulate_grad_batches: int = Field(
+        1, ge=1, le=4096, description="micro-batches whose gradients make one optimizer step"
+    )
+    compile: bool = Field(False, description="torch.compile each rank's model for the step")
+
+    @field_validator("precision", mode="before")
+    @classmethod
+    def _precision_text(cls, v: Any) -> Any:
+        return str(v) if isinstance(v, int) and not isinstance(v, bool) else v
 
 
 def _check_max_failure(v: int | str | None) -> int | str | None:

@@ -198,6 +198,16 @@ class TrainerBuilder:
     def lr_scale_ratio(self, x: float) -> TrainerBuilder:
         return self._set("lr_scale_ratio", x)
 
+    def precision(self, kind: str | int) -> TrainerBuilder:
+        """``32``, ``"bf16-mixed"`` or ``"16-mixed"`` (CUDA ranks only)."""
+        return self._set("precision", kind)
+
+    def accumulate_grad_batches(self, n: int) -> TrainerBuilder:
+        return self._set("accumulate_grad_batches", n)
+
+    def compile(self, on: bool = True) -> TrainerBuilder:
+        return self._set("compile", on)
+
     def elche(self, config: ElCheConfig) -> TrainerBuilder:
         return self._set("elche", config.model_dump())
 

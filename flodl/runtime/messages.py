@@ -104,6 +104,7 @@ class RankState:
     rng: Any
     params: dict[str, Any] | None = None
     buffers: dict[str, Any] | None = None
+    scaler: dict[str, Any] | None = None  # 16-mixed: the GradScaler's state
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,7 @@ class Restore:
     scheduler: dict[str, Any] | None
     rng: Any
     epoch: int
+    scaler: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,14 @@ from flodl.runtime.tracking import EpochTrack, WindowTrack
 _SYNC_PLAN_S = 0.25
 
 
+def whole_steps(counts: list[int], cfg: TrainerConfig) -> list[int]:
+    """Round each rank's micro-batches up to whole optimizer steps (accumulate_grad_batches), so
+    a window rarely ends inside a group. ElChe's "batch" is a micro-batch: it times and counts
+    those; the cursor clips what it hands out to what the epoch has left."""
+    n = cfg.accumulate_grad_batches
+    return [math.ceil(c / n) * n for c in counts]
+
+
 class Planning(Outbound):
     """Window planning over the epoch cursors (needs the controller's state below)."""
 
@@ -127,7 +135,7 @@ class Planning(Outbound):
         remaining = cursor.remaining_samples
         # The LR clock: derived from epoch and coverage only, so a resumed run lands on it too.
         progress = cursor.epoch * cursor.n_samples + cursor.n_samples - remaining
-        chunks = cursor.take(self._counts(cursor.remaining_batches))
+        chunks = cursor.take(whole_steps(self._counts(cursor.remaining_batches), self.cfg))
         batches = [chunk_batches(c, self.cfg.batch_size) for c in chunks]
         if self.world > 1:
             weights = averaging_weights(batches, self.cfg.elche.gamma)

@@ -15,6 +15,7 @@ import torch
 from flodl import schedules
 from flodl.config import ConfigError
 from flodl.runtime.spec import JobSpec
+from flodl.topology import Topology
 
 log = logging.getLogger("flodl")
 
@@ -71,12 +72,31 @@ def _check_scheduler(spec: JobSpec, optimizer: torch.optim.Optimizer | None) -> 
         )
 
 
-def preflight(spec: JobSpec, world: int) -> dict[str, Any]:
-    """Run the launch-time checks; announce the LR scaling once. Returns what summary.json
-    records about it."""
+def rank_devices(topology: Topology, device: str) -> list[str]:
+    """``cpu`` or ``cuda`` for each rank, decided without touching CUDA."""
+    if topology.in_process:
+        if device == "auto":
+            from flodl.sys import detect_gpus
+
+            device = "cuda" if detect_gpus() else "cpu"
+        return [device]
+    return [p.device for p in topology.placements] or ["cpu"] * topology.world_size
+
+
+def check_precision(precision: str, devices: list[str]) -> None:
+    cpu = [r for r, d in enumerate(devices) if d != "cuda"]
+    if precision == "16-mixed" and cpu:
+        raise ConfigError(
+            f"trainer.precision=16-mixed: rank(s) {cpu} run on CPU, where fp16 autocast with a "
+            "GradScaler is not supported; use trainer.precision=bf16-mixed (CPU and CUDA) or 32"
+        )
+
+
+def preflight(spec: JobSpec, topology: Topology) -> dict[str, Any]:
+    """Run the launch-time checks (a refusal is a :class:`ConfigError`, before any rank).
+    Returns the LR scaling, which the job announces and records in summary.json."""
+    check_precision(spec.config.precision, rank_devices(topology, spec.config.device))
     optimizer = _dry_optimizer(spec)
     base = float(optimizer.param_groups[0]["lr"]) if optimizer is not None else None
-    record = lr_scaling(base, spec.config.lr_scale_ratio, world)
-    log.info("flodl: %s", format_lr_scaling(record))
     _check_scheduler(spec, optimizer)
-    return record
+    return lr_scaling(base, spec.config.lr_scale_ratio, topology.world_size)

@@ -26,6 +26,7 @@ from flodl import schedules
 from flodl.config import Mode
 from flodl.data import BatchSource, resolve_dataset
 from flodl.metrics import drain_scalars
+from flodl.precision import StepRunner, compiled
 from flodl.runtime import groups
 from flodl.runtime.averaging import FlatState, broadcast_from, collective_average
 from flodl.runtime.messages import (
@@ -73,6 +74,19 @@ def _batch_samples(batch: Any) -> int:
     return int(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() else 1
 
 
+def _with_last(items: Any) -> Any:
+    """``(item, is_last)`` pairs, looking one ahead."""
+    it = iter(items)
+    try:
+        current = next(it)
+    except StopIteration:
+        return
+    for following in it:
+        yield current, False
+        current = following
+    yield current, True
+
+
 class Worker:
     """One rank's training state and loop."""
 
@@ -115,6 +129,14 @@ class Worker:
         self.model.to(self.device).train()
         # Before the optimizer: parameters move into one buffer the collectives use in place.
         self.state = FlatState(self.model, share_storage=True)
+        # What the step runs; averaging, checkpoints and the final state read self.model.
+        self.train_model: nn.Module = compiled(self.model) if self.cfg.compile else self.model
+        self.runner = StepRunner(
+            self.cfg.precision,
+            self.device,
+            self.cfg.accumulate_grad_batches,
+            self.cfg.max_grad_norm,
+        )
         self.optimizer = self.spec.optim_factory(self.model.parameters())
         self._scale_lr()
         self.outer = make_outer(self.cfg.elche, self.state.n_params)
@@ -150,7 +172,7 @@ class Worker:
 
     def _global_batch(self) -> int:
         """Samples of one global step: every rank's batch, times the micro-batches per step."""
-        return self.cfg.batch_size * self.spec.world_size
+        return self.cfg.batch_size * self.spec.world_size * self.cfg.accumulate_grad_batches
 
     def tick(self, batch: Any) -> None:
         """Advance a per-step scheduler to the global progress after this batch."""
@@ -181,7 +203,9 @@ class Worker:
 
         def step() -> None:
             optimizer.zero_grad(set_to_none=True)
-            self.spec.train_step(probe, next(batches)).backward()
+            with self.runner.autocast():
+                loss = self.spec.train_step(probe, next(batches))
+            loss.backward()
             optimizer.step()
 
         if self.distributed:
@@ -259,6 +283,7 @@ class Worker:
             window=window,
             optimizer=self.optimizer.state_dict(),
             scheduler=self.scheduler.state_dict() if self.scheduler is not None else None,
+            scaler=self.runner.state_dict(),
             rng=torch.get_rng_state(),
             params=params,
             buffers=buffers,
@@ -270,6 +295,7 @@ class Worker:
         self.optimizer.load_state_dict(msg.optimizer)
         if self.scheduler is not None and msg.scheduler is not None:
             self.scheduler.load_state_dict(msg.scheduler)
+        self.runner.load_state_dict(msg.scaler)
         torch.set_rng_state(msg.rng)
         # The scheduler steps when a new epoch begins; the saved one had not stepped yet.
         self._epoch = msg.epoch - 1
@@ -287,8 +313,9 @@ class Worker:
         if self.is_void(window):
             return
         tally = self.begin_window(window)
-        for batch in self.source.batches(window.epoch, window.chunks):
-            tally.add(self.pacer.run(partial(self.train_batch, batch)))
+        batches = self.source.batches(window.epoch, window.chunks)
+        for batch, last in _with_last(batches):
+            tally.add(self.pacer.run(partial(self.train_batch, batch, last)))
             self.tick(batch)
         self.end_window(window, tally)
 
@@ -334,25 +361,30 @@ class Worker:
         if window.eval_after:
             self.evaluate(window.epoch)
 
-    def train_batch(self, batch: list[torch.Tensor]) -> float:
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = self.spec.train_step(self.model, batch)
-        if not torch.isfinite(loss.detach()).all():
-            return self._skip_nonfinite(loss)
-        loss.backward()
-        if self.cfg.max_grad_norm is not None:
-            nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
-        self.optimizer.step()
-        return float(loss.detach())
+    def train_batch(self, batch: list[torch.Tensor], last: bool = False) -> float:
+        """One micro-batch: forward in the run's precision, backward, and the optimizer step once
+        ``accumulate_grad_batches`` micro-batches are in (or ``last``: the window ends)."""
+        with self.runner.autocast():
+            loss = self.spec.train_step(self.train_model, batch)
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            value = self._skip_nonfinite(f"non-finite loss ({value})")
+        else:
+            self.runner.backward(loss)
+        if (self.runner.due or last) and not self.runner.step(self.model, self.optimizer):
+            self._skip_nonfinite(
+                "non-finite gradients (16-mixed: the GradScaler lowered its scale)"
+            )
+        return value
 
-    def _skip_nonfinite(self, loss: torch.Tensor) -> float:
-        """NaN/inf loss: skip the step (no backward, no update) with a warning, up to a limit."""
+    def _skip_nonfinite(self, what: str) -> float:
+        """NaN/inf: skip the step (no backward, no update) with a warning, up to a limit."""
         self._nonfinite += 1
         limit = self.cfg.max_nonfinite
         log.warning(
-            "rank %d: non-finite loss (%s) in epoch %d; step skipped (%d of %d allowed)",
+            "rank %d: %s in epoch %d; step skipped (%d of %d allowed)",
             self.rank,
-            float(loss.detach()),
+            what,
             self._epoch,
             self._nonfinite,
             limit,

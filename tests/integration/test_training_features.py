@@ -85,3 +85,78 @@ def test_per_step_scheduler_under_epoch_interval_is_warned_at_launch(tmp_path, c
     # Stepped once per epoch, as asked; its total_steps is then the run's length in epochs.
     reference = one_cycle(sgd([torch.nn.Parameter(torch.zeros(1))]), 2)
     assert seen[0].lr == pytest.approx(reference.optimizer.param_groups[0]["lr"])
+
+
+def _trained(builder) -> tuple[Any, Any]:
+    handle = builder.run()
+    state = handle.join(timeout=180)
+    return handle, state
+
+
+@pytest.mark.light
+def test_bf16_mixed_on_cpu_is_within_a_point_of_fp32_and_keeps_fp32_weights(tmp_path):
+    from recipes.steps import accuracy
+
+    results = {}
+    for precision in ("32", "bf16-mixed"):
+        builder = (
+            local(tmp_path, f"p{precision}", epochs=3)
+            .eval_dataset(partial(data, "test"))
+            .eval_fn(accuracy)
+            .precision(precision)
+        )
+        handle, state = _trained(builder)
+        results[precision] = (handle.result.summary.eval_value, state)
+    fp32, bf16 = results["32"][0], results["bf16-mixed"][0]
+    assert fp32 is not None and bf16 is not None and fp32 > 0.5  # it learned
+    assert abs(fp32 - bf16) <= 0.01
+    assert {t.dtype for t in results["bf16-mixed"][1].params.values()} == {torch.float32}
+    # Autocast really ran: the weights differ from the fp32 run's.
+    a, b = results["32"][1].params, results["bf16-mixed"][1].params
+    assert any(not torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.light
+def test_accumulating_16_x_4_matches_batch_64_on_one_rank(tmp_path):
+    """SGD, no BatchNorm: four micro-batches of 16 average to the gradient of their 64."""
+    _, big = _trained(local(tmp_path, "b64", epochs=2, batch=64))
+    handle, acc = _trained(local(tmp_path, "b16x4", epochs=2, batch=16).accumulate_grad_batches(4))
+    for name, tensor in big.params.items():
+        torch.testing.assert_close(acc.params[name], tensor, rtol=1e-4, atol=1e-6)
+    per_rank = handle.result.epochs[-1].per_rank[0]
+    assert per_rank["batches"] == N_TRAIN / 16  # ElChe and dispatch count micro-batches
+    assert per_rank["samples"] == N_TRAIN
+
+
+@pytest.mark.light
+def test_16_mixed_on_a_cpu_rank_is_refused_before_anything_starts(tmp_path):
+    from flodl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"trainer\.precision=16-mixed: rank\(s\) \[0, 1\]"):
+        local(tmp_path, "fp16").precision("16-mixed").cluster(
+            ClusterConfig(kind="cpu_rig", ranks=2)
+        ).run()
+    assert not (tmp_path / "fp16").exists()
+
+
+def _compile_works() -> str | None:
+    import shutil
+    import sys
+
+    if not any(shutil.which(cc) for cc in ("cc", "gcc", "clang")):
+        return "torch.compile (inductor) needs a C compiler on CPU; none found"
+    if sys.version_info >= (3, 14) and torch.__version__ < "2.9":
+        return f"torch.compile {torch.__version__} does not support Python {sys.version_info[:2]}"
+    return None
+
+
+@pytest.mark.light
+def test_compile_trains_and_the_state_is_the_original_modules(tmp_path):
+    reason = _compile_works()
+    if reason is not None:
+        pytest.skip(reason)
+    handle, state = _trained(local(tmp_path, "compiled", epochs=2).compile())
+    losses = [m.avg_loss for m in handle.result.epochs]
+    assert losses[-1] < losses[0]
+    assert set(state.params) == set(model_factory(torch.device("cpu")).state_dict())
+    state.load_into(model_factory(torch.device("cpu")))  # strict: no _orig_mod. prefixes

@@ -21,9 +21,11 @@ from flodl.config import (
 # Changing the public surface must be a deliberate act: update this list and the README.
 SURFACE = {
     "TrainerKnobs": [
+        "accumulate_grad_batches",
         "batch_size",
         "callback_policy",
         "checkpoint_every",
+        "compile",
         "device",
         "eval_every",
         "lr_scale_ratio",
@@ -31,6 +33,7 @@ SURFACE = {
         "max_grad_norm",
         "max_nonfinite",
         "num_epochs",
+        "precision",
         "resume_from",
         "save_path",
         "seed",
