@@ -313,6 +313,7 @@ class Job:
             mean_sync_ms=sum(syncs) / len(syncs) if syncs else 0.0,
             samples_per_s=result.samples / result.train_s,
             per_rank_batch_share=[b / total_batches for b in result.rank_batches],
+            per_rank_sample_share=[s / max(result.samples, 1) for s in result.rank_samples],
             per_rank_throughput=[s / result.train_s for s in result.rank_samples],
             idle_fraction=[
                 max(0.0, 1.0 - c / 1000.0 / result.train_s) for c in result.rank_compute_ms

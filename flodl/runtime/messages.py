@@ -25,6 +25,7 @@ class Ready:
     step_ms: float
     device: str
     n_samples: int
+    batch_size: int = 0  # this rank's batch size (configured or probed); 0: trainer.batch_size
 
 
 @dataclass(frozen=True)

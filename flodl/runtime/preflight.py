@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from flodl import schedules
-from flodl.config import ConfigError
+from flodl.config import ConfigError, TrainerConfig
 from flodl.runtime.spec import JobSpec
 from flodl.topology import Topology
 
@@ -92,10 +92,37 @@ def check_precision(precision: str, devices: list[str]) -> None:
         )
 
 
+def rank_batch_sizes(config: TrainerConfig, topology: Topology) -> list[int | None]:
+    """Each rank's batch size (``None``: probed on the rank, ``auto``), from cluster.batch_sizes,
+    a host worker's batch_size, or trainer.batch_size."""
+    cluster, world = config.cluster, topology.world_size
+    sizes: list[int | str | None]
+    if isinstance(cluster.batch_sizes, list):
+        if len(cluster.batch_sizes) != world:
+            raise ConfigError(
+                f"cluster.batch_sizes={cluster.batch_sizes}: {len(cluster.batch_sizes)} entries "
+                f"but the run has {world} rank(s); give one size per rank"
+            )
+        sizes = list(cluster.batch_sizes)
+    elif cluster.kind == "hosts" and topology.placements:
+        sizes = [cluster.workers[p.worker or 0].batch_size for p in topology.placements]
+    else:
+        sizes = [cluster.batch_sizes] * world
+    devices = rank_devices(topology, config.device)
+    probed = [r for r, b in enumerate(sizes) if b == "auto" and devices[r] != "cuda"]
+    if probed:
+        raise ConfigError(
+            f"cluster.batch_sizes=auto: rank(s) {probed} run on CPU, where no memory probe "
+            "exists; give the sizes (cluster.batch_sizes: [64, 16]) or trainer.batch_size"
+        )
+    return [None if b == "auto" else int(b) if b is not None else config.batch_size for b in sizes]
+
+
 def preflight(spec: JobSpec, topology: Topology) -> dict[str, Any]:
     """Run the launch-time checks (a refusal is a :class:`ConfigError`, before any rank).
     Returns the LR scaling, which the job announces and records in summary.json."""
     check_precision(spec.config.precision, rank_devices(topology, spec.config.device))
+    spec.batch_sizes = rank_batch_sizes(spec.config, topology)
     optimizer = _dry_optimizer(spec)
     base = float(optimizer.param_groups[0]["lr"]) if optimizer is not None else None
     _check_scheduler(spec, optimizer)

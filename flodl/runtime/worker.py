@@ -141,12 +141,13 @@ class Worker:
         self._scale_lr()
         self.outer = make_outer(self.cfg.elche, self.state.n_params)
         dataset = resolve_dataset(self.spec.dataset)
-        if self.cfg.batch_size > len(dataset):
+        self.batch_size = self._own_batch_size(dataset)
+        if self.batch_size > len(dataset):
             raise ValueError(
-                f"trainer.batch_size={self.cfg.batch_size}: larger than the dataset "
-                f"({len(dataset)} samples)"
+                f"batch size {self.batch_size} of rank {self.rank} (trainer.batch_size / "
+                f"cluster.batch_sizes): larger than the dataset ({len(dataset)} samples)"
             )
-        self.source = BatchSource(dataset, self.cfg.batch_size, self.cfg.seed, self.device)
+        self.source = BatchSource(dataset, self.batch_size, self.cfg.seed, self.device)
         self._build_scheduler()
         self.eval_source = None
         if self.spec.has_eval:
@@ -170,9 +171,36 @@ class Worker:
         self._clock = (0, 0, 0)  # (progress before the window, its samples, this rank's share)
         self._own_done = 0
 
+    def _own_batch_size(self, dataset: Any) -> int:
+        sizes = self.spec.batch_sizes
+        if not sizes or self.rank >= len(sizes):
+            return self.cfg.batch_size
+        size = sizes[self.rank]
+        if size is None:  # cluster.batch_sizes=auto: the largest that fits, probed here
+            from flodl.runtime.memory import probe_batch_size
+
+            size = probe_batch_size(self, dataset)
+            log.info(
+                "rank %d: batch size %d (probed, memory_fraction %.2f)",
+                self.rank,
+                size,
+                self.cfg.cluster.memory_fraction,
+            )
+        return size
+
+    def _rank_sizes(self) -> list[int]:
+        """Every rank's batch size; probed ones are gathered, so all ranks agree on the sum."""
+        sizes = list(self.spec.batch_sizes or [self.cfg.batch_size] * self.spec.world_size)
+        if any(b is None for b in sizes) and self.distributed:
+            gathered = torch.zeros(self.spec.world_size, dtype=torch.int64, device=self.device)
+            gathered[self.rank] = self.batch_size
+            dist.all_reduce(gathered)
+            return [int(b) for b in gathered]
+        return [self.batch_size if b is None else int(b) for b in sizes]
+
     def _global_batch(self) -> int:
         """Samples of one global step: every rank's batch, times the micro-batches per step."""
-        return self.cfg.batch_size * self.spec.world_size * self.cfg.accumulate_grad_batches
+        return sum(self._rank_sizes()) * self.cfg.accumulate_grad_batches
 
     def tick(self, batch: Any) -> None:
         """Advance a per-step scheduler to the global progress after this batch."""
@@ -198,7 +226,7 @@ class Worker:
         probe = copy.deepcopy(self.model)
         optimizer = self.spec.optim_factory(probe.parameters())
         n = self.cfg.cluster.warmup_steps
-        chunk = ((0, min(len(self.source), self.cfg.batch_size * n)),)
+        chunk = ((0, min(len(self.source), self.batch_size * n)),)
         batches = itertools.cycle(list(self.source.batches(0, chunk)))
 
         def step() -> None:
@@ -255,6 +283,7 @@ class Worker:
                 step_ms=step_ms,
                 device=str(self.device),
                 n_samples=len(self.source),
+                batch_size=self.batch_size,
             )
         )
 

@@ -160,3 +160,50 @@ def test_compile_trains_and_the_state_is_the_original_modules(tmp_path):
     assert losses[-1] < losses[0]
     assert set(state.params) == set(model_factory(torch.device("cpu")).state_dict())
     state.load_into(model_factory(torch.device("cpu")))  # strict: no _orig_mod. prefixes
+
+
+@pytest.mark.slow
+def test_per_rank_batch_sizes_share_samples_and_the_lr_clock_on_a_2_rank_rig(tmp_path):
+    """[64, 16] on equal-speed ranks: equal step counts, so 0.8 / 0.2 of the samples; coverage
+    exact; a per-step warm-up+cosine ends each epoch on the value its global progress implies."""
+    from flodl.schedules import warmup_cosine
+
+    seen: list[EpochMetrics] = []
+    n = 1280
+    handle = (
+        Trainer.builder(model_factory, sgd, classification_step)
+        .dataset(partial(data, "train", n))
+        .batch_size(32)
+        .num_epochs(2)
+        .scheduler(partial(warmup_cosine, warmup_fraction=0.2, floor=0.1), interval="step")
+        .cluster(
+            ClusterConfig(  # steps padded well past their compute: equal paced speeds
+                kind="cpu_rig",
+                ranks=2,
+                speeds=[1.0, 1.0],
+                batch_sizes=[64, 16],
+                warmup_steps=3,
+                pace_margin=4.0,
+            )
+        )
+        .logger(LoggerConfig(progress="off", tensorboard=False))
+        .metrics_fn(seen.append)
+        .output_dir(tmp_path / "sizes")
+        .run()
+    )
+    handle.join(timeout=240)
+    summary = handle.result.summary
+    assert summary.per_rank_sample_share == pytest.approx([0.8, 0.2], abs=0.03)
+    assert summary.coverage_exact and summary.samples_seen == 2 * n
+    run = RunLength(2 * n, 64 + 16)
+    reference = warmup_cosine(
+        sgd([torch.nn.Parameter(torch.zeros(1))], lr=0.1), run.total_steps, 0.2, 0.1
+    )
+    expected = []
+    for epoch in range(2):  # lr 0.05 x 2.0 (2 ranks, lr_scale_ratio 1.0) = 0.1
+        advance_to(reference, run.target_step((epoch + 1) * n))
+        expected.append(reference.optimizer.param_groups[0]["lr"])
+    assert [m.lr for m in seen] == pytest.approx(expected)
+    assert expected[-1] == pytest.approx(0.01)  # the floor, at the run's end
+    summary_json = json.loads((handle.job_dir / "summary.json").read_text())
+    assert summary_json["lr_scaling"]["lr"] == pytest.approx(0.1)

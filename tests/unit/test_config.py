@@ -58,9 +58,11 @@ SURFACE = {
         "relax_up",
     ],
     "ClusterConfig": [
+        "batch_sizes",
         "controller",
         "heartbeat_timeout_s",
         "kind",
+        "memory_fraction",
         "pace_margin",
         "ranks",
         "slurm",

@@ -144,3 +144,45 @@ def test_lr_scaling_announcement_names_every_number():
     assert (
         format_lr_scaling(lr_scaling(None, 0.5, 3)) == "lr \u00d7 2.0 (lr_scale_ratio 0.5, 3 ranks)"
     )
+
+
+def test_per_rank_batch_sizes_plan_samples_and_weight_the_average_by_them():
+    """Ranks of batch 64 and 16 at equal speed: equal batch counts, sample shares 0.8 / 0.2, and
+    the controller's average (cpu_cadence) is 0.8 a + 0.2 b, checked by hand."""
+    from flodl.config import ElCheConfig, TrainerConfig
+    from flodl.runtime.controller import Controller
+    from flodl.runtime.messages import Average, Ready, Report
+
+    from .test_controller import FakeLink
+
+    cfg = TrainerConfig(num_epochs=1, batch_size=32, elche=ElCheConfig(mode="cpu_cadence"))
+    ctl = Controller(cfg, 2, [1.0, 1.0], has_eval=False)
+    links = [FakeLink(), FakeLink()]
+    for rank, link in enumerate(links):
+        ctl.attach(rank, link)
+    for rank, size in enumerate((64, 16)):
+        ctl._handle(rank, Ready(rank, "sig", 2, 1.0, "cpu", 800, batch_size=size))
+    assert ctl.batch_sizes == [64, 16]
+    first = [msg.windows[0] for msg in (link.sent[-1] for link in links)]
+    samples = [sum(s for _, s in w.chunks) for w in first]
+    assert samples == [640, 160]  # anchor 10 batches each, of their own size
+    assert [w.weight for w in first] == pytest.approx([0.8, 0.2])
+    a, b = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 6.0])
+    for rank, (w, flat) in enumerate(zip(first, (a, b), strict=True)):
+        ctl._handle(
+            rank,
+            Report(rank, w.index, 0, w.chunks, 10, samples[rank], 10.0, 1.0, 10, snapshot=flat),
+        )
+    average = [m for m in links[0].sent if isinstance(m, Average)][0]
+    torch.testing.assert_close(average.flat, 0.8 * a + 0.2 * b)
+
+
+def test_clamp_to_samples_fits_a_window_of_unequal_sizes_into_the_epoch():
+    from flodl.runtime.dispatch import EpochCursor, clamp_to_samples
+
+    assert clamp_to_samples([10, 10], [64, 16], 10_000) == [10, 10]
+    counts = clamp_to_samples([10, 10], [64, 16], 400)  # 800 asked, 400 left
+    assert counts == [5, 5]
+    cursor = EpochCursor(0, 400, 32)
+    chunks = cursor.take(counts, [64, 16])
+    assert chunks == [((0, 320),), ((320, 80),)] and cursor.done
