@@ -207,3 +207,21 @@ def test_per_rank_batch_sizes_share_samples_and_the_lr_clock_on_a_2_rank_rig(tmp
     assert expected[-1] == pytest.approx(0.01)  # the floor, at the run's end
     summary_json = json.loads((handle.job_dir / "summary.json").read_text())
     assert summary_json["lr_scaling"]["lr"] == pytest.approx(0.1)
+
+
+@pytest.mark.light
+def test_cooperative_backward_accumulates_like_the_managed_tier(tmp_path):
+    """worker.backward(loss) in your own loop: 16 x 4 lands on the managed batch-64 weights."""
+    _, big = _trained(local(tmp_path, "b64", epochs=1, batch=64))
+    worker = local(tmp_path, "coop", epochs=1, batch=16).accumulate_grad_batches(4).into_worker()
+    stepped = 0
+    for _ in worker.epochs():
+        for batch in worker.batches():
+            with worker.autocast():
+                loss = classification_step(worker.model, batch)
+            stepped += worker.backward(loss)
+            worker.step(loss)
+    state = worker.finish()
+    assert stepped == N_TRAIN // 64  # every group of 4 was complete: stepped inside the loop
+    for name, tensor in big.params.items():
+        torch.testing.assert_close(state.params[name], tensor, rtol=1e-4, atol=1e-6)
