@@ -225,3 +225,34 @@ def test_cooperative_backward_accumulates_like_the_managed_tier(tmp_path):
     assert stepped == N_TRAIN // 64  # every group of 4 was complete: stepped inside the loop
     for name, tensor in big.params.items():
         torch.testing.assert_close(state.params[name], tensor, rtol=1e-4, atol=1e-6)
+
+
+def fixed_warmup_cosine(optimizer: torch.optim.Optimizer) -> Any:
+    from flodl.schedules import warmup_cosine
+
+    return warmup_cosine(optimizer, total_steps=32, warmup_fraction=0.25, floor=0.1)
+
+
+@pytest.mark.light
+def test_resume_lands_on_the_same_lr_clock_and_weights(tmp_path):
+    """1 epoch, save, resume to 2 == 2 straight: the clock is derived from epoch and coverage,
+    the scheduler's state rides in the bundle."""
+    from flodl import TrainerConfig
+
+    def run(name: str, epochs: int, **cfg: Any):
+        seen: list[EpochMetrics] = []
+        builder = local(tmp_path, name, epochs=epochs).config(TrainerConfig(**cfg))
+        builder = builder.scheduler(fixed_warmup_cosine, interval="step").metrics_fn(seen.append)
+        _, state = _trained(builder)
+        return seen, state
+
+    straight, s_state = run("straight", 2)
+    stem = str(tmp_path / "ckpt" / "run")
+    first, _ = run("first", 1, save_path=stem)
+    resumed, r_state = run("resumed", 2, resume_from=stem)
+    assert first[0].lr == pytest.approx(straight[0].lr)
+    assert [m.epoch for m in resumed] == [1]
+    assert resumed[0].lr == pytest.approx(straight[1].lr)  # step 32 of 32: the floor
+    assert straight[1].lr == pytest.approx(0.005)
+    for name, tensor in s_state.params.items():
+        torch.testing.assert_close(r_state.params[name], tensor)
