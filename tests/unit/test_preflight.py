@@ -44,3 +44,28 @@ def test_16_mixed_is_refused_for_cpu_ranks_and_bf16_is_not():
     with pytest.raises(ConfigError, match=r"use trainer\.precision=bf16-mixed"):
         check_config(TrainerConfig(precision="16-mixed", cluster=cpu))
     assert TrainerConfig(precision=32).precision == "32"  # YAML's integer 32
+
+
+def test_auto_batch_search_finds_the_largest_fitting_size_in_few_probes(monkeypatch):
+    from types import SimpleNamespace
+
+    from flodl.runtime import memory
+
+    probes: list[int] = []
+
+    def fits_up_to(limit):
+        def fits(worker, dataset, size, budget):
+            probes.append(size)
+            return size <= limit
+
+        return fits
+
+    worker = SimpleNamespace(rank=0, cfg=SimpleNamespace(cluster=ClusterConfig()))
+    monkeypatch.setattr(memory, "_fits", fits_up_to(37))
+    assert memory._search(worker, range(1000), 1.0, 2**30) == 37
+    assert len(probes) <= 2 * 6 + 1  # doubling to 64, then bisecting 32..64
+    monkeypatch.setattr(memory, "_fits", fits_up_to(10**6))
+    assert memory._search(worker, range(20), 1.0, 2**30) == 20  # capped by the dataset
+    monkeypatch.setattr(memory, "_fits", fits_up_to(0))
+    with pytest.raises(RuntimeError, match="cannot fit even one sample"):
+        memory._search(worker, range(20), 1.0, 2**30)
