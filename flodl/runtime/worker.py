@@ -143,10 +143,12 @@ class Worker:
         dataset = resolve_dataset(self.spec.dataset)
         self.batch_size = self._own_batch_size(dataset)
         if self.batch_size > len(dataset):
-            raise ValueError(
-                f"batch size {self.batch_size} of rank {self.rank} (trainer.batch_size / "
-                f"cluster.batch_sizes): larger than the dataset ({len(dataset)} samples)"
+            key = (
+                f"trainer.batch_size={self.batch_size}"
+                if self.batch_size == self.cfg.batch_size
+                else f"rank {self.rank}'s batch size {self.batch_size} (cluster.batch_sizes)"
             )
+            raise ValueError(f"{key}: larger than the dataset ({len(dataset)} samples)")
         self.source = BatchSource(dataset, self.batch_size, self.cfg.seed, self.device)
         self._build_scheduler()
         self.eval_source = None
