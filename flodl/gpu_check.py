@@ -120,7 +120,8 @@ def _in_child(name: str, left_s: float) -> tuple[bool | None, str]:
 def _nccl_two_ranks() -> tuple[bool | None, str]:
     import torch
 
-    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "0,1")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0,1").split(",")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible[:2])  # exactly two ranks
     with tempfile.TemporaryDirectory() as out:
         result = _train(out, 2, {})
     if torch.cuda.is_initialized():
