@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from flodl import schedules
-from flodl.config import ConfigError, TrainerConfig
+from flodl.config import ConfigError, Mode, TrainerConfig
 from flodl.runtime.spec import JobSpec
 from flodl.topology import Topology
 
@@ -100,12 +100,13 @@ def rank_batch_sizes(config: TrainerConfig, topology: Topology) -> list[int | No
     cluster, world = config.cluster, topology.world_size
     sizes: list[int | str | None]
     if isinstance(cluster.batch_sizes, list):
-        if len(cluster.batch_sizes) != world:
+        solo = config.elche.mode is Mode.SOLO  # rank 0 alone: its size
+        if len(cluster.batch_sizes) != world and not solo:
             raise ConfigError(
                 f"cluster.batch_sizes={cluster.batch_sizes}: {len(cluster.batch_sizes)} entries "
                 f"but the run has {world} rank(s); give one size per rank"
             )
-        sizes = list(cluster.batch_sizes)
+        sizes = list(cluster.batch_sizes[:world])
     elif cluster.kind == "hosts" and topology.placements:
         sizes = [cluster.workers[p.worker or 0].batch_size for p in topology.placements]
     else:

@@ -69,3 +69,13 @@ def test_auto_batch_search_finds_the_largest_fitting_size_in_few_probes(monkeypa
     monkeypatch.setattr(memory, "_fits", fits_up_to(0))
     with pytest.raises(RuntimeError, match="cannot fit even one sample"):
         memory._search(worker, range(20), 1.0, 2**30)
+
+
+def test_solo_trains_with_rank_0s_size():
+    from flodl.config import ElCheConfig
+
+    cfg = TrainerConfig(
+        elche=ElCheConfig(mode="solo"),
+        cluster=ClusterConfig(kind="cpu_rig", ranks=2, batch_sizes=[64, 16]),
+    )
+    assert rank_batch_sizes(cfg, resolve_topology(cfg, probe_hosts=False)) == [64]
