@@ -66,12 +66,12 @@ class WindowTally:
             self.loss_count += 1
 
 
-def _batch_samples(batch: Any) -> int:
-    """Samples in a batch: the leading dimension of its first tensor."""
-    first = batch[0] if isinstance(batch, (list, tuple)) else batch
-    if isinstance(first, dict):
+def _batch_samples(batch: Any) -> int | None:
+    """Samples in a batch: the leading dimension of its first tensor (None: no tensor found)."""
+    first = batch[0] if isinstance(batch, (list, tuple)) and batch else batch
+    if isinstance(first, dict) and first:
         first = next(iter(first.values()))
-    return int(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() else 1
+    return int(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() else None
 
 
 def _with_last(items: Any) -> Any:
@@ -208,8 +208,9 @@ class Worker:
         """Advance a per-step scheduler to the global progress after this batch."""
         if self.scheduler is None or not self.per_step:
             return
-        self._own_done += _batch_samples(batch)
         before, in_window, own_total = self._clock
+        samples = _batch_samples(batch)
+        self._own_done += samples if samples is not None else self.batch_size
         done = schedules.global_samples(before, in_window, self._own_done, own_total)
         schedules.advance_to(self.scheduler, self.run_length.target_step(done))
 
