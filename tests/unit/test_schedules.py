@@ -186,3 +186,56 @@ def test_clamp_to_samples_fits_a_window_of_unequal_sizes_into_the_epoch():
     cursor = EpochCursor(0, 400, 32)
     chunks = cursor.take(counts, [64, 16])
     assert chunks == [((0, 320),), ((320, 80),)] and cursor.done
+
+
+def _drive_sized(ctl, links, sizes, ms_per_sample):
+    """Fake ranks that take ``ms_per_sample[r]`` per sample of their own batch size."""
+    from flodl.runtime.dispatch import chunk_batches
+    from flodl.runtime.messages import Final, Report, Stop
+
+    done, stopped = [0, 0], [False, False]
+    while not all(stopped):
+        for rank, link in enumerate(links):
+            while done[rank] < len(link.sent):
+                msg = link.sent[done[rank]]
+                done[rank] += 1
+                if isinstance(msg, Plan):
+                    for w in msg.windows:
+                        b = chunk_batches(w.chunks, sizes[rank])
+                        n = sum(s for _, s in w.chunks)
+                        ms = n * ms_per_sample[rank]
+                        report = Report(rank, w.index, w.epoch, w.chunks, b, n, ms, 1.0 * b, b)
+                        ctl._handle(rank, report)
+                elif isinstance(msg, Stop):
+                    stopped[rank] = True
+                    if msg.send_state:
+                        ctl._handle(rank, Final(rank, {}, {}))
+
+
+@pytest.mark.parametrize(
+    ("ms_per_sample", "share"), [((0.1, 0.1), 0.5), ((0.1, 0.4), 0.8)], ids=["equal_rate", "4x"]
+)
+def test_cadence_shares_follow_samples_per_second_with_unequal_batch_sizes(ms_per_sample, share):
+    """Batch 64 vs 16. At equal samples/s (the big rank's batch takes 4x as long) ElChe's counts,
+    which equalise time per window, split the samples evenly; at equal ms per *batch* (the small
+    rank 4x slower per sample) they split 0.8 / 0.2: shares follow samples/s either way."""
+    from flodl.config import ElCheConfig, TrainerConfig
+    from flodl.runtime.controller import Controller
+    from flodl.runtime.messages import Ready
+
+    from .test_controller import FakeLink
+
+    cfg = TrainerConfig(num_epochs=4, batch_size=32, elche=ElCheConfig(anchor=4))
+    ctl = Controller(cfg, 2, [1.0, 1.0], has_eval=False)
+    links = [FakeLink(), FakeLink()]
+    for rank, link in enumerate(links):
+        ctl.attach(rank, link)
+    for rank, size in enumerate((64, 16)):
+        ctl._handle(rank, Ready(rank, "sig", 2, 1.0, "cpu", 4000, batch_size=size))
+    _drive_sized(ctl, links, (64, 16), ms_per_sample)
+    last = ctl.closed_epochs[-1]
+    samples = [r["samples"] for r in last.per_rank]
+    assert samples[0] / sum(samples) == pytest.approx(share, abs=0.05)
+    rate = [s / r["compute_ms"] for s, r in zip(samples, last.per_rank, strict=True)]
+    assert samples[0] / samples[1] == pytest.approx(rate[0] / rate[1], rel=0.1)  # ∝ samples/s
+    assert all(ctl.coverage.exact(e) for e in range(4))
