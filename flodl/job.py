@@ -24,6 +24,7 @@ import torch
 from flodl.metrics import EpochMetrics, RunSummary, SyncEvent
 from flodl.runtime.controller import Controller, ControllerResult, Hooks, RunFailed
 from flodl.runtime.links import in_process_link
+from flodl.runtime.preflight import format_lr_scaling, preflight, rank_batch_sizes
 from flodl.runtime.snapshots import Checkpointer, ResumePoint
 from flodl.runtime.spec import Callbacks, JobSpec
 from flodl.topology import Topology, resolve_topology
@@ -58,6 +59,8 @@ class Job:
         self._resume: ResumePoint | None = check_run(
             spec.config, self.topology.world_size, signature
         )
+        self.run_info["lr_scaling"] = preflight(spec, self.topology)
+        spec.batch_sizes = rank_batch_sizes(spec.config, self.topology)
         self._stop = threading.Event()
         self.launcher: Any = None  # the process launcher, once a cohort is spawned
         self.cooperative = False
@@ -84,6 +87,7 @@ class Job:
         log.info("flodl: %s | mode %s", topo.description, cfg.elche.mode.value)
         dashboard = None
         try:
+            log.info("flodl: %s", format_lr_scaling(self.run_info["lr_scaling"]))
             # Everything that can refuse the run does so before any rank (or server) starts.
             controller = Controller(
                 cfg,
@@ -311,6 +315,7 @@ class Job:
             mean_sync_ms=sum(syncs) / len(syncs) if syncs else 0.0,
             samples_per_s=result.samples / result.train_s,
             per_rank_batch_share=[b / total_batches for b in result.rank_batches],
+            per_rank_sample_share=[s / max(result.samples, 1) for s in result.rank_samples],
             per_rank_throughput=[s / result.train_s for s in result.rank_samples],
             idle_fraction=[
                 max(0.0, 1.0 - c / 1000.0 / result.train_s) for c in result.rank_compute_ms

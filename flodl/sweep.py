@@ -44,6 +44,9 @@ def launch_sweep(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
         try:  # every job of the batch, before any of them starts a rank
             run_cfg = validate_run_config(app.plain_config(job_cfg))
             check_factories(run_cfg)
+            from flodl.runtime.preflight import check_config
+
+            check_config(run_cfg.trainer_config())
         except ConfigError as exc:
             where = f" (job {idx}: {' '.join(overrides)})" if app.STATE["jobs"] > 1 else ""
             print(f"error: {exc}{where}", file=sys.stderr)

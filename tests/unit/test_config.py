@@ -11,6 +11,7 @@ from flodl.config import (
     ElCheConfig,
     LoggerConfig,
     Mode,
+    SchedulerConfig,
     TaskConfig,
     TrainerConfig,
     TrainerKnobs,
@@ -21,9 +22,11 @@ from flodl.config import (
 # Changing the public surface must be a deliberate act: update this list and the README.
 SURFACE = {
     "TrainerKnobs": [
+        "accumulate_grad_batches",
         "batch_size",
         "callback_policy",
         "checkpoint_every",
+        "compile",
         "device",
         "eval_every",
         "lr_scale_ratio",
@@ -31,6 +34,7 @@ SURFACE = {
         "max_grad_norm",
         "max_nonfinite",
         "num_epochs",
+        "precision",
         "resume_from",
         "save_path",
         "seed",
@@ -55,9 +59,11 @@ SURFACE = {
         "relax_up",
     ],
     "ClusterConfig": [
+        "batch_sizes",
         "controller",
         "heartbeat_timeout_s",
         "kind",
+        "memory_fraction",
         "pace_margin",
         "ranks",
         "slurm",
@@ -79,12 +85,13 @@ SURFACE = {
         "objective_direction",
         "train_step",
     ],
+    "SchedulerConfig": ["interval", "target"],
 }
 
 
 @pytest.mark.parametrize(
     "model",
-    [TrainerKnobs, ElCheConfig, ClusterConfig, LoggerConfig, TaskConfig],
+    [TrainerKnobs, ElCheConfig, ClusterConfig, LoggerConfig, TaskConfig, SchedulerConfig],
     ids=lambda m: m.__name__,
 )
 def test_config_surface_is_pinned(model):
