@@ -191,7 +191,7 @@ def test_clamp_to_samples_fits_a_window_of_unequal_sizes_into_the_epoch():
 def _drive_sized(ctl, links, sizes, ms_per_sample):
     """Fake ranks that take ``ms_per_sample[r]`` per sample of their own batch size."""
     from flodl.runtime.dispatch import chunk_batches
-    from flodl.runtime.messages import Final, Report, Stop
+    from flodl.runtime.messages import Final, Report, Settled, Stop
 
     done, stopped = [0, 0], [False, False]
     while not all(stopped):
@@ -206,6 +206,8 @@ def _drive_sized(ctl, links, sizes, ms_per_sample):
                         ms = n * ms_per_sample[rank]
                         report = Report(rank, w.index, w.epoch, w.chunks, b, n, ms, 1.0 * b, b)
                         ctl._handle(rank, report)
+                        if w.settle:  # its averaging held
+                            ctl._handle(rank, Settled(rank, w.index))
                 elif isinstance(msg, Stop):
                     stopped[rank] = True
                     if msg.send_state:
