@@ -43,12 +43,17 @@ def test_option_composes_and_validates(group, option):
     overrides = [f"{group}={option}"]
     if group == "model" and option == "resnet":
         overrides += ["dataset=synthetic", "dataset.input_shape=[3,32,32]"]
+    if (group, option) in {("dataset", "shakespeare"), ("task", "language_model")}:
+        overrides += ["model=char_rnn"]  # text data has no input_shape for the default MLP
     cfg = _compose(overrides)
     run = validate_run_config(plain_config(cfg))
     if group == "elche":
         assert run.elche.mode is Mode(option)
     if group == "model" and option == "conv_ae":
         assert run.task.train_step.endswith("reconstruction_step")
+    if group == "model" and option in {"char_rnn", "gpt_nano"}:
+        assert run.task.train_step.endswith("language_model_step")
+        assert run.dataset.target == "recipes.text.shakespeare"
 
 
 def test_default_job_matches_the_readme():
