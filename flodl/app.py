@@ -47,8 +47,14 @@ def build_dataset(target: TargetConfig, split: str) -> Any:
     return _instantiate(target, split=split)
 
 
-def build_scheduler(target: TargetConfig, optimizer: Any) -> Any:
-    return _instantiate(target, optimizer)
+def build_scheduler(target: TargetConfig, optimizer: Any, total_steps: int | None = None) -> Any:
+    """``total_steps: auto`` (or left out where the target needs it) becomes the run's length."""
+    from flodl.schedules import fill_total_steps
+
+    kwargs = fill_total_steps(resolve_dotted(target.target), target.kwargs(), total_steps)
+    from hydra.utils import instantiate
+
+    return instantiate({"_target_": target.target, **kwargs}, optimizer)
 
 
 # -- the job -----------------------------------------------------------------------------------
@@ -97,6 +103,7 @@ def train(cfg: Any) -> dict[str, Any]:
         scheduler_factory=(
             partial(build_scheduler, run_cfg.scheduler) if run_cfg.scheduler is not None else None
         ),
+        scheduler_interval=run_cfg.scheduler.interval if run_cfg.scheduler else "epoch",
         metrics_fn=_optional(task.metrics_fn),
         eval_result_fn=_optional(task.eval_result_fn),
         epoch_fn=_optional(task.epoch_fn),

@@ -201,6 +201,17 @@ class WorkerConfig(_Schema):
         None, description="interface for NCCL and gloo (NCCL_/GLOO_SOCKET_IFNAME)"
     )
     env: dict[str, str] = Field(default_factory=dict, description="extra environment of its ranks")
+    batch_size: int | Literal["auto"] | None = Field(
+        None,
+        description="per-rank batch of this host's ranks (auto: probed on CUDA); null: trainer's",
+    )
+
+    @field_validator("batch_size")
+    @classmethod
+    def _batch_positive(cls, v: int | str | None) -> int | str | None:
+        if isinstance(v, int) and v < 1:
+            raise ValueError("must be >= 1, 'auto' or null")
+        return v
 
     @field_validator("devices")
     @classmethod
@@ -294,16 +305,36 @@ class ClusterConfig(_Schema):
     heartbeat_timeout_s: float = Field(
         30.0, gt=0, description="a rank silent this long is dropped as lost"
     )
+    batch_sizes: list[int] | Literal["auto"] | None = Field(
+        None,
+        description="per-rank batch sizes (memory-unequal devices); auto: probed per CUDA rank; "
+        "null: trainer.batch_size everywhere",
+    )
+    memory_fraction: float = Field(
+        0.9, gt=0.05, le=1.0, description="batch_sizes=auto: peak memory a probe step may use"
+    )
 
     @field_validator("speeds")
     @classmethod
     def _speeds_valid(cls, v: list[float] | None) -> list[float] | None:
         return _check_speeds(v)
 
+    @field_validator("batch_sizes")
+    @classmethod
+    def _batch_sizes_valid(cls, v: list[int] | str | None) -> list[int] | str | None:
+        if isinstance(v, list) and (not v or any(b < 1 for b in v)):
+            raise ValueError("must be a non-empty list of sizes >= 1, 'auto' or null")
+        return v
+
     @model_validator(mode="after")
     def _consistent(self) -> ClusterConfig:
         if self.speeds is not None and len(self.speeds) != self.ranks:
             raise ValueError(f"speeds has {len(self.speeds)} entries but ranks={self.ranks}")
+        sizes = self.batch_sizes
+        if isinstance(sizes, list) and self.kind == "cpu_rig" and len(sizes) != self.ranks:
+            raise ValueError(f"batch_sizes has {len(sizes)} entries but ranks={self.ranks}")
+        if isinstance(sizes, list) and self.kind == "hosts":
+            raise ValueError("kind=hosts: set batch_size on each worker instead of batch_sizes")
         if self.kind == "hosts" and not self.workers:
             raise ValueError("kind=hosts needs at least one entry in workers")
         if self.kind != "hosts" and self.workers:
@@ -376,6 +407,18 @@ class TrainerKnobs(_Schema):
     max_nonfinite: int = Field(
         10, ge=0, description="NaN/inf losses skipped (with a warning) before the run stops"
     )
+    precision: Literal["32", "bf16-mixed", "16-mixed"] = Field(
+        "32", description="32 (fp32), bf16-mixed (autocast) or 16-mixed (fp16 + GradScaler, CUDA)"
+    )
+    accumulate_grad_batches: int = Field(
+        1, ge=1, le=4096, description="micro-batches whose gradients make one optimizer step"
+    )
+    compile: bool = Field(False, description="torch.compile each rank's model for the step")
+
+    @field_validator("precision", mode="before")
+    @classmethod
+    def _precision_text(cls, v: Any) -> Any:
+        return str(v) if isinstance(v, int) and not isinstance(v, bool) else v
 
 
 def _check_max_failure(v: int | str | None) -> int | str | None:
@@ -426,6 +469,16 @@ class TargetConfig(_Schema):
         return dict(self.model_extra or {})
 
 
+class SchedulerConfig(TargetConfig):
+    """An LR scheduler reference; ``interval`` says how it advances (the rest are its kwargs)."""
+
+    interval: Literal["step", "epoch"] = Field(
+        "epoch",
+        description="step: advanced on the global progress clock per optimizer step; "
+        "epoch: stepped once per epoch",
+    )
+
+
 class TaskConfig(_Schema):
     """What one step and one evaluation mean for the chosen model."""
 
@@ -452,8 +505,8 @@ class RunConfig(_Schema):
     optimizer: TargetConfig
     dataset: TargetConfig
     task: TaskConfig
-    scheduler: TargetConfig | None = Field(
-        None, description="per-rank LR scheduler, stepped per epoch"
+    scheduler: SchedulerConfig | None = Field(
+        None, description="per-rank LR scheduler (total_steps: auto = the run's length)"
     )
     trainer: TrainerKnobs = Field(default_factory=TrainerKnobs)
     elche: ElCheConfig = Field(default_factory=ElCheConfig)

@@ -93,6 +93,7 @@ class CooperativeWorker:
                 if self._pending_loss is None:
                     raise RuntimeError("call worker.step(loss) once for every batch")
                 self._tally.add(self._pending_loss)
+                self._core.tick(batch)
             self._core.end_window(window, self._tally)
             self._window = self._next_window()
 

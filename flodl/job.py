@@ -25,6 +25,7 @@ from flodl.checkpoint import CheckpointError
 from flodl.metrics import EpochMetrics, RunSummary, SyncEvent
 from flodl.runtime.controller import Controller, ControllerResult, Hooks
 from flodl.runtime.links import in_process_link
+from flodl.runtime.preflight import format_lr_scaling, preflight
 from flodl.runtime.snapshots import Checkpointer, ResumePoint
 from flodl.runtime.spec import Callbacks, JobSpec
 from flodl.topology import Topology, resolve_topology
@@ -52,6 +53,7 @@ class Job:
         self.eval_metric = eval_metric
         self.run_info = run_info
         self.topology: Topology = resolve_topology(spec.config)
+        self.run_info["lr_scaling"] = preflight(spec, self.topology)
         self._stop = threading.Event()
         self.launcher: Any = None  # the process launcher, once a cohort is spawned
         self.cooperative = False
@@ -78,6 +80,7 @@ class Job:
         log.info("flodl: %s | mode %s", topo.description, cfg.elche.mode.value)
         dashboard = None
         try:
+            log.info("flodl: %s", format_lr_scaling(self.run_info["lr_scaling"]))
             # Everything that can refuse the run does so before any rank (or server) starts.
             controller = Controller(
                 cfg,
@@ -310,6 +313,7 @@ class Job:
             mean_sync_ms=sum(syncs) / len(syncs) if syncs else 0.0,
             samples_per_s=result.samples / result.train_s,
             per_rank_batch_share=[b / total_batches for b in result.rank_batches],
+            per_rank_sample_share=[s / max(result.samples, 1) for s in result.rank_samples],
             per_rank_throughput=[s / result.train_s for s in result.rank_samples],
             idle_fraction=[
                 max(0.0, 1.0 - c / 1000.0 / result.train_s) for c in result.rank_compute_ms

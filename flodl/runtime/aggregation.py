@@ -91,7 +91,7 @@ class Aggregation(Outbound):
         from flodl.runtime.averaging import weighted_mean  # torch only where averaging happens
 
         batches = [r.batches for r in reports]
-        weights = averaging_weights(batches, self.cfg.elche.gamma)
+        weights = averaging_weights([r.samples for r in reports], self.cfg.elche.gamma)
         bweights = buffer_weights(batches)
         n_params = self.ready[reports[0].rank].n_params
         mean = weighted_mean([r.snapshot for r in reports], weights, bweights, n_params)

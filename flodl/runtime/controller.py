@@ -119,6 +119,7 @@ class Controller(Planning, Aggregation):
         self.center: Any = None
         self.outer: Any = None
         self.overshoot = (0, 0, 0)  # cpu_async: (current, initial, cap) averages in flight
+        self.batch_sizes = [config.batch_size] * world_size
         self.global_step = resume.meta.global_step if resume is not None else 0
         self.rounds_before = resume.meta.sync_round if resume is not None else 0
         self.stop_reason: str | None = None
@@ -372,6 +373,9 @@ class Controller(Planning, Aggregation):
         if len(sizes) > 1:
             raise RunFailed(f"ranks loaded datasets of different sizes: {sorted(sizes)}")
         n_samples = sizes.pop()
+        self.batch_sizes = [
+            self.ready[r].batch_size or self.cfg.batch_size for r in range(self.world)
+        ]
         if self.checkpointer is not None:
             self.checkpointer.signature = signatures.pop()
         start, ranges = self._resume_ranks(n_samples)

@@ -25,6 +25,7 @@ class Ready:
     step_ms: float
     device: str
     n_samples: int
+    batch_size: int = 0  # this rank's batch size (configured or probed); 0: trainer.batch_size
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,8 @@ class Window:
     max_overshoot: int = 0  # cpu_async: averages this rank may leave in flight
     checkpoint_after: bool = False  # send RankState after this window's average
     generation: int = 0  # membership generation it was planned for
+    progress: int = 0  # global progress clock: samples of the run dispatched before this window
+    window_samples: int = 0  # samples of this window over all ranks
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,7 @@ class RankState:
     rng: Any
     params: dict[str, Any] | None = None
     buffers: dict[str, Any] | None = None
+    scaler: dict[str, Any] | None = None  # 16-mixed: the GradScaler's state
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,7 @@ class Restore:
     scheduler: dict[str, Any] | None
     rng: Any
     epoch: int
+    scaler: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

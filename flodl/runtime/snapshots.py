@@ -60,6 +60,7 @@ class Checkpointer:
             "buffers": source.buffers,
             "optimizer": {r: s.optimizer for r, s in states.items()},
             "scheduler": {r: s.scheduler for r, s in states.items()},
+            "scaler": {r: s.scaler for r, s in states.items()},
             "rng": {r: s.rng for r, s in states.items()},
         }
         meta = BundleMeta(
@@ -99,6 +100,7 @@ class ResumePoint:
             scheduler=p["scheduler"].get(rank),
             rng=p["rng"][rank],
             epoch=self.meta.epoch,
+            scaler=p.get("scaler", {}).get(rank),  # bundles before 16-mixed have none
         )
 
     def uncovered(self) -> list[tuple[int, int]]:

@@ -22,9 +22,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flodl import schedules
 from flodl.config import Mode
 from flodl.data import BatchSource, resolve_dataset
 from flodl.metrics import drain_scalars
+from flodl.precision import StepRunner, compiled
 from flodl.runtime import groups
 from flodl.runtime.averaging import FlatState, broadcast_from, collective_average
 from flodl.runtime.messages import (
@@ -62,6 +64,27 @@ class WindowTally:
         if math.isfinite(loss):
             self.loss_sum += loss
             self.loss_count += 1
+
+
+def _batch_samples(batch: Any) -> int:
+    """Samples in a batch: the leading dimension of its first tensor."""
+    first = batch[0] if isinstance(batch, (list, tuple)) else batch
+    if isinstance(first, dict):
+        first = next(iter(first.values()))
+    return int(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() else 1
+
+
+def _with_last(items: Any) -> Any:
+    """``(item, is_last)`` pairs, looking one ahead."""
+    it = iter(items)
+    try:
+        current = next(it)
+    except StopIteration:
+        return
+    for following in it:
+        yield current, False
+        current = following
+    yield current, True
 
 
 class Worker:
@@ -106,19 +129,26 @@ class Worker:
         self.model.to(self.device).train()
         # Before the optimizer: parameters move into one buffer the collectives use in place.
         self.state = FlatState(self.model, share_storage=True)
+        # What the step runs; averaging, checkpoints and the final state read self.model.
+        self.train_model: nn.Module = compiled(self.model) if self.cfg.compile else self.model
+        self.runner = StepRunner(
+            self.cfg.precision,
+            self.device,
+            self.cfg.accumulate_grad_batches,
+            self.cfg.max_grad_norm,
+        )
         self.optimizer = self.spec.optim_factory(self.model.parameters())
         self._scale_lr()
-        self.scheduler = (
-            self.spec.scheduler_factory(self.optimizer) if self.spec.scheduler_factory else None
-        )
         self.outer = make_outer(self.cfg.elche, self.state.n_params)
         dataset = resolve_dataset(self.spec.dataset)
-        if self.cfg.batch_size > len(dataset):
+        self.batch_size = self._own_batch_size(dataset)
+        if self.batch_size > len(dataset):
             raise ValueError(
-                f"trainer.batch_size={self.cfg.batch_size}: larger than the dataset "
-                f"({len(dataset)} samples)"
+                f"batch size {self.batch_size} of rank {self.rank} (trainer.batch_size / "
+                f"cluster.batch_sizes): larger than the dataset ({len(dataset)} samples)"
             )
-        self.source = BatchSource(dataset, self.cfg.batch_size, self.cfg.seed, self.device)
+        self.source = BatchSource(dataset, self.batch_size, self.cfg.seed, self.device)
+        self._build_scheduler()
         self.eval_source = None
         if self.spec.has_eval:
             eval_set = resolve_dataset(self.spec.eval_dataset, "eval_dataset")
@@ -129,6 +159,57 @@ class Worker:
             broadcast_from(self.state, src=0)
         if self.outer is not None:
             self.outer.reset(self.state.flatten())
+
+    def _build_scheduler(self) -> None:
+        self.per_step = self.spec.scheduler_interval == "step"
+        self.run_length = schedules.RunLength(
+            self.cfg.num_epochs * len(self.source), self._global_batch()
+        )
+        total = self.run_length.total_steps if self.per_step else self.cfg.num_epochs
+        factory = self.spec.scheduler_factory
+        self.scheduler = schedules.build(factory, self.optimizer, total) if factory else None
+        self._clock = (0, 0, 0)  # (progress before the window, its samples, this rank's share)
+        self._own_done = 0
+
+    def _own_batch_size(self, dataset: Any) -> int:
+        sizes = self.spec.batch_sizes
+        if not sizes or self.rank >= len(sizes):
+            return self.cfg.batch_size
+        size = sizes[self.rank]
+        if size is None:  # cluster.batch_sizes=auto: the largest that fits, probed here
+            from flodl.runtime.memory import probe_batch_size
+
+            size = probe_batch_size(self, dataset)
+            log.info(
+                "rank %d: batch size %d (probed, memory_fraction %.2f)",
+                self.rank,
+                size,
+                self.cfg.cluster.memory_fraction,
+            )
+        return size
+
+    def _rank_sizes(self) -> list[int]:
+        """Every rank's batch size; probed ones are gathered, so all ranks agree on the sum."""
+        sizes = list(self.spec.batch_sizes or [self.cfg.batch_size] * self.spec.world_size)
+        if any(b is None for b in sizes) and self.distributed:
+            gathered = torch.zeros(self.spec.world_size, dtype=torch.int64, device=self.device)
+            gathered[self.rank] = self.batch_size
+            dist.all_reduce(gathered)
+            return [int(b) for b in gathered]
+        return [self.batch_size if b is None else int(b) for b in sizes]
+
+    def _global_batch(self) -> int:
+        """Samples of one global step: every rank's batch, times the micro-batches per step."""
+        return sum(self._rank_sizes()) * self.cfg.accumulate_grad_batches
+
+    def tick(self, batch: Any) -> None:
+        """Advance a per-step scheduler to the global progress after this batch."""
+        if self.scheduler is None or not self.per_step:
+            return
+        self._own_done += _batch_samples(batch)
+        before, in_window, own_total = self._clock
+        done = schedules.global_samples(before, in_window, self._own_done, own_total)
+        schedules.advance_to(self.scheduler, self.run_length.target_step(done))
 
     def _scale_lr(self) -> None:
         factor = 1.0 + (self.spec.world_size - 1) * self.cfg.lr_scale_ratio
@@ -145,12 +226,14 @@ class Worker:
         probe = copy.deepcopy(self.model)
         optimizer = self.spec.optim_factory(probe.parameters())
         n = self.cfg.cluster.warmup_steps
-        chunk = ((0, min(len(self.source), self.cfg.batch_size * n)),)
+        chunk = ((0, min(len(self.source), self.batch_size * n)),)
         batches = itertools.cycle(list(self.source.batches(0, chunk)))
 
         def step() -> None:
             optimizer.zero_grad(set_to_none=True)
-            self.spec.train_step(probe, next(batches)).backward()
+            with self.runner.autocast():
+                loss = self.spec.train_step(probe, next(batches))
+            loss.backward()
             optimizer.step()
 
         if self.distributed:
@@ -200,6 +283,7 @@ class Worker:
                 step_ms=step_ms,
                 device=str(self.device),
                 n_samples=len(self.source),
+                batch_size=self.batch_size,
             )
         )
 
@@ -228,6 +312,7 @@ class Worker:
             window=window,
             optimizer=self.optimizer.state_dict(),
             scheduler=self.scheduler.state_dict() if self.scheduler is not None else None,
+            scaler=self.runner.state_dict(),
             rng=torch.get_rng_state(),
             params=params,
             buffers=buffers,
@@ -239,12 +324,13 @@ class Worker:
         self.optimizer.load_state_dict(msg.optimizer)
         if self.scheduler is not None and msg.scheduler is not None:
             self.scheduler.load_state_dict(msg.scheduler)
+        self.runner.load_state_dict(msg.scaler)
         torch.set_rng_state(msg.rng)
         # The scheduler steps when a new epoch begins; the saved one had not stepped yet.
         self._epoch = msg.epoch - 1
 
     def _start_epoch(self, epoch: int) -> None:
-        if self._epoch >= 0 and self.scheduler is not None:
+        if self._epoch >= 0 and self.scheduler is not None and not self.per_step:
             self.scheduler.step()
         self._epoch = epoch
 
@@ -256,8 +342,10 @@ class Worker:
         if self.is_void(window):
             return
         tally = self.begin_window(window)
-        for batch in self.source.batches(window.epoch, window.chunks):
-            tally.add(self.pacer.run(partial(self.train_batch, batch)))
+        batches = self.source.batches(window.epoch, window.chunks)
+        for batch, last in _with_last(batches):
+            tally.add(self.pacer.run(partial(self.train_batch, batch, last)))
+            self.tick(batch)
         self.end_window(window, tally)
 
     def begin_window(self, window: Window) -> WindowTally:
@@ -268,6 +356,8 @@ class Worker:
             elapsed = (time.perf_counter() - self._sync_started) * 1000.0
             self._last_sync_ms = max(0.0, elapsed - self._eval_ms)
         self._eval_ms = 0.0
+        own = sum(size for _, size in window.chunks)
+        self._clock, self._own_done = (window.progress, window.window_samples, own), 0
         return WindowTally(time.perf_counter())
 
     def end_window(self, window: Window, tally: WindowTally) -> None:
@@ -300,25 +390,30 @@ class Worker:
         if window.eval_after:
             self.evaluate(window.epoch)
 
-    def train_batch(self, batch: list[torch.Tensor]) -> float:
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = self.spec.train_step(self.model, batch)
-        if not torch.isfinite(loss.detach()).all():
-            return self._skip_nonfinite(loss)
-        loss.backward()
-        if self.cfg.max_grad_norm is not None:
-            nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
-        self.optimizer.step()
-        return float(loss.detach())
+    def train_batch(self, batch: list[torch.Tensor], last: bool = False) -> float:
+        """One micro-batch: forward in the run's precision, backward, and the optimizer step once
+        ``accumulate_grad_batches`` micro-batches are in (or ``last``: the window ends)."""
+        with self.runner.autocast():
+            loss = self.spec.train_step(self.train_model, batch)
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            value = self._skip_nonfinite(f"non-finite loss ({value})")
+        else:
+            self.runner.backward(loss)
+        if (self.runner.due or last) and not self.runner.step(self.model, self.optimizer):
+            self._skip_nonfinite(
+                "non-finite gradients (16-mixed: the GradScaler lowered its scale)"
+            )
+        return value
 
-    def _skip_nonfinite(self, loss: torch.Tensor) -> float:
-        """NaN/inf loss: skip the step (no backward, no update) with a warning, up to a limit."""
+    def _skip_nonfinite(self, what: str) -> float:
+        """NaN/inf: skip the step (no backward, no update) with a warning, up to a limit."""
         self._nonfinite += 1
         limit = self.cfg.max_nonfinite
         log.warning(
-            "rank %d: non-finite loss (%s) in epoch %d; step skipped (%d of %d allowed)",
+            "rank %d: %s in epoch %d; step skipped (%d of %d allowed)",
             self.rank,
-            float(loss.detach()),
+            what,
             self._epoch,
             self._nonfinite,
             limit,

@@ -11,6 +11,7 @@ from flodl.config import (
     ElCheConfig,
     LoggerConfig,
     Mode,
+    SchedulerConfig,
     TrainerConfig,
     TrainerKnobs,
     validate_run_config,
@@ -20,9 +21,11 @@ from flodl.config import (
 # Changing the public surface must be a deliberate act: update this list and the README.
 SURFACE = {
     "TrainerKnobs": [
+        "accumulate_grad_batches",
         "batch_size",
         "callback_policy",
         "checkpoint_every",
+        "compile",
         "device",
         "eval_every",
         "lr_scale_ratio",
@@ -30,6 +33,7 @@ SURFACE = {
         "max_grad_norm",
         "max_nonfinite",
         "num_epochs",
+        "precision",
         "resume_from",
         "save_path",
         "seed",
@@ -54,9 +58,11 @@ SURFACE = {
         "relax_up",
     ],
     "ClusterConfig": [
+        "batch_sizes",
         "controller",
         "heartbeat_timeout_s",
         "kind",
+        "memory_fraction",
         "pace_margin",
         "ranks",
         "slurm",
@@ -67,11 +73,14 @@ SURFACE = {
         "workers",
     ],
     "LoggerConfig": ["host", "keep_serving", "level", "progress", "serve", "tensorboard"],
+    "SchedulerConfig": ["interval", "target"],
 }
 
 
 @pytest.mark.parametrize(
-    "model", [TrainerKnobs, ElCheConfig, ClusterConfig, LoggerConfig], ids=lambda m: m.__name__
+    "model",
+    [TrainerKnobs, ElCheConfig, ClusterConfig, LoggerConfig, SchedulerConfig],
+    ids=lambda m: m.__name__,
 )
 def test_config_surface_is_pinned(model):
     assert sorted(model.model_fields) == SURFACE[model.__name__]
