@@ -116,6 +116,7 @@ def run_flodl_config(plain: dict[str, Any]) -> dict[str, Any]:
             eval_fn=resolve_dotted(task.eval_fn) if task.eval_fn else None,
             eval_result_fn=on_eval,
             scheduler_factory=partial(build_scheduler, scheduler) if scheduler else None,
+            scheduler_interval=scheduler.interval if scheduler else "epoch",
             job_dir=tmp,
             eval_metric=task.eval_metric,
         )
@@ -189,7 +190,7 @@ def _describe(workload: str, extra: list[str]) -> dict[str, Any]:
         "model": run_cfg.model.target,
         "dataset": run_cfg.dataset.target,
         "optimizer": {"target": run_cfg.optimizer.target, **run_cfg.optimizer.kwargs()},
-        "scheduler": run_cfg.scheduler.target if run_cfg.scheduler else None,
+        "scheduler": run_cfg.scheduler.model_dump(by_alias=True) if run_cfg.scheduler else None,
         "epochs": run_cfg.trainer.num_epochs,
         "batch_size": run_cfg.trainer.batch_size,
         "train_samples": len(train),

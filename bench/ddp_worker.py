@@ -21,17 +21,14 @@ from typing import Any
 
 
 def _scheduler(run_cfg: Any, optimizer: Any, total_steps: int) -> tuple[Any, bool]:
-    """The config's LR scheduler and whether it advances per step (else per epoch)."""
+    """The config's LR scheduler (``total_steps: auto`` = this run's optimizer steps) and
+    whether it advances per step (``interval: step``) rather than per epoch."""
     from flodl.app import build_scheduler
 
     if run_cfg.scheduler is None:
         return None, False
-    per_step = getattr(run_cfg.scheduler, "interval", "epoch") == "step"
-    kwargs = run_cfg.scheduler.kwargs()
-    if kwargs.get("total_steps") == "auto":
-        target = run_cfg.scheduler.model_copy(update={"total_steps": total_steps})
-        return build_scheduler(target, optimizer), per_step
-    return build_scheduler(run_cfg.scheduler, optimizer), per_step
+    scheduler = build_scheduler(run_cfg.scheduler, optimizer, total_steps)
+    return scheduler, run_cfg.scheduler.interval == "step"
 
 
 def worker(

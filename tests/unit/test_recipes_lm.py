@@ -11,7 +11,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from torch import nn
 
-from flodl.app import build_dataset, build_model, build_optimizer, plain_config
+from flodl.app import build_dataset, build_model, build_optimizer, build_scheduler, plain_config
 from flodl.config import validate_run_config
 from flodl.trainer import TrainedState
 from recipes import text
@@ -242,3 +242,17 @@ def test_model_gpt_nano_follows_block_size_and_uses_adam_3e_4() -> None:
     assert isinstance(model, GPTNano) and model.block_size == 48 and model.tok.num_embeddings == 65
     opt = build_optimizer(run.optimizer, model.parameters())
     assert isinstance(opt, torch.optim.Adam) and opt.defaults["lr"] == 3e-4
+    # 20 % linear warm-up, then cosine to 1e-5, per optimizer step (the global progress clock)
+    assert run.scheduler is not None and run.scheduler.interval == "step"
+    scheduler = build_scheduler(run.scheduler, opt, total_steps=100)
+    lrs = []
+    for _ in range(101):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        scheduler.step()
+    assert lrs[0] < 2e-5 and lrs[10] == pytest.approx(1.5e-4, rel=0.1)
+    assert lrs[20] == pytest.approx(3e-4) == max(lrs)
+    assert lrs[60] == pytest.approx((3e-4 + 1e-5) / 2, rel=1e-3)
+    assert lrs[100] == pytest.approx(1e-5, rel=1e-6)
+    flat = _run_config(["model=gpt_nano", "~scheduler"])
+    assert flat.scheduler is None and flat.model.target == "recipes.lm.GPTNano"
