@@ -173,7 +173,7 @@ def test_per_rank_batch_sizes_plan_samples_and_weight_the_average_by_them():
             rank,
             Report(rank, w.index, 0, w.chunks, 10, samples[rank], 10.0, 1.0, 10, snapshot=flat),
         )
-    average = [m for m in links[0].sent if isinstance(m, Average)][0]
+    average = next(m for m in links[0].sent if isinstance(m, Average))
     torch.testing.assert_close(average.flat, 0.8 * a + 0.2 * b)
 
 
