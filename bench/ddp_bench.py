@@ -20,6 +20,7 @@ tables and one PNG per language model (bench/results/ddp_bench_<workload>.png).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -28,6 +29,7 @@ from typing import Any
 from bench.common import (
     MODES,
     REPO,
+    RESULTS,
     child_main,
     exit_on_sigterm,
     log,
@@ -217,12 +219,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quiet-cores", type=float, default=0.6)
     parser.add_argument("--max-wait", type=float, default=10.0)
     parser.add_argument("--out", default=None, help="results stem (ddp_bench[_quick])")
+    parser.add_argument(
+        "--merge", action="store_true", help="keep the results file's other workloads' rows"
+    )
     args = parser.parse_args(argv)
     out = args.out or ("ddp_bench_quick" if args.quick else "ddp_bench")
     info = machine()
     started = time.perf_counter()
     rows: list[dict[str, Any]] = []
     workloads: dict[str, Any] = {}
+    if args.merge and (RESULTS / f"{out}.json").exists():
+        old = json.loads((RESULTS / f"{out}.json").read_text())
+        rows = [r for r in old["rows"] if r["workload"] not in args.workloads]
+        workloads = {
+            w: d for w, d in old["settings"]["workloads"].items() if w not in args.workloads
+        }
     for workload in args.workloads:
         extra = QUICK[workload] if args.quick else []
         workloads[workload] = {**_describe(workload, extra), "overrides": extra}
@@ -249,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                 "quick": args.quick,
                 "lr_scale_ratio": 0.0,
                 "workloads": workloads,
-                "variants": args.variants,
+                "variants": list(VARIANTS) if args.merge else args.variants,
                 "bench_wall_s": time.perf_counter() - started,
             },
             "command": "python -m bench.ddp_bench " + " ".join(argv),
