@@ -46,12 +46,12 @@ def test_goals_compare_with_solo_and_time_to_its_loss() -> None:
     assert "+1.5 % ok" in lines["char_rnn"] and "+5.0 % MISSED" in lines["char_rnn"]
     # time to solo's 2.00: cadence at 10 s, DDP between 20 s (2.1) and 40 s (1.9): 30 s
     assert "| char_rnn | 2.0000 | 10.0 s / 30.0 s | 0.33 ok |" in table
-    assert "| gpt_nano | – | not measured | – |" in table
+    assert "| gpt_nano | \u2013 | not measured | \u2013 |" in table
 
 
 def test_results_table_is_the_original_format() -> None:
     rows = [_row("lenet", "solo-fast", 0.95), _row("lenet", "ddp", 0.94)]
     rows.append({"workload": "lenet", "variant": "nccl_cadence", "status": "failed"})
     table = results_table(_data(rows))
-    assert "| solo-fast | 1.0000/0.9500/5.0/– |" in table
+    assert "| solo-fast | 1.0000/0.9500/5.0/\u2013 |" in table
     assert "| ddp | 1.0000/0.9400/5.0/3 |" in table and "| nccl_cadence | failed |" in table
