@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from pathlib import Path
@@ -105,7 +106,7 @@ def test_gpt_nano_cooperative_tier_with_its_per_step_schedule(tmp_path) -> None:
     assert len(lrs) == steps == 64
     peak = lrs.index(max(lrs))
     assert max(lrs) == pytest.approx(3e-3, rel=0.05) and 8 <= peak <= 16  # warm-up: 20 %
-    assert lrs[-1] < 3e-4 and all(a >= b for a, b in zip(lrs[peak:-1], lrs[peak + 1 :], strict=True))
+    assert lrs[-1] < 3e-4 and all(a >= b for a, b in itertools.pairwise(lrs[peak:]))
     model = state.load_into(GPTNano(data("train").vocab, block_size=16))
     assert model.vocab == data("train").vocab
     assert val_loss(model, *data("test").tensors) < math.log(65) - 0.8
