@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: run test lint format install clean
+.PHONY: run test lint format install clean gpu-check
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -27,6 +27,10 @@ lint: $(STAMP)
 
 test: lint
 	$(BIN)/python -m pytest -q -ra --durations=15 -n 2 --dist loadgroup $(PYTEST_ARGS)
+
+# On a CUDA machine: the CUDA paths in <= 5 min, a table, non-zero on failure (0 without CUDA).
+gpu-check: $(STAMP)
+	$(BIN)/python -m flodl gpu-check
 
 format: $(STAMP)
 	$(BIN)/ruff format .

@@ -35,6 +35,9 @@ def launch_sweep(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
             job_cfg.hydra.job.num = idx
         try:
             run_cfg = validate_run_config(app.plain_config(job_cfg))
+            from flodl.runtime.preflight import check_config
+
+            check_config(run_cfg.trainer_config())
         except ConfigError as exc:
             where = f" (job {idx}: {' '.join(overrides)})" if len(job_overrides) > 1 else ""
             print(f"error: {exc}{where}", file=sys.stderr)

@@ -1,16 +1,17 @@
 """``cluster.batch_sizes: auto``: the largest batch whose probe step fits in this rank's memory.
 
 Runs on the rank, before training, on its own CUDA device (the launcher refuses ``auto`` for CPU
-ranks). A probe step is one forward, backward and optimizer step of a throwaway copy of the model
-and optimizer in the run's precision; it fits when it neither runs out of memory nor peaks above
-``cluster.memory_fraction`` of the device's memory. Sizes double from 1 while they fit, then the
-gap to the first misfit is bisected, so a size is decided in about ``2 log2(size)`` steps.
+ranks). A probe step is one forward, backward and optimizer step of the rank's model (its weights
+are restored afterwards) with a throwaway optimizer, in the run's precision; it fits when it
+neither runs out of memory nor peaks above ``cluster.memory_fraction`` of the device's memory.
+Sizes double from 1 while they fit, then the gap to the first misfit is bisected, so a size is
+decided in about ``2 log2(size)`` probe steps.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
+import math
 from typing import Any
 
 import torch
@@ -21,12 +22,13 @@ _MAX_PROBE = 1 << 16
 
 
 def _fits(worker: Any, dataset: Any, size: int, budget: float) -> bool:
+    """One probe step on the rank's own model with a throwaway optimizer (its state counts)."""
     from flodl.data import BatchSource
 
-    device = worker.device
-    model = copy.deepcopy(worker.model)
+    device, model = worker.device, worker.model
     optimizer = worker.spec.optim_factory(model.parameters())
     source = BatchSource(dataset, size, worker.cfg.seed, device)
+    peak = math.inf
     try:
         torch.cuda.reset_peak_memory_stats(device)
         batch = next(iter(source.batches(0, ((0, size),))))
@@ -37,9 +39,10 @@ def _fits(worker: Any, dataset: Any, size: int, budget: float) -> bool:
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device)
     except torch.cuda.OutOfMemoryError:
-        return False
+        pass
     finally:
-        del model, optimizer
+        optimizer.zero_grad(set_to_none=True)
+        del optimizer
         torch.cuda.empty_cache()
     return peak <= budget
 
@@ -54,6 +57,14 @@ def probe_batch_size(worker: Any, dataset: Any) -> int:
         )
     total = torch.cuda.get_device_properties(device).total_memory
     budget = worker.cfg.cluster.memory_fraction * total
+    saved = {k: v.detach().to("cpu", copy=True) for k, v in worker.model.state_dict().items()}
+    try:
+        return _search(worker, dataset, budget, total)
+    finally:  # the probes stepped the model: put back the weights (and BatchNorm statistics)
+        worker.model.load_state_dict(saved)
+
+
+def _search(worker: Any, dataset: Any, budget: float, total: int) -> int:
     limit = min(len(dataset), _MAX_PROBE)
     good, bad = 0, None
     size = 1

@@ -118,6 +118,16 @@ def rank_batch_sizes(config: TrainerConfig, topology: Topology) -> list[int | No
     return [None if b == "auto" else int(b) if b is not None else config.batch_size for b in sizes]
 
 
+def check_config(config: TrainerConfig) -> None:
+    """The checks that need the topology but no factory: what a sweep refuses before any job
+    (hosts are not contacted here)."""
+    from flodl.topology import resolve_topology
+
+    topology = resolve_topology(config, probe_hosts=False)
+    check_precision(config.precision, rank_devices(topology, config.device))
+    rank_batch_sizes(config, topology)
+
+
 def preflight(spec: JobSpec, topology: Topology) -> dict[str, Any]:
     """Run the launch-time checks (a refusal is a :class:`ConfigError`, before any rank).
     Returns the LR scaling, which the job announces and records in summary.json."""

@@ -400,11 +400,16 @@ class Worker:
             value = self._skip_nonfinite(f"non-finite loss ({value})")
         else:
             self.runner.backward(loss)
-        if (self.runner.due or last) and not self.runner.step(self.model, self.optimizer):
+        if self.runner.due or last:
+            self.optimizer_step()
+        return value
+
+    def optimizer_step(self) -> None:
+        """Step over the pending micro-batches; a GradScaler skip counts as a non-finite step."""
+        if not self.runner.step(self.model, self.optimizer):
             self._skip_nonfinite(
                 "non-finite gradients (16-mixed: the GradScaler lowered its scale)"
             )
-        return value
 
     def _skip_nonfinite(self, what: str) -> float:
         """NaN/inf: skip the step (no backward, no update) with a warning, up to a limit."""

@@ -59,6 +59,7 @@ def test_sweep_writes_ab_report_and_keeps_failed_rows(tmp_path):
             "trainer.nmu_epochs: unknown key (did you mean trainer.num_epochs?)",
         ),
         ("model=nonexistent", "model"),
+        ("trainer.precision=16-mixed", "trainer.precision=16-mixed: rank(s) [0, 1] run on CPU"),
     ],
 )
 def test_bad_input_exits_2_with_one_line_and_starts_nothing(tmp_path, override, expected):

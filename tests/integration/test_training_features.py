@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from flodl import ClusterConfig, EpochMetrics, LoggerConfig, Trainer
+from flodl import ClusterConfig, ElCheConfig, EpochMetrics, LoggerConfig, Trainer
 from flodl.schedules import RunLength, advance_to
 from recipes.steps import classification_step
 
@@ -164,8 +164,9 @@ def test_compile_trains_and_the_state_is_the_original_modules(tmp_path):
 
 @pytest.mark.slow
 def test_per_rank_batch_sizes_share_samples_and_the_lr_clock_on_a_2_rank_rig(tmp_path):
-    """[64, 16] on equal-speed ranks: equal step counts, so 0.8 / 0.2 of the samples; coverage
-    exact; a per-step warm-up+cosine ends each epoch on the value its global progress implies."""
+    """[64, 16] with equal batch counts, accumulating 2: 0.8 / 0.2 of the samples, coverage
+    exact, and a per-step warm-up+cosine ends each epoch on the value its global progress
+    implies."""
     from flodl.schedules import warmup_cosine
 
     seen: list[EpochMetrics] = []
@@ -175,17 +176,11 @@ def test_per_rank_batch_sizes_share_samples_and_the_lr_clock_on_a_2_rank_rig(tmp
         .dataset(partial(data, "train", n))
         .batch_size(32)
         .num_epochs(2)
+        .accumulate_grad_batches(2)
         .scheduler(partial(warmup_cosine, warmup_fraction=0.2, floor=0.1), interval="step")
-        .cluster(
-            ClusterConfig(  # steps padded well past their compute: equal paced speeds
-                kind="cpu_rig",
-                ranks=2,
-                speeds=[1.0, 1.0],
-                batch_sizes=[64, 16],
-                warmup_steps=3,
-                pace_margin=4.0,
-            )
-        )
+        .cluster(ClusterConfig(kind="cpu_rig", ranks=2, batch_sizes=[64, 16], warmup_steps=2))
+        # Equal batch counts by construction (timed counts would follow load noise on 2 cores).
+        .elche(ElCheConfig(partition_ratios=[1.0, 1.0]))
         .logger(LoggerConfig(progress="off", tensorboard=False))
         .metrics_fn(seen.append)
         .output_dir(tmp_path / "sizes")
@@ -193,9 +188,10 @@ def test_per_rank_batch_sizes_share_samples_and_the_lr_clock_on_a_2_rank_rig(tmp
     )
     handle.join(timeout=240)
     summary = handle.result.summary
-    assert summary.per_rank_sample_share == pytest.approx([0.8, 0.2], abs=0.03)
+    assert summary.per_rank_sample_share == pytest.approx([0.8, 0.2], abs=0.01)
+    assert summary.per_rank_batch_share == pytest.approx([0.5, 0.5], abs=0.02)
     assert summary.coverage_exact and summary.samples_seen == 2 * n
-    run = RunLength(2 * n, 64 + 16)
+    run = RunLength(2 * n, (64 + 16) * 2)  # a global step: both ranks' batches, 2 micro each
     reference = warmup_cosine(
         sgd([torch.nn.Parameter(torch.zeros(1))], lr=0.1), run.total_steps, 0.2, 0.1
     )
@@ -207,3 +203,52 @@ def test_per_rank_batch_sizes_share_samples_and_the_lr_clock_on_a_2_rank_rig(tmp
     assert expected[-1] == pytest.approx(0.01)  # the floor, at the run's end
     summary_json = json.loads((handle.job_dir / "summary.json").read_text())
     assert summary_json["lr_scaling"]["lr"] == pytest.approx(0.1)
+
+
+@pytest.mark.light
+def test_cooperative_backward_accumulates_like_the_managed_tier(tmp_path):
+    """worker.backward(loss) in your own loop: 16 x 4 lands on the managed batch-64 weights."""
+    _, big = _trained(local(tmp_path, "b64", epochs=1, batch=64))
+    worker = local(tmp_path, "coop", epochs=1, batch=16).accumulate_grad_batches(4).into_worker()
+    stepped = 0
+    for _ in worker.epochs():
+        for batch in worker.batches():
+            with worker.autocast():
+                loss = classification_step(worker.model, batch)
+            stepped += worker.backward(loss)
+            worker.step(loss)
+    state = worker.finish()
+    assert stepped == N_TRAIN // 64  # every group of 4 was complete: stepped inside the loop
+    for name, tensor in big.params.items():
+        torch.testing.assert_close(state.params[name], tensor, rtol=1e-4, atol=1e-6)
+
+
+def fixed_warmup_cosine(optimizer: torch.optim.Optimizer) -> Any:
+    from flodl.schedules import warmup_cosine
+
+    return warmup_cosine(optimizer, total_steps=32, warmup_fraction=0.25, floor=0.1)
+
+
+@pytest.mark.light
+def test_resume_lands_on_the_same_lr_clock_and_weights(tmp_path):
+    """1 epoch, save, resume to 2 == 2 straight: the clock is derived from epoch and coverage,
+    the scheduler's state rides in the bundle."""
+    from flodl import TrainerConfig
+
+    def run(name: str, epochs: int, **cfg: Any):
+        seen: list[EpochMetrics] = []
+        builder = local(tmp_path, name, epochs=epochs).config(TrainerConfig(**cfg))
+        builder = builder.scheduler(fixed_warmup_cosine, interval="step").metrics_fn(seen.append)
+        _, state = _trained(builder)
+        return seen, state
+
+    straight, s_state = run("straight", 2)
+    stem = str(tmp_path / "ckpt" / "run")
+    first, _ = run("first", 1, save_path=stem)
+    resumed, r_state = run("resumed", 2, resume_from=stem)
+    assert first[0].lr == pytest.approx(straight[0].lr)
+    assert [m.epoch for m in resumed] == [1]
+    assert resumed[0].lr == pytest.approx(straight[1].lr)  # step 32 of 32: the floor
+    assert straight[1].lr == pytest.approx(0.005)
+    for name, tensor in s_state.params.items():
+        torch.testing.assert_close(r_state.params[name], tensor)
