@@ -228,12 +228,18 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     rows: list[dict[str, Any]] = []
     workloads: dict[str, Any] = {}
+    merged_from: list[dict[str, Any]] = []
     if args.merge and (RESULTS / f"{out}.json").exists():
         old = json.loads((RESULTS / f"{out}.json").read_text())
         rows = [r for r in old["rows"] if r["workload"] not in args.workloads]
         workloads = {
             w: d for w, d in old["settings"]["workloads"].items() if w not in args.workloads
         }
+        # where the kept rows came from: every earlier command and its machine
+        merged_from = [
+            *old["settings"].get("merged_from", []),
+            {"command": old["command"], "machine": old["machine"], "workloads": list(workloads)},
+        ]
     for workload in args.workloads:
         extra = QUICK[workload] if args.quick else []
         workloads[workload] = {**_describe(workload, extra), "overrides": extra}
@@ -262,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
                 "workloads": workloads,
                 "variants": list(VARIANTS) if args.merge else args.variants,
                 "bench_wall_s": time.perf_counter() - started,
+                "merged_from": merged_from,
             },
             "command": "python -m bench.ddp_bench " + " ".join(argv),
             "rows": rows,

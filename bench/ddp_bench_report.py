@@ -107,7 +107,7 @@ def _agreement(data: dict[str, Any], w: str, v: str) -> tuple[str, bool | None]:
     assert solo is not None and r is not None
     if data["settings"]["workloads"][w]["higher_is_better"]:
         gap = (solo["eval"] - r["eval"]) * 100.0
-        return f"{gap:+.1f} pt", gap <= 0.5
+        return f"{gap:+.1f} pt", gap <= 0.5 + 1e-9  # accuracies are k / n: 0.5 pt exactly is in
     rel = (r["eval"] - solo["eval"]) / solo["eval"] * 100.0
     return f"{rel:+.1f} %", rel <= 2.0
 
@@ -213,9 +213,16 @@ def ddp_bench_block(data: dict[str, Any], stem: str, machine_line: str) -> str:
     if max(load + (data["machine"].get("load_average_end") or [0.0])) > cores:
         label.append(f"**under load** (load average above the {cores} cores)")
     plots = plot_curves(data, stem)
-    parts = [
-        machine_line,
-        "",
+    parts = [machine_line, ""]
+    for earlier in s.get("merged_from") or []:
+        m = earlier["machine"]
+        parts += [
+            f"Rows of {', '.join(earlier['workloads'])} come from an earlier run "
+            f"({m['date']}, load average at start {m.get('load_average')}): "
+            f"`.venv/bin/{earlier['command']}`",
+            "",
+        ]
+    parts += [
         (" — ".join(label) + ": these numbers are not side-by-side measurements.")
         if label
         else "One run per cell; side by side on one machine.",
