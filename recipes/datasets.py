@@ -273,21 +273,27 @@ def data_dir(name: str, cache_dir: str | os.PathLike[str] | None = None) -> Path
     return base / name
 
 
-def _md5(path: Path) -> str:
-    digest = hashlib.md5(usedforsecurity=False)  # integrity against published sums, not security
+def _hasher(algorithm: str) -> Any:
+    # md5: integrity against published sums, not security
+    return hashlib.new(algorithm, usedforsecurity=algorithm != "md5")
+
+
+def _md5(path: Path, algorithm: str = "md5") -> str:
+    digest = _hasher(algorithm)
     with path.open("rb") as f:
         while chunk := f.read(1 << 20):
             digest.update(chunk)
     return digest.hexdigest()
 
 
-def _download(url: str, target: Path, md5: str) -> None:
-    """Stream ``url`` into a temp file beside ``target``, check its MD5, then rename atomically."""
+def _download(url: str, target: Path, md5: str, algorithm: str = "md5") -> None:
+    """Stream ``url`` into a temp file beside ``target``, check its digest (MD5 unless
+    ``algorithm`` says otherwise), then rename atomically."""
     import fsspec  # lazy: only downloads need it
 
     fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".part", dir=target.parent)
     try:
-        digest = hashlib.md5(usedforsecurity=False)
+        digest = _hasher(algorithm)
         with os.fdopen(fd, "wb") as out, fsspec.open(url, "rb") as src:
             while chunk := src.read(1 << 20):
                 digest.update(chunk)
@@ -295,18 +301,21 @@ def _download(url: str, target: Path, md5: str) -> None:
             out.flush()
             os.fsync(out.fileno())
         if digest.hexdigest() != md5:
-            raise ValueError(f"checksum mismatch: md5 {digest.hexdigest()}, expected {md5}")
+            raise ValueError(f"checksum mismatch: {algorithm} {digest.hexdigest()}, expected {md5}")
         os.replace(tmp_name, target)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp_name)
 
 
-def fetch(filename: str, mirrors: Sequence[str], md5: str, directory: Path) -> Path:
+def fetch(
+    filename: str, mirrors: Sequence[str], md5: str, directory: Path, algorithm: str = "md5"
+) -> Path:
     """Return ``directory/filename``, downloading it from the first mirror that serves the
-    expected MD5. A cached file is re-verified and replaced when it does not match."""
+    expected digest (``md5`` holds it; ``algorithm`` names it, e.g. ``"sha256"``). A cached
+    file is re-verified and replaced when it does not match."""
     target = directory / filename
-    if target.is_file() and _md5(target) == md5:
+    if target.is_file() and _md5(target, algorithm) == md5:
         return target
     if isinstance(mirrors, str):  # dataset.mirrors=URL on the command line: one mirror
         mirrors = (mirrors,)
@@ -315,7 +324,7 @@ def fetch(filename: str, mirrors: Sequence[str], md5: str, directory: Path) -> P
     for mirror in mirrors:
         url = (mirror if mirror.endswith("/") else mirror + "/") + filename
         try:
-            _download(url, target, md5)
+            _download(url, target, md5, algorithm)
             return target
         except Exception as exc:  # any failure of one mirror means: try the next one
             failures.append(f"{url}: {type(exc).__name__}: {exc}")

@@ -113,3 +113,35 @@ def test_the_default_job_is_what_the_readme_promises(tmp_path):
     # One line per epoch from the launcher, not one copy per rank.
     assert console.count("epoch 1/8") == 1 and console.count("epoch 8/8") == 1
     assert not (tmp_path / "ab_report.md").exists()  # a single job is not an A/B
+
+
+@pytest.mark.slow
+def test_ddp_bench_experiment_trains_gpt_nano_on_the_rig(tmp_path):
+    """`experiment=ddp_bench`, narrowed to one cell and a few steps: gpt_nano on Shakespeare
+    through run.py on the [1.0, 0.4] rig, its vocabulary saved in model.pt."""
+    import torch
+
+    from recipes.text import TINY_SHAKESPEARE_VOCAB
+
+    args = [
+        "experiment=ddp_bench",
+        "workload=gpt_nano",  # the command line narrows the experiment's sweep to one cell
+        "elche=nccl_cadence",
+        "dataset.max_chars=8000",
+        "dataset.block_size=16",
+        "trainer.batch_size=16",
+        "trainer.num_epochs=2",
+        "cluster.warmup_steps=3",
+        "logger.progress=lines",
+    ]
+    out = run_py(args, tmp_path, timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((tmp_path / "0" / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["mode"] == "nccl_cadence"
+    assert summary["world_size"] == 2 and summary["eval_metric"] == "val_loss"
+    assert 0 < summary["eval_value"] < 3.9  # ln(65) = 4.17 nats/char is the uniform guess
+    assert summary["coverage_exact"] is True
+    blob = torch.load(tmp_path / "0" / "model.pt", weights_only=True)
+    codes = blob["buffers"]["vocab_codes"]
+    assert "".join(chr(int(c)) for c in codes) == TINY_SHAKESPEARE_VOCAB
+    assert blob["params"]["tok.weight"].shape == (65, 128)
