@@ -51,6 +51,10 @@ def build_scheduler(target: TargetConfig, optimizer: Any) -> Any:
     return _instantiate(target, optimizer)
 
 
+def build_metric(target: TargetConfig) -> Any:
+    return _instantiate(target)
+
+
 # -- the job -----------------------------------------------------------------------------------
 def plain_config(cfg: Any) -> dict[str, Any]:
     """The resolved config as plain data, without Hydra's own node."""
@@ -80,7 +84,7 @@ def train(cfg: Any) -> dict[str, Any]:
     hydra_cfg = HydraConfig.get()
     job_dir = Path(hydra_cfg.runtime.output_dir)
     task = run_cfg.task
-    has_eval = task.eval_fn is not None
+    has_eval = task.has_eval
     run_info = {
         "job": str(hydra_cfg.job.num),
         "overrides": list(hydra_cfg.overrides.task),
@@ -93,7 +97,10 @@ def train(cfg: Any) -> dict[str, Any]:
         run_cfg.trainer_config(),
         dataset=partial(build_dataset, run_cfg.dataset, "train"),
         eval_dataset=partial(build_dataset, run_cfg.dataset, "test") if has_eval else None,
-        eval_fn=resolve_dotted(task.eval_fn) if task.eval_fn is not None else None,
+        eval_fn=_optional(task.eval_fn),
+        metrics={name: partial(build_metric, t) for name, t in task.metrics.items()},
+        eval_loss=_optional(task.eval_loss),
+        eval_step=_optional(task.eval_step),
         scheduler_factory=(
             partial(build_scheduler, run_cfg.scheduler) if run_cfg.scheduler is not None else None
         ),
