@@ -107,7 +107,12 @@ class WandbLogger:
         self.run.log({**scalars, kind: step})
 
     def close(self) -> None:
+        import wandb
+
         self.run.finish()
+        # The run's wandb-core service would outlive the job (a child the launcher must not
+        # leave behind); the next job's wandb.init starts a fresh one.
+        wandb.teardown()
 
 
 @contextlib.contextmanager
