@@ -11,7 +11,6 @@ sharded and elected-rank evaluation give the same numbers, whatever the eval chu
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -152,5 +151,10 @@ def _values(name: str, value: Any) -> dict[str, float]:
     return {f"{name}/{i}": float(v) for i, v in enumerate(tensor.tolist())}
 
 
-def finite_or_none(value: float | None) -> float | None:
-    return value if value is not None and math.isfinite(value) else None
+def primary_name(names: Iterable[str], wanted: str | None) -> str | None:
+    """The metric summaries call ``eval_value``: ``wanted`` when reported, else the first task
+    metric, else the eval loss."""
+    names = list(names)
+    if wanted in names:
+        return wanted
+    return next((n for n in names if n != EVAL_LOSS), names[0] if names else None)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from flodl.checkpoint import CheckpointError
+from flodl.evaluation import primary_name
 from flodl.metrics import EpochMetrics, RunSummary, SyncEvent
 from flodl.runtime.controller import Controller, ControllerResult, Hooks
 from flodl.runtime.links import in_process_link
@@ -278,7 +279,7 @@ class Job:
         self._curve.append((time.perf_counter() - self._t0, metrics.avg_loss))
         self.tb.epoch(metrics)
         self.loggers.epoch(metrics)
-        metric = self.eval_metric if metrics.eval_value is not None else None
+        metric = primary_name(metrics.eval_metrics, self.eval_metric)
         self.progress.end_epoch(format_epoch_line(metrics, self.spec.config.num_epochs, metric))
         cb = self.callbacks
         if metrics.eval_value is not None and cb.eval_result_fn is not None:
@@ -320,7 +321,7 @@ class Job:
             world_size=self.topology.world_size,
             epochs=len(result.epochs),
             final_loss=_finite(last.avg_loss) if last else None,
-            eval_metric=self.eval_metric if evals else None,
+            eval_metric=primary_name(evaluated[-1], self.eval_metric) if evaluated else None,
             eval_value=evals[-1] if evals else None,
             wall_s=time.perf_counter() - self._t0,
             syncs=len(result.events),

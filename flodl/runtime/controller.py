@@ -338,6 +338,7 @@ class Controller(Planning, Aggregation):
             track.eval_metrics = merge([track.eval_parts[s] for s in sorted(track.eval_parts)])
         track.eval_parts = {}
         self._close_epochs()
+        self._fill()  # planning may have waited for this verdict (early stopping)
 
     def _after_epoch(self, epoch: int, metrics: EpochMetrics, request: str | None) -> None:
         """Keep-best and early stopping on a closed epoch; a stop request stops every rank."""

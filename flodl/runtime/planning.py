@@ -74,8 +74,19 @@ class Planning(Outbound):
             and not self.regrouping
             and not self.all_planned
             and self.next_window - self.completed <= self.lookahead
+            and not self._awaiting_verdict()
         ):
             self._plan_batch()
+
+    def _awaiting_verdict(self) -> bool:
+        """With early stopping, the next epoch waits for the previous epoch's eval: the stop
+        then lands exactly after the epoch that asked for it (ranks idle during the eval)."""
+        if self.cfg.early_stopping is None:
+            return False
+        return any(
+            t.all_planned and t.eval_window is not None and not t.closed
+            for t in self.epochs.values()
+        )
 
     def _windows_per_plan(self) -> int:
         if not self.mode.is_sync or self.elche is None or not self.elche.calibrated:

@@ -87,11 +87,6 @@ class EpochTrack:
         self.eval_parts = {}
         return True
 
-    @property
-    def eval_value(self) -> float | None:
-        """Kept for readers of the single eval number: the first eval metric, if any."""
-        return next(iter(self.eval_metrics.values()), None)
-
     def add(self, report: Report) -> None:
         r = report.rank
         self.batches[r] += report.batches
@@ -144,8 +139,11 @@ class EpochTrack:
             }
             for r, (ls, lc) in enumerate(self.rank_loss)
         ]
+        from flodl.evaluation import primary_name
+
         evals = self.eval_metrics
-        primary = evals.get(eval_metric) if eval_metric in evals else self.eval_value
+        name = primary_name(evals, eval_metric)
+        primary = evals[name] if name is not None else None
         return EpochMetrics(
             epoch=self.epoch + 1,
             avg_loss=self.loss_sum / self.loss_count if self.loss_count else math.nan,

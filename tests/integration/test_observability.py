@@ -35,7 +35,15 @@ AGGREGATE_TAGS = {
     "elche/sync_ms",
     "elche/divergence",
 }
-RANK_TAGS = {"loss/train", "throughput/samples_per_s", "share/batch", "elche/batches"}
+RANK_TAGS = {
+    "loss/train",
+    "throughput/samples_per_s",
+    "share/batch",
+    "elche/batches",
+    "telemetry/busy_fraction",
+    "telemetry/data_wait_fraction",
+    "telemetry/peak_mem_mb",
+}
 HPARAM_METRICS = {"final_loss", "eval", "wall_s", "samples_per_s"}
 
 
