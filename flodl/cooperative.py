@@ -86,13 +86,15 @@ class CooperativeWorker:
         while self._window is not None and self._window.epoch == epoch:
             window = self._window
             self._tally = self._core.begin_window(window)
-            for batch in self._core.source.batches(window.epoch, window.chunks):
+            batches = self._core.source.batches(window.epoch, window.chunks)
+            for batch in self._core.timed(batches, self._tally):
                 self._pending_loss = None
                 self._step_started = time.perf_counter()
                 yield batch
                 if self._pending_loss is None:
                     raise RuntimeError("call worker.step(loss) once for every batch")
                 self._tally.add(self._pending_loss)
+                self._core.log_step(self._tally)
             self._core.end_window(window, self._tally)
             self._window = self._next_window()
 

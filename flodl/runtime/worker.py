@@ -265,12 +265,12 @@ class Worker:
         if self.is_void(window):
             return
         tally = self.begin_window(window)
-        for batch in self._timed(self.source.batches(window.epoch, window.chunks), tally):
+        for batch in self.timed(self.source.batches(window.epoch, window.chunks), tally):
             tally.add(self.pacer.run(partial(self.train_batch, batch)))
-            self._log_step(tally)
+            self.log_step(tally)
         self.end_window(window, tally)
 
-    def _timed(self, batches: Any, tally: WindowTally) -> Any:
+    def timed(self, batches: Any, tally: WindowTally) -> Any:
         """Yield ``batches``, adding the time spent waiting for each to the tally's data time."""
         iterator = iter(batches)
         while True:
@@ -281,7 +281,7 @@ class Worker:
                 return
             yield batch
 
-    def _log_step(self, tally: WindowTally) -> None:
+    def log_step(self, tally: WindowTally) -> None:
         """Every ``logger.log_every_n_steps``-th step: keep its loss and LR for the report."""
         self._step += 1
         every = self.cfg.logger.log_every_n_steps
