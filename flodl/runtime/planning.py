@@ -79,14 +79,12 @@ class Planning(Outbound):
             self._plan_batch()
 
     def _awaiting_verdict(self) -> bool:
-        """With early stopping, the next epoch waits for the previous epoch's eval: the stop
-        then lands exactly after the epoch that asked for it (ranks idle during the eval)."""
+        """With early stopping, the next epoch waits until the previous one closed (its last
+        window and its eval are in): the stop then lands exactly after the epoch that asked for
+        it, at the cost of the ranks idling for that last window and the eval."""
         if self.cfg.early_stopping is None:
             return False
-        return any(
-            t.all_planned and t.eval_window is not None and not t.closed
-            for t in self.epochs.values()
-        )
+        return any(t.all_planned and not t.closed for t in self.epochs.values())
 
     def _windows_per_plan(self) -> int:
         if not self.mode.is_sync or self.elche is None or not self.elche.calibrated:
