@@ -1,49 +1,56 @@
 """Evaluation that is right for any metric: update per batch, merge shards, compute once.
 
-Every eval quantity is a torchmetrics :class:`~torchmetrics.Metric`: the task's ``metrics``, the
-eval loss (a sample-weighted :class:`~torchmetrics.aggregation.MeanMetric`) and the legacy
-``eval_fn`` (a :class:`SampleMean`: the function's value per chunk, weighted by the chunk's
-size, which is right only for a mean over samples such as accuracy). A rank updates fresh
-metrics over its part of the eval set and sends their *states* to the launcher, which merges
-the parts with torchmetrics' own reduction (``merge_state``) and computes each metric once — so
-sharded and elected-rank evaluation give the same numbers, whatever the eval chunk size.
+Every eval quantity is a mergeable metric: the task's ``metrics`` (torchmetrics
+:class:`~torchmetrics.Metric` objects), the eval loss and the legacy ``eval_fn`` (both a
+:class:`SampleMean`: a value per chunk weighted by the chunk's size — right for the loss, and
+for an ``eval_fn`` only when it returns a mean over samples, such as accuracy). torchmetrics is
+imported only by the task's own metric factories: importing it costs more than torch itself.
+A rank updates fresh metrics over its part of the eval set and sends their *states* to the
+launcher, which merges the parts with torchmetrics' own reduction (``merge_state``) and
+computes each metric once — so sharded and elected-rank evaluation give the same numbers,
+whatever the eval chunk size.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torchmetrics import Metric
-from torchmetrics.aggregation import MeanMetric
 
 EVAL_LOSS = "eval_loss"  # the name of the eval loss among the eval metrics
 
 EvalStep = Callable[[nn.Module, Sequence[torch.Tensor]], tuple[Any, Any]]
+Metric = Any  # a torchmetrics Metric, or anything with update / merge_state / compute / to
 
 
-class SampleMean(Metric):
-    """The mean over samples of a per-chunk mean: ``sum(value_i * n_i) / sum(n_i)``."""
-
-    full_state_update = False
-    higher_is_better = None
-    total: torch.Tensor
-    count: torch.Tensor
+class SampleMean:
+    """The mean over samples of per-chunk means, ``sum(value_i * n_i) / sum(n_i)`` (in float64
+    on the host), mergeable like a torchmetrics metric."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.add_state("total", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
-        self.add_state("count", torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
+        self.total = 0.0
+        self.count = 0
 
-    def update(self, value: float, n: int) -> None:
+    def update(self, value: float | torch.Tensor, n: int) -> None:
         self.total += float(value) * n
-        self.count += n
+        self.count += int(n)
 
-    def compute(self) -> torch.Tensor:
-        return self.total / torch.clamp(self.count, min=1)
+    def merge_state(self, other: SampleMean) -> None:
+        self.total += other.total
+        self.count += other.count
+
+    def compute(self) -> float:
+        return self.total / self.count if self.count else math.nan
+
+    def to(self, device: Any) -> SampleMean:
+        return self
+
+    def cpu(self) -> SampleMean:
+        return self
 
 
 def default_eval_step(model: nn.Module, batch: Sequence[torch.Tensor]) -> tuple[Any, Any]:
@@ -77,12 +84,12 @@ class EvalSpec:
         """Fresh metrics on ``device`` (one set per evaluation)."""
         built: dict[str, Metric] = {}
         if self.eval_loss is not None:
-            built[EVAL_LOSS] = MeanMetric()
+            built[EVAL_LOSS] = SampleMean()
         if self.eval_fn is not None:
             built[self.eval_fn_name] = SampleMean()
         for name, factory in self.metrics.items():
             metric = factory()
-            if not isinstance(metric, Metric):
+            if not all(hasattr(metric, a) for a in ("update", "merge_state", "compute", "to")):
                 raise TypeError(
                     f"task.metrics.{name}: must build a torchmetrics Metric, got "
                     f"{type(metric).__name__}"
@@ -124,7 +131,7 @@ def _update(
         return
     preds, target = step(model, batch)
     if spec.eval_loss is not None:
-        metrics[EVAL_LOSS].update(spec.eval_loss(preds, target).detach(), n)
+        metrics[EVAL_LOSS].update(float(spec.eval_loss(preds, target)), n)
     for name in spec.metrics:
         metrics[name].update(preds, target)
 
