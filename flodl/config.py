@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import re
 from collections.abc import Mapping
 from enum import Enum
 from typing import Any, Literal
@@ -636,6 +637,10 @@ def explain(exc: ValidationError, data: Any, prefix: str = "") -> ConfigError:
     if err["type"] == "missing":
         return ConfigError(f"{key}: required key is missing")
     value = _lookup(data, loc)
+    if err["type"] == "value_error" and (isinstance(value, Mapping) or not key):
+        # A check across a section's keys: its message names the key; no dump of the section.
+        named = re.match(r"[A-Za-z_][\w.]*=", msg) is not None
+        return ConfigError(msg if not key else f"{key}.{msg}" if named else f"{key}: {msg}")
     shown = json.dumps(value) if isinstance(value, (list, dict)) else value
     return ConfigError(f"{key}={shown}: {msg}")
 

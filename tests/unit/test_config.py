@@ -141,6 +141,35 @@ def _run_data(**section):
         ({"elche": {"overhead_target": 2.0}}, "elche.overhead_target=2.0: Input should be less"),
         ({"cluster": {"ranks": 3, "speeds": [1.0, 0.5]}}, "speeds has 2 entries but ranks=3"),
         ({"elche": {"anchor": 5, "min_anchor": 50, "max_anchor": 20}}, "exceeds max_anchor"),
+        (
+            {"trainer": {"save_best": {"monitor": "eval_loss"}}},
+            "save_best needs trainer.save_path",
+        ),
+        (
+            {
+                "task": {
+                    "train_step": "recipes.steps.classification_step",
+                    "eval_loss": "torch.nn.functional.cross_entropy",
+                    "eval_metric": "eval_loss",
+                },
+                "trainer": {"early_stopping": {"monitor": "f1", "mode": "max"}},
+            },
+            "trainer.early_stopping.monitor=f1: not a metric of this task; one of train_loss, "
+            "eval_loss",
+        ),
+        (
+            {
+                "task": {
+                    "train_step": "recipes.steps.classification_step",
+                    "metrics": {
+                        "acc": {"_target_": "torchmetrics.classification.MulticlassAccuracy"}
+                    },
+                    "eval_metric": "accuracy",
+                }
+            },
+            "task.eval_metric=accuracy: not one of the eval metrics (acc)",
+        ),
+        ({"trainer": {"eval_policy": "all"}}, "trainer.eval_policy=all: Input should be"),
     ],
 )
 def test_bad_values_name_key_value_and_rule(section, expected):
