@@ -80,6 +80,8 @@ class Job:
         dashboard = None
         try:
             # Everything that can refuse the run does so before any rank (or server) starts.
+            if self.spec.has_eval:
+                self.spec.evaluation.build(torch.device("cpu"))  # a bad metric fails here
             controller = Controller(
                 cfg,
                 topo.world_size,

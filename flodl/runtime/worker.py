@@ -134,6 +134,9 @@ class Worker:
             self.eval_source = BatchSource(
                 eval_set, self.cfg.batch_size, self.cfg.seed, self.device
             )
+            # Before calibration: a bad metric fails now, and torchmetrics' import (dearer than
+            # torch's) does not land in the middle of paced training.
+            self.spec.evaluation.build(self.device)
         if self.distributed:
             broadcast_from(self.state, src=0)
         if self.outer is not None:
