@@ -391,7 +391,7 @@ class Job:
             "eval": summary.eval_value,
             "wall_s": summary.wall_s,
             "samples_per_s": summary.samples_per_s,
-        }
+        } | {f"final/{name}": value for name, value in summary.metrics.items()}
         self.tb.hparams(hparams, metrics)
 
 

@@ -40,6 +40,7 @@ class Window:
     eval_shard: tuple[int, int] = (0, 1)  # (shard, shards) of the eval set this rank evaluates
     max_overshoot: int = 0  # cpu_async: averages this rank may leave in flight
     checkpoint_after: bool = False  # send RankState after this window's average
+    checkpoint_weights: bool = False  # ... with the consensus weights (one rank: the head)
     generation: int = 0  # membership generation it was planned for
 
 

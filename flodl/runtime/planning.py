@@ -171,6 +171,7 @@ class Planning(Outbound):
                 eval_shard=shards.get(r, (0, 1)),
                 max_overshoot=self.overshoot[0],
                 checkpoint_after=checkpoint,
+                checkpoint_weights=checkpoint and r == self._head(),
                 generation=self.members.generation,
             )
             for r in self.alive

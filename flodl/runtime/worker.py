@@ -331,7 +331,8 @@ class Worker:
         )
         self.average(window)
         if window.checkpoint_after:
-            self.link.send(self.rank_state(window.index, with_weights=self.rank == 0))
+            # The head (first survivor) sends the weights: rank 0 may have been lost.
+            self.link.send(self.rank_state(window.index, with_weights=window.checkpoint_weights))
         if window.eval_after:
             self.evaluate(window)
 

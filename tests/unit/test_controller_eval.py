@@ -86,8 +86,8 @@ def _answer(ctl, rank, msg, eval_parts, stopped):
             b = chunk_batches(w.chunks, 10)
             samples = sum(s for _, s in w.chunks)
             ctl._handle(rank, Report(rank, w.index, w.epoch, w.chunks, b, samples, b, b, b))
-            if w.checkpoint_after:
-                weights = {"w": torch.full((2,), float(w.epoch))}
+            if w.checkpoint_after:  # only the head sends weights, as a real rank does
+                weights = {"w": torch.full((2,), float(w.epoch))} if w.checkpoint_weights else None
                 ctl._handle(rank, RankState(rank, w.index, {}, None, torch.zeros(1), weights, {}))
             parts = eval_parts(rank, w) if w.eval_after else None
             if parts is not None:
@@ -174,3 +174,19 @@ def test_save_best_keeps_the_bundle_of_the_best_epoch(tmp_path):
     best = ctl._result().best
     assert best == {"monitor": "accuracy", "mode": "max", "value": pytest.approx(0.8), "epoch": 2}
     assert ctl.checkpointer.saved.count("best") == 2  # epochs 1 and 2 improved; 3 and 4 did not
+
+
+def test_epoch_checkpoints_take_the_weights_from_the_head_once_rank_0_is_lost(tmp_path):
+    from flodl.checkpoint import load_bundle
+    from flodl.runtime.snapshots import Checkpointer
+
+    stem = str(tmp_path / "run")
+    ctl, links = make(epochs=3, checkpointer=Checkpointer(stem, 1, "hash", 2), save_path=stem)
+    ctl._lose(0, "killed")
+    drive(ctl, links, counted(lambda e: 0.5))
+    checkpoints = [
+        w for p in links[1].sent if isinstance(p, Plan) for w in p.windows if w.checkpoint_after
+    ]
+    assert checkpoints and all(w.checkpoint_weights for w in checkpoints)
+    assert ctl.checkpointer.saved == ["checkpoint", "checkpoint", "final"]
+    assert load_bundle(stem)[1].epoch == 3
