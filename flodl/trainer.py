@@ -23,8 +23,10 @@ from torch import nn
 
 from flodl.config import (
     ClusterConfig,
+    EarlyStoppingConfig,
     ElCheConfig,
     LoggerConfig,
+    MonitorConfig,
     TrainerConfig,
     validate_trainer_config,
 )
@@ -205,6 +207,19 @@ class TrainerBuilder:
 
     def lr_scale_ratio(self, x: float) -> TrainerBuilder:
         return self._set("lr_scale_ratio", x)
+
+    def eval_policy(self, policy: str) -> TrainerBuilder:
+        """``elected`` (one rank evaluates) or ``sharded`` (each rank 1/N, states merged)."""
+        return self._set("eval_policy", policy)
+
+    def early_stopping(self, config: EarlyStoppingConfig) -> TrainerBuilder:
+        return self._set("early_stopping", config.model_dump())
+
+    def save_best(self, config: MonitorConfig, save_path: str | None = None) -> TrainerBuilder:
+        """Keep ``<save_path>_best`` beside the last bundle (``save_path`` sets the stem)."""
+        if save_path is not None:
+            self._set("save_path", save_path)
+        return self._set("save_best", config.model_dump())
 
     def elche(self, config: ElCheConfig) -> TrainerBuilder:
         return self._set("elche", config.model_dump())

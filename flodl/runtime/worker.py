@@ -59,10 +59,9 @@ class WindowTally:
     loss_sum: float = 0.0
     loss_count: int = 0
     batches: int = 0
-    data_ms: float = 0.0
-    steps: list[tuple[int, float, float]] = dataclasses.field(default_factory=list)
-
+    data_ms: float = 0.0  # waiting for batches
     last_loss: float = math.nan
+    steps: list[tuple[int, float, float]] = dataclasses.field(default_factory=list)
 
     def add(self, loss: float) -> None:
         self.batches += 1
@@ -288,9 +287,9 @@ class Worker:
         """Every ``logger.log_every_n_steps``-th step: keep its loss and LR for the report."""
         self._step += 1
         every = self.cfg.logger.log_every_n_steps
-        if every and self._step % every == 0 and tally.loss_count:
-            loss = tally.last_loss
-            tally.steps.append((self._step, loss, float(self.optimizer.param_groups[0]["lr"])))
+        if every and self._step % every == 0 and math.isfinite(tally.last_loss):
+            lr = float(self.optimizer.param_groups[0]["lr"])
+            tally.steps.append((self._step, tally.last_loss, lr))
 
     def begin_window(self, window: Window) -> WindowTally:
         """Account the sync that just ended and start timing this window's compute."""

@@ -58,13 +58,10 @@ def run(tmp_path_factory):
         .logger(logger)
         .metrics_fn(seen.append)
         .output_dir(out / "job")
+        .eval_policy("sharded")
+        .early_stopping(EarlyStoppingConfig(monitor="count", mode="max", patience=2))
+        .save_best(MonitorConfig(monitor="f1", mode="max"), save_path=str(out / "bundle"))
     )
-    builder._config |= {
-        "eval_policy": "sharded",
-        "early_stopping": EarlyStoppingConfig(monitor="count", mode="max", patience=2).model_dump(),
-        "save_best": MonitorConfig(monitor="f1", mode="max").model_dump(),
-        "save_path": str(out / "bundle"),
-    }
     handle = builder.run()
     handle.join(timeout=240)
     summary = json.loads((out / "job" / "summary.json").read_text())
