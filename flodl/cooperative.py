@@ -67,14 +67,15 @@ class CooperativeWorker:
 
     # -- iteration ----------------------------------------------------------------------------
     def epochs(self) -> Iterator[int]:
-        """The epochs this rank takes part in, as the controller plans them."""
+        """The epochs this rank takes part in, as the controller plans them, counted from 1 like
+        the console, the callbacks and TensorBoard."""
         while True:
             if self._window is None:
                 self._window = self._next_window()
             if self._window is None:
                 return
             epoch = self._window.epoch
-            yield epoch
+            yield epoch + 1
             if self._window is not None and self._window.epoch == epoch:
                 raise RuntimeError("consume worker.batches() fully before the next epoch")
 
