@@ -146,8 +146,18 @@ def merge(parts: Sequence[Mapping[str, Metric]]) -> dict[str, float]:
             merged[name].merge_state(metric)
     out: dict[str, float] = {}
     for name, metric in merged.items():
+        _local_compute(metric)
         out.update(_values(name, metric.compute()))
     return out
+
+
+def _local_compute(metric: Metric) -> None:
+    """The states are merged already: compute must not all-gather. torchmetrics would, over the
+    default process group, wherever one is initialised — and with torchrun or SLURM placement
+    the controller shares rank 0's process, whose group is in use by its worker's averaging."""
+    if hasattr(metric, "sync_on_compute"):
+        metric.sync_on_compute = False
+        metric._to_sync = False  # compute reads this copy of sync_on_compute
 
 
 def _values(name: str, value: Any) -> dict[str, float]:

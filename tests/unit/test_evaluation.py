@@ -144,3 +144,22 @@ def test_vector_metrics_are_reported_per_element_and_bad_factories_are_named() -
     mean.update(1.0, 3)
     mean.update(0.0, 1)
     assert float(mean.compute()) == 0.75
+
+
+def test_merge_never_all_gathers_in_a_process_that_holds_a_group(tmp_path, monkeypatch) -> None:
+    """torchrun / SLURM rank0 placement: the controller shares rank 0's process and group."""
+    import torch.distributed as dist
+
+    def no_collective(*args, **kwargs):
+        raise AssertionError("merge called a collective")
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        monkeypatch.setattr(dist, "all_gather", no_collective)
+        monkeypatch.setattr(dist, "all_gather_object", no_collective)
+        metric = MulticlassAccuracy(num_classes=3, average="micro")
+        metric.update(torch.tensor([0, 1, 2, 2]), torch.tensor([0, 1, 1, 2]))
+        assert merge([{"accuracy": metric}]) == {"accuracy": 0.75}
+    finally:
+        dist.destroy_process_group()
