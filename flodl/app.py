@@ -60,6 +60,10 @@ def build_scheduler(target: TargetConfig, optimizer: Any, total_steps: int | Non
     return instantiate({"_target_": target.target, **kwargs}, optimizer)
 
 
+def build_metric(target: TargetConfig) -> Any:
+    return _instantiate(target)
+
+
 # -- the job -----------------------------------------------------------------------------------
 def plain_config(cfg: Any) -> dict[str, Any]:
     """The resolved config as plain data, without Hydra's own node."""
@@ -126,7 +130,7 @@ def _start(run_cfg: RunConfig, job_dir: Path, run_info: dict[str, Any]) -> Any:
     from flodl.trainer import Trainer
 
     task = run_cfg.task
-    has_eval = task.eval_fn is not None
+    has_eval = task.has_eval
     run_info["model_signature"] = preflight.check_factories(run_cfg)
     return Trainer.run(
         partial(build_model, run_cfg.model),
@@ -135,7 +139,10 @@ def _start(run_cfg: RunConfig, job_dir: Path, run_info: dict[str, Any]) -> Any:
         run_cfg.trainer_config(),
         dataset=partial(build_dataset, run_cfg.dataset, "train"),
         eval_dataset=partial(build_dataset, run_cfg.dataset, "test") if has_eval else None,
-        eval_fn=resolve_dotted(task.eval_fn) if task.eval_fn is not None else None,
+        eval_fn=_optional(task.eval_fn),
+        metrics={name: partial(build_metric, t) for name, t in task.metrics.items()},
+        eval_loss=_optional(task.eval_loss),
+        eval_step=_optional(task.eval_step),
         scheduler_factory=(
             partial(build_scheduler, run_cfg.scheduler) if run_cfg.scheduler is not None else None
         ),
@@ -153,7 +160,7 @@ def objective(row: dict[str, Any], task: schema.TaskConfig) -> float:
     """The number an optimizing sweeper sees: ``task.objective`` of the summary (``auto``: the
     final eval value, else the final loss); NaN for a failed job (Optuna records a failed trial).
     """
-    key = objective_key(task, has_eval=task.eval_fn is not None)
+    key = objective_key(task, has_eval=task.has_eval)
     value: Any = row
     for part in key.split("."):
         value = value.get(part) if isinstance(value, dict) else None
@@ -173,7 +180,7 @@ def objective_maximized(task: schema.TaskConfig) -> bool:
     metric's direction when the objective is the eval value, else minimize)."""
     if task.objective_direction != "auto":
         return task.objective_direction == "maximize"
-    key = objective_key(task, has_eval=task.eval_fn is not None)
+    key = objective_key(task, has_eval=task.has_eval)
     return key == "eval_value" and task.eval_higher_is_better
 
 

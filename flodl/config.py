@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import re
 from collections.abc import Mapping
 from enum import Enum
 from typing import Any, Literal
@@ -364,10 +365,37 @@ class ClusterConfig(_Schema):
         return list(self.speeds) if self.speeds is not None else [1.0] * self.ranks
 
 
+class WandbConfig(_Schema):
+    """Weights & Biases run (``pip install wandb``); offline by default: no network, no login."""
+
+    project: str = Field("flodl", min_length=1, description="W&B project name")
+    mode: Literal["offline", "online", "disabled"] = Field(
+        "offline", description="offline writes <job>/wandb for a later `wandb sync`"
+    )
+    entity: str | None = Field(None, description="W&B team or user (online mode)")
+    name: str | None = Field(None, description="run name (default: the job directory's name)")
+
+
+class MlflowConfig(_Schema):
+    """MLflow run (``pip install mlflow-skinny``) in a local file store by default."""
+
+    tracking_uri: str | None = Field(
+        None, description="tracking URI (default: a file store in <job>/mlruns)"
+    )
+    experiment: str = Field("flodl", min_length=1, description="MLflow experiment name")
+    run_name: str | None = Field(None, description="run name (default: the job directory's name)")
+
+
 class LoggerConfig(_Schema):
     """What the launcher writes and prints."""
 
     tensorboard: bool = Field(True, description="write TensorBoard event files under <job>/tb")
+    csv: bool = Field(True, description="write every logged scalar to <job>/metrics.csv")
+    wandb: WandbConfig | None = Field(None, description="also log to Weights & Biases")
+    mlflow: MlflowConfig | None = Field(None, description="also log to MLflow")
+    log_every_n_steps: int | None = Field(
+        None, ge=1, description="log each rank's training loss and LR every N of its steps"
+    )
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="console level")
     progress: Literal["auto", "bar", "lines", "off"] = Field(
         "auto", description="progress bar on a terminal, epoch lines otherwise"
@@ -384,6 +412,21 @@ class CallbackPolicy(_Schema):
     rank: int = Field(0, ge=0)
 
 
+class MonitorConfig(_Schema):
+    """A quantity to watch: an eval metric name (``eval_loss``, ``accuracy``, ...) or
+    ``train_loss``, and whether lower (``min``) or higher (``max``) is better."""
+
+    monitor: str = Field("eval_loss", min_length=1, description="eval metric name or train_loss")
+    mode: Literal["min", "max"] = Field("min", description="min: lower is better; max: higher")
+
+
+class EarlyStoppingConfig(MonitorConfig):
+    """Stop every rank once ``monitor`` has not improved for ``patience`` evaluated epochs."""
+
+    patience: int = Field(3, ge=1, description="evaluated epochs without improvement to stop")
+    min_delta: float = Field(0.0, ge=0, description="smallest change that counts as improvement")
+
+
 class TrainerKnobs(_Schema):
     """Training-loop knobs: the ``trainer`` node of the Hydra config."""
 
@@ -397,11 +440,24 @@ class TrainerKnobs(_Schema):
     def _max_failure(cls, v: int | str | None) -> int | str | None:
         return _check_max_failure(v)
 
+    @model_validator(mode="after")
+    def _best_needs_path(self) -> TrainerKnobs:
+        return _check_save_best(self)
+
     lr_scale_ratio: float = Field(
         1.0, ge=0, le=1, description="LR x (1 + (world-1) x ratio): 1 = linear rule, 0 = off"
     )
     eval_every: int = Field(1, ge=1, description="evaluate every N epochs (when eval is set)")
     callback_policy: CallbackPolicy = Field(default_factory=CallbackPolicy)
+    eval_policy: Literal["elected", "sharded"] = Field(
+        "elected", description="evaluate on the callback_policy rank, or 1/N on every rank"
+    )
+    early_stopping: EarlyStoppingConfig | None = Field(
+        None, description="stop every rank when a metric stops improving"
+    )
+    save_best: MonitorConfig | None = Field(
+        None, description="keep the best bundle as <save_path>_best beside the last"
+    )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="in-process device")
     save_path: str | None = Field(
         None, description="bundle stem (path or fsspec URL): <stem>.pt + <stem>.meta.json"
@@ -434,6 +490,15 @@ class TrainerKnobs(_Schema):
     @classmethod
     def _precision_text(cls, v: Any) -> Any:
         return str(v) if isinstance(v, int) and not isinstance(v, bool) else v
+
+
+def _check_save_best(knobs: TrainerKnobs) -> TrainerKnobs:
+    if knobs.save_best is not None and knobs.save_path is None:
+        raise ValueError(
+            "save_best needs trainer.save_path: the best bundle is written beside it as "
+            "<save_path>_best"
+        )
+    return knobs
 
 
 def _check_max_failure(v: int | str | None) -> int | str | None:
@@ -498,8 +563,19 @@ class TaskConfig(_Schema):
     """What one step and one evaluation mean for the chosen model."""
 
     train_step: str = Field(description="dotted path: fn(model, batch) -> loss")
-    eval_fn: str | None = Field(None, description="dotted path: fn(model, input, target) -> float")
-    eval_metric: str = Field("accuracy", description="name of the eval value in summaries")
+    eval_fn: str | None = Field(
+        None, description="dotted path: fn(model, input, target) -> the chunk's mean over samples"
+    )
+    metrics: dict[str, TargetConfig] = Field(
+        default_factory=dict, description="name -> torchmetrics Metric (_target_ + kwargs)"
+    )
+    eval_loss: str | None = Field(
+        None, description="dotted path: fn(preds, target) -> mean loss, reported as eval_loss"
+    )
+    eval_step: str | None = Field(
+        None, description="dotted path: fn(model, batch) -> (preds, target) (default: model(x), y)"
+    )
+    eval_metric: str = Field("accuracy", description="the eval metric summaries call eval_value")
     eval_higher_is_better: bool = Field(True, description="direction of the eval metric")
     objective: str = Field(
         "auto",
@@ -510,16 +586,49 @@ class TaskConfig(_Schema):
     objective_direction: Literal["auto", "minimize", "maximize"] = Field(
         "auto", description="direction of the objective (auto: the eval metric's, loss: minimize)"
     )
-    metrics_fn: str | None = Field(None, description="dotted path: fn(EpochMetrics), launcher")
+    metrics_fn: str | None = Field(
+        None, description="dotted path: fn(EpochMetrics), launcher; a truthy return stops the run"
+    )
     eval_result_fn: str | None = Field(None, description="dotted path: fn(epoch, value), launcher")
     epoch_fn: str | None = Field(None, description="dotted path: fn(epoch), launcher")
 
-    @field_validator("train_step", "eval_fn", "metrics_fn", "eval_result_fn", "epoch_fn")
+    @field_validator(
+        "train_step",
+        "eval_fn",
+        "eval_loss",
+        "eval_step",
+        "metrics_fn",
+        "eval_result_fn",
+        "epoch_fn",
+    )
     @classmethod
     def _importable(cls, v: str | None) -> str | None:
         if v is not None:
             resolve_dotted(v)
         return v
+
+    @property
+    def has_eval(self) -> bool:
+        return self.eval_fn is not None or self.eval_loss is not None or bool(self.metrics)
+
+    @property
+    def eval_names(self) -> list[str]:
+        """Names of the eval metrics this task reports (``eval_loss`` is the eval loss)."""
+        names = ["eval_loss"] if self.eval_loss is not None else []
+        if self.eval_fn is not None:
+            names.append(self.eval_metric)
+        return names + [n for n in self.metrics if n not in names]
+
+    @model_validator(mode="after")
+    def _metric_named(self) -> TaskConfig:
+        if "eval_loss" in self.metrics:
+            raise ValueError("metrics.eval_loss: the name is taken by the eval loss; rename it")
+        if self.has_eval and self.eval_metric not in self.eval_names:
+            raise ValueError(
+                f"eval_metric={self.eval_metric}: not one of the eval metrics "
+                f"({', '.join(self.eval_names)}); name one of them"
+            )
+        return self
 
 
 class RunConfig(_Schema):
@@ -537,6 +646,18 @@ class RunConfig(_Schema):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
     experiment: str | None = Field(None, description="name of the experiment overlay, if any")
+
+    @model_validator(mode="after")
+    def _monitors_known(self) -> RunConfig:
+        known = ["train_loss", *self.task.eval_names]
+        for key in ("early_stopping", "save_best"):
+            watch = getattr(self.trainer, key)
+            if watch is not None and watch.monitor not in known:
+                raise ValueError(
+                    f"trainer.{key}.monitor={watch.monitor}: not a metric of this task; "
+                    f"one of {', '.join(known)}"
+                )
+        return self
 
     def trainer_config(self) -> TrainerConfig:
         """The Python API's config bag: trainer knobs with the sibling sections folded in."""
@@ -593,6 +714,10 @@ def explain(exc: ValidationError, data: Any, prefix: str = "") -> ConfigError:
     if err["type"] == "missing":
         return ConfigError(f"{key}: required key is missing")
     value = _lookup(data, loc)
+    if err["type"] == "value_error" and (isinstance(value, Mapping) or not key):
+        # A check across a section's keys: its message names the key; no dump of the section.
+        named = re.match(r"[A-Za-z_][\w.]*=", msg) is not None
+        return ConfigError(msg if not key else f"{key}.{msg}" if named else f"{key}: {msg}")
     shown = json.dumps(value) if isinstance(value, (list, dict)) else value
     return ConfigError(f"{key}={shown}: {msg}")
 

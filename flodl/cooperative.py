@@ -70,14 +70,15 @@ class CooperativeWorker:
 
     # -- iteration ----------------------------------------------------------------------------
     def epochs(self) -> Iterator[int]:
-        """The epochs this rank takes part in, as the controller plans them."""
+        """The epochs this rank takes part in, as the controller plans them, counted from 1 like
+        the console, the callbacks and TensorBoard."""
         while True:
             if self._window is None:
                 self._window = self._next_window()
             if self._window is None:
                 return
             epoch = self._window.epoch
-            yield epoch
+            yield epoch + 1
             if self._window is not None and self._window.epoch == epoch:
                 raise RuntimeError("consume worker.batches() fully before the next epoch")
 
@@ -89,7 +90,8 @@ class CooperativeWorker:
         while self._window is not None and self._window.epoch == epoch:
             window = self._window
             self._tally = self._core.begin_window(window)
-            for batch in self._core.source.batches(window.epoch, window.chunks):
+            batches = self._core.source.batches(window.epoch, window.chunks)
+            for batch in self._core.timed(batches, self._tally):
                 self._pending_loss = None
                 self._step_started = time.perf_counter()
                 yield batch
@@ -97,6 +99,7 @@ class CooperativeWorker:
                     raise RuntimeError("call worker.step(loss) once for every batch")
                 self._tally.add(self._pending_loss)
                 self._core.tick(batch)
+                self._core.log_step(self._tally)
             if self._core.runner.pending:  # worker.backward's last group: step before averaging
                 self._core.optimizer_step()
             self._core.end_window(window, self._tally)

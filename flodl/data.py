@@ -69,9 +69,12 @@ class BatchSource:
                 stop = min(start + self.batch_size, offset + size)
                 yield self.gather(perm[start:stop])
 
-    def sequential(self, batch_size: int | None = None) -> Iterator[list[torch.Tensor]]:
-        """All samples in order (evaluation)."""
+    def sequential(
+        self, batch_size: int | None = None, start: int = 0, stop: int | None = None
+    ) -> Iterator[list[torch.Tensor]]:
+        """Samples ``[start, stop)`` in order (evaluation; default: all of them)."""
         step = batch_size or max(self.batch_size, 256)
-        for start in range(0, len(self.dataset), step):
-            idx = torch.arange(start, min(start + step, len(self.dataset)))
+        end = len(self.dataset) if stop is None else min(stop, len(self.dataset))
+        for first in range(start, end, step):
+            idx = torch.arange(first, min(first + step, end))
             yield self.gather(idx)

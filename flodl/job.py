@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from flodl.evaluation import primary_name
 from flodl.metrics import EpochMetrics, RunSummary, SyncEvent
 from flodl.runtime.controller import Controller, ControllerResult, Hooks, RunFailed
 from flodl.runtime.links import in_process_link
@@ -89,6 +90,8 @@ class Job:
         try:
             log.info("flodl: %s", format_lr_scaling(self.run_info["lr_scaling"]))
             # Everything that can refuse the run does so before any rank (or server) starts.
+            if self.spec.has_eval:
+                self.spec.evaluation.build(torch.device("cpu"))  # a bad metric fails here
             controller = Controller(
                 cfg,
                 topo.world_size,
@@ -97,6 +100,7 @@ class Job:
                 self._hooks(),
                 checkpointer=self._checkpointer(),
                 resume=self._resume,
+                eval_metric=self.eval_metric,
             )
             dashboard = self._serve()
             self._open_outputs()
@@ -124,6 +128,7 @@ class Job:
             Hooks(),
             checkpointer=self._checkpointer(),
             resume=self._resume,
+            eval_metric=self.eval_metric,
         )
         from flodl.runtime.external import ExternalCohort
 
@@ -155,17 +160,19 @@ class Job:
 
     def _open_outputs(self) -> None:
         from flodl.monitor.console import Progress
+        from flodl.monitor.loggers import Loggers
         from flodl.monitor.tensorboard import RunLogger
 
         cfg = self.spec.config
         self.tb = RunLogger(self.job_dir, self.topology.world_size, enabled=cfg.logger.tensorboard)
+        self.loggers = Loggers.build(cfg.logger, self.job_dir, self._hparams())
         if "config_yaml" in self.run_info:
             self.tb.config_text(self.run_info.pop("config_yaml"))
         self.progress = Progress(cfg.num_epochs, mode=cfg.logger.progress)
         self._trace = open(self.job_dir / "elche_trace.jsonl", "w", encoding="utf-8")  # noqa: SIM115
 
     def _close_outputs(self) -> None:
-        for name in ("progress", "_trace", "tb"):
+        for name in ("progress", "_trace", "tb", "loggers"):
             output = getattr(self, name, None)
             if output is not None:
                 output.close()
@@ -241,7 +248,16 @@ class Job:
 
     # -- hooks -----------------------------------------------------------------------------------
     def _hooks(self) -> Hooks:
-        return Hooks(on_sync=self._on_sync, on_epoch=self._on_epoch, on_progress=self._on_progress)
+        return Hooks(
+            on_sync=self._on_sync,
+            on_epoch=self._on_epoch,
+            on_progress=self._on_progress,
+            on_steps=self._on_steps,
+        )
+
+    def _on_steps(self, rank: int, steps: tuple[tuple[int, float, float], ...]) -> None:
+        self.tb.steps(rank, steps)
+        self.loggers.steps(rank, steps)
 
     def _on_sync(self, event: SyncEvent) -> None:
         self._trace.write(json.dumps(event.to_dict()) + "\n")
@@ -255,20 +271,23 @@ class Job:
             self.progress.start_epoch(epoch, total)
         self.progress.advance(done, loss, shares)
 
-    def _on_epoch(self, metrics: EpochMetrics) -> None:
+    def _on_epoch(self, metrics: EpochMetrics) -> str | None:
+        """Log a closed epoch and run the user's callbacks; return metrics_fn's stop request."""
+        from flodl.callbacks import stop_request
         from flodl.monitor.console import format_epoch_line
 
         self._curve.append((time.perf_counter() - self._t0, metrics.avg_loss))
         self.tb.epoch(metrics)
-        metric = self.eval_metric if metrics.eval_value is not None else None
+        self.loggers.epoch(metrics)
+        metric = primary_name(metrics.eval_metrics, self.eval_metric)
         self.progress.end_epoch(format_epoch_line(metrics, self.spec.config.num_epochs, metric))
         cb = self.callbacks
         if metrics.eval_value is not None and cb.eval_result_fn is not None:
             cb.eval_result_fn(metrics.epoch, metrics.eval_value)
-        if cb.metrics_fn is not None:
-            cb.metrics_fn(metrics)
+        request = stop_request(cb.metrics_fn(metrics)) if cb.metrics_fn is not None else None
         if cb.epoch_fn is not None:
             cb.epoch_fn(metrics.epoch)
+        return request
 
     # -- outputs ---------------------------------------------------------------------------------
     def _finish(self, result: ControllerResult) -> RunResult:
@@ -285,7 +304,7 @@ class Job:
             )
             self._interrupted_summary = summary
             raise RunFailed(summary.error)
-        if result.stopped is not None:
+        if result.stopped is not None and result.stopped_early is None:
             summary.status = "interrupted"
             summary.error = f"stopped ({result.stopped}); saved: {result.saved or 'nothing'}"
             self._interrupted_summary = summary
@@ -300,6 +319,7 @@ class Job:
         cfg = self.spec.config
         last = result.epochs[-1] if result.epochs else None
         evals = [m.eval_value for m in result.epochs if m.eval_value is not None]
+        evaluated = [m.eval_metrics for m in result.epochs if m.eval_metrics]
         syncs = [e.sync_ms for e in result.events]
         total_batches = sum(result.rank_batches) or 1
         return RunSummary(
@@ -308,7 +328,7 @@ class Job:
             world_size=self.topology.world_size,
             epochs=len(result.epochs),
             final_loss=_finite(last.avg_loss) if last else None,
-            eval_metric=self.eval_metric if evals else None,
+            eval_metric=primary_name(evaluated[-1], self.eval_metric) if evaluated else None,
             eval_value=evals[-1] if evals else None,
             wall_s=time.perf_counter() - self._t0,
             syncs=len(result.events),
@@ -326,7 +346,17 @@ class Job:
             anchor=result.events[-1].anchor if result.events else None,
             lost_ranks=result.lost_ranks,
             coverage_exact=_coverage_exact(result),
+            metrics=evaluated[-1] if evaluated else {},
+            best=self._best(result),
+            stopped_early=result.stopped_early,
+            telemetry=_telemetry(result),
         )
+
+    def _best(self, result: ControllerResult) -> dict[str, Any] | None:
+        if result.best is None:
+            return None
+        stem = self.spec.config.save_path
+        return result.best | {"bundle": f"{stem}_best" if "best" in result.saved else None}
 
     def _failed_summary(self, exc: BaseException) -> RunSummary:
         message = str(exc) or type(exc).__name__
@@ -350,21 +380,24 @@ class Job:
         path = self.job_dir / "summary.json"
         path.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
 
-    def _log_hparams(self, summary: RunSummary) -> None:
+    def _hparams(self) -> dict[str, Any]:
         elche = self.spec.config.elche
-        hparams = {
+        return {
             "mode": elche.mode.value,
             "anchor": elche.anchor,
             "overhead_target": elche.overhead_target,
             "world_size": self.topology.world_size,
             "batch_size": self.spec.config.batch_size,
         }
+
+    def _log_hparams(self, summary: RunSummary) -> None:
+        hparams = self._hparams()
         metrics = {
             "final_loss": summary.final_loss,
             "eval": summary.eval_value,
             "wall_s": summary.wall_s,
             "samples_per_s": summary.samples_per_s,
-        }
+        } | {f"final/{name}": value for name, value in summary.metrics.items()}
         self.tb.hparams(hparams, metrics)
 
 
@@ -374,6 +407,25 @@ def _coverage_exact(result: ControllerResult) -> bool:
     if cov is None:
         return False
     return all(cov.exact(e) or (result.stopped and cov.overlaps(e) == 0) for e in cov.trained)
+
+
+def _telemetry(result: ControllerResult) -> list[dict[str, Any]]:
+    """Per rank over the whole run: device, peak memory, busy and data-wait fractions."""
+    train_s = result.train_s
+    out = []
+    for r, compute_ms in enumerate(result.rank_compute_ms):
+        data_ms = result.rank_data_ms[r] if r < len(result.rank_data_ms) else 0.0
+        peak = result.rank_peak_mem[r] if r < len(result.rank_peak_mem) else 0
+        out.append(
+            {
+                "rank": r,
+                "device": result.devices[r] if r < len(result.devices) else None,
+                "peak_mem_mb": peak / 2**20,
+                "busy_fraction": max(0.0, compute_ms - data_ms) / 1000.0 / train_s,
+                "data_wait_fraction": data_ms / 1000.0 / train_s,
+            }
+        )
+    return out
 
 
 def _finite(x: float) -> float | None:

@@ -34,7 +34,15 @@ class SyncEvent:
 
 @dataclass
 class EpochMetrics:
-    """Handed to ``metrics_fn`` once per epoch, on the launcher, after all ranks aggregate."""
+    """Handed to ``metrics_fn`` once per epoch, on the launcher, after all ranks aggregate.
+
+    ``epoch`` counts from 1 — the n-th epoch, as the console's ``epoch n/N``, TensorBoard's
+    step, ``eval_result_fn``, ``epoch_fn`` and ``summary.json`` all say. ``eval_metrics`` holds
+    every eval metric of an evaluated epoch (``eval_loss`` and the task's metrics, each computed
+    once over the whole eval set); ``eval_value`` is the one ``task.eval_metric`` names.
+    ``per_rank`` carries telemetry per rank: ``busy_fraction`` and ``data_wait_fraction`` of the
+    epoch's wall time and ``peak_mem_mb`` (CUDA max allocated; the process's peak RSS on CPU).
+    """
 
     epoch: int
     avg_loss: float
@@ -49,6 +57,7 @@ class EpochMetrics:
     overhead: float = 0.0
     eval_value: float | None = None
     lr: float | None = None
+    eval_metrics: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -80,6 +89,10 @@ class RunSummary:
     anchor: int | None = None
     lost_ranks: list[int] = field(default_factory=list)
     coverage_exact: bool | None = None
+    metrics: dict[str, float] = field(default_factory=dict)  # the last evaluated epoch's metrics
+    best: dict[str, Any] | None = None  # save_best: monitor, mode, value, epoch, bundle stem
+    stopped_early: dict[str, Any] | None = None  # early stop: reason and epoch
+    telemetry: list[dict[str, Any]] = field(default_factory=list)  # per rank
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -99,7 +99,7 @@ def _check_direction(config: Any, task: Any) -> None:
         return
     wanted = app.objective_maximized(task)
     if sweeper_max != wanted:
-        key = app.objective_key(task, has_eval=task.eval_fn is not None)
+        key = app.objective_key(task, has_eval=task.has_eval)
         fix = "maximize" if wanted else "minimize"
         fix_line = f"{said}={fix}" if said.endswith("direction") else f"{said}={wanted}"
         log.warning(

@@ -3,6 +3,7 @@ a cluster file, a SLURM allocation, or the processes another launcher (torchrun,
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from flodl.config import ClusterConfig, ConfigError, Mode, TrainerConfig, WorkerConfig
@@ -39,6 +40,27 @@ class Topology:
     external: rank_env.ExternalRole | None = field(default=None)
 
 
+def describe_gpus(gpus: list) -> str:
+    """The launch banner for GPU ranks, e.g.
+    ``ddp: 2 GPUs (heterogeneous) | RTX 5060 Ti (16.0 GB) | GTX 1060 (6.0 GB)``."""
+    kinds = {(g.name, g.total_memory_mb) for g in gpus}
+    equal = "heterogeneous" if len(kinds) > 1 else "equal"
+    devices = " | ".join(f"{g.name} ({g.total_memory_mb / 1024:.1f} GB)" for g in gpus)
+    return f"ddp: {len(gpus)} GPUs ({equal}) | {devices}"
+
+
+def describe_rig(speeds: list[float]) -> str:
+    """The launch banner of the CPU rig: each rank's simulated speed and the host's memory."""
+    equal = "heterogeneous" if len(set(speeds)) > 1 else "equal"
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+        memory = f", host RAM {ram:.1f} GB shared"
+    except (ValueError, OSError, AttributeError):
+        memory = ""
+    ranks = " | ".join(f"cpu x{s:g}" for s in speeds)
+    return f"cpu_rig: {len(speeds)} CPU ranks ({equal}{memory}) | {ranks}"
+
+
 def _local(world: int, backend: str, speeds: list[float], pace: bool, desc: str) -> Topology:
     device = "cuda" if backend == "nccl" else "cpu"
     places = tuple(Placement(r, device=device, speed=speeds[r]) for r in range(world))
@@ -63,9 +85,7 @@ def resolve_topology(config: TrainerConfig, probe_hosts: bool = True) -> Topolog
         pace = cluster.speeds is not None
         if solo or cluster.ranks == 1:
             return _local(1, "gloo", speeds[:1], pace, f"cpu_rig solo speed {speeds[0]}")
-        return _local(
-            cluster.ranks, "gloo", speeds, pace, f"cpu_rig {cluster.ranks} ranks speeds {speeds}"
-        )
+        return _local(cluster.ranks, "gloo", speeds, pace, describe_rig(speeds))
     if cluster.kind == "hosts":
         return _hosts(cluster, probe_hosts)
     if cluster.kind == "slurm":
@@ -83,7 +103,6 @@ def resolve_topology(config: TrainerConfig, probe_hosts: bool = True) -> Topolog
 
     gpus = detect_gpus()
     if len(gpus) >= 2 and not solo:
-        names = " | ".join(g.name for g in gpus)
         places = tuple(
             Placement(
                 r, device="cuda", gpu=g.physical_index if g.physical_index is not None else g.index
@@ -91,7 +110,7 @@ def resolve_topology(config: TrainerConfig, probe_hosts: bool = True) -> Topolog
             for r, g in enumerate(gpus)
         )
         return Topology(
-            len(gpus), "nccl", [1.0] * len(gpus), False, False, f"{len(gpus)} GPUs: {names}", places
+            len(gpus), "nccl", [1.0] * len(gpus), False, False, describe_gpus(gpus), places
         )
     return _local(1, "gloo", [1.0], False, "single device, in-process")
 

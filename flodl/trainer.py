@@ -23,8 +23,10 @@ from torch import nn
 
 from flodl.config import (
     ClusterConfig,
+    EarlyStoppingConfig,
     ElCheConfig,
     LoggerConfig,
+    MonitorConfig,
     TrainerConfig,
     validate_trainer_config,
 )
@@ -183,10 +185,23 @@ class TrainerBuilder:
     ) -> TrainerBuilder:
         return self._put("eval_fn", fn)
 
+    def metrics(self, metrics: dict[str, Callable[[], Any]]) -> TrainerBuilder:
+        """Name -> zero-argument factory of a torchmetrics ``Metric`` (built fresh per eval)."""
+        return self._put("metrics", dict(metrics))
+
+    def eval_loss(self, fn: Callable[[Any, Any], torch.Tensor]) -> TrainerBuilder:
+        """``fn(preds, target) -> mean loss`` over an eval batch; reported as ``eval_loss``."""
+        return self._put("eval_loss", fn)
+
+    def eval_step(self, fn: Callable[[nn.Module, Any], tuple[Any, Any]]) -> TrainerBuilder:
+        """``fn(model, batch) -> (preds, target)`` fed to the metrics (default: model(x), y)."""
+        return self._put("eval_step", fn)
+
     def eval_result_fn(self, fn: Callable[[int, float], None]) -> TrainerBuilder:
         return self._put("eval_result_fn", fn)
 
-    def metrics_fn(self, fn: Callable[[EpochMetrics], None]) -> TrainerBuilder:
+    def metrics_fn(self, fn: Callable[[EpochMetrics], Any]) -> TrainerBuilder:
+        """Called once per epoch on the launcher; returning True (or a reason) stops the run."""
         return self._put("metrics_fn", fn)
 
     def epoch_fn(self, fn: Callable[[int], None]) -> TrainerBuilder:
@@ -227,6 +242,19 @@ class TrainerBuilder:
 
     def compile(self, on: bool = True) -> TrainerBuilder:
         return self._set("compile", on)
+
+    def eval_policy(self, policy: str) -> TrainerBuilder:
+        """``elected`` (one rank evaluates) or ``sharded`` (each rank 1/N, states merged)."""
+        return self._set("eval_policy", policy)
+
+    def early_stopping(self, config: EarlyStoppingConfig) -> TrainerBuilder:
+        return self._set("early_stopping", config.model_dump())
+
+    def save_best(self, config: MonitorConfig, save_path: str | None = None) -> TrainerBuilder:
+        """Keep ``<save_path>_best`` beside the last bundle (``save_path`` sets the stem)."""
+        if save_path is not None:
+            self._set("save_path", save_path)
+        return self._set("save_best", config.model_dump())
 
     def elche(self, config: ElCheConfig) -> TrainerBuilder:
         return self._set("elche", config.model_dump())
@@ -302,8 +330,11 @@ class Trainer:
         dataset: Any,
         eval_dataset: Any = None,
         eval_fn: Callable[..., float] | None = None,
+        metrics: dict[str, Callable[[], Any]] | None = None,
+        eval_loss: Callable[[Any, Any], torch.Tensor] | None = None,
+        eval_step: Callable[..., tuple[Any, Any]] | None = None,
         eval_result_fn: Callable[[int, float], None] | None = None,
-        metrics_fn: Callable[[EpochMetrics], None] | None = None,
+        metrics_fn: Callable[[EpochMetrics], Any] | None = None,
         epoch_fn: Callable[[int], None] | None = None,
         scheduler_factory: Callable[..., Any] | None = None,
         scheduler_interval: str = "epoch",
@@ -317,9 +348,17 @@ class Trainer:
         In a process torchrun (or srun) placed, rank 0 runs the job and the other ranks train
         as its workers, then exit: code after ``run()`` runs on rank 0 only.
         """
+        from flodl.evaluation import EvalSpec
         from flodl.job import Job
 
         _follow_if_placed(config, cooperative)
+        evaluation = EvalSpec(
+            metrics=dict(metrics or {}),
+            eval_loss=eval_loss,
+            eval_step=eval_step,
+            eval_fn=eval_fn,
+            eval_fn_name=eval_metric,
+        )
 
         spec = JobSpec(
             config=config,
@@ -328,7 +367,7 @@ class Trainer:
             train_step=train_step,
             dataset=dataset,
             eval_dataset=eval_dataset,
-            eval_fn=eval_fn,
+            evaluation=evaluation,
             scheduler_factory=scheduler_factory,
             scheduler_interval=scheduler_interval,
         )

@@ -1,8 +1,12 @@
-"""Train steps ``fn(model, batch) -> loss``; eval functions ``fn(model, input, target) -> float``.
+"""Train steps ``fn(model, batch) -> loss``, eval steps ``fn(model, batch) -> (preds, target)``
+and legacy eval functions ``fn(model, input, target) -> float``.
 
 The runner owns the loop, the optimizer, devices and averaging; a step only turns one batch into
-a scalar loss (and may ``record_scalar`` side metrics), an eval function turns a held-out set
-into one number. ``conf/task/*.yaml`` names which pair a run uses.
+a scalar loss (and may ``record_scalar`` side metrics). Evaluation is best expressed as
+torchmetrics metrics (``task.metrics``) fed by an eval step; a legacy eval function is called
+once per eval chunk and must return that chunk's *mean over samples* (the runner weights chunks
+by size), so sums, counts, F1 or AUC belong in ``task.metrics`` instead.
+``conf/task/*.yaml`` names what a run uses.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ __all__ = [
     "classification_step",
     "language_model_step",
     "reconstruction_mse",
+    "reconstruction_outputs",
     "reconstruction_step",
     "val_loss",
 ]
@@ -60,6 +65,13 @@ def reconstruction_step(model: nn.Module, batch: Sequence[torch.Tensor]) -> torc
     """Mean squared error between ``model(input)`` and ``input``; labels, if any, are ignored."""
     inputs = batch[0]
     return F.mse_loss(model(inputs), inputs)
+
+
+def reconstruction_outputs(
+    model: nn.Module, batch: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eval step of autoencoders: ``(model(input), input)`` for the metrics to compare."""
+    return model(batch[0]), batch[0]
 
 
 @contextmanager

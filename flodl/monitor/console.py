@@ -29,13 +29,15 @@ def _fmt_value(value: float) -> str:
 
 
 def format_epoch_line(m: EpochMetrics, num_epochs: int, eval_metric: str | None) -> str:
-    """``epoch 3/5  loss 0.2143  accuracy 0.9412  1234 ms  share [0.67 0.33]  anchor 12``.
+    """``epoch 3/5  loss 0.2143  eval_loss 0.2511  accuracy 0.9412  1234 ms  share [0.67 0.33]``.
 
-    ``epoch`` is 0-based in :class:`EpochMetrics` and shown 1-based. The eval part appears only
+    ``epoch`` counts from 1 in :class:`EpochMetrics` and here alike. Every eval metric appears
     when the epoch was evaluated; share and anchor only when there is more than one rank.
     """
-    parts = [f"epoch {m.epoch + 1}/{num_epochs}", f"loss {_fmt_value(m.avg_loss)}"]
-    if m.eval_value is not None:
+    parts = [f"epoch {m.epoch}/{num_epochs}", f"loss {_fmt_value(m.avg_loss)}"]
+    if m.eval_metrics:
+        parts += [f"{name} {_fmt_value(value)}" for name, value in m.eval_metrics.items()]
+    elif m.eval_value is not None:
         parts.append(f"{eval_metric or 'eval'} {_fmt_value(m.eval_value)}")
     parts.append(f"{m.epoch_ms:.0f} ms")
     if len(m.per_rank_batch_share) > 1:

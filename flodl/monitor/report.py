@@ -69,6 +69,16 @@ def eval_metric_name(rows: Sequence[Row]) -> str:
     return names.pop() if len(names) == 1 else "eval"
 
 
+def metric_columns(rows: Sequence[Row]) -> list[str]:
+    """Every eval metric some job reported (``summary.json``'s ``metrics``), first-seen order,
+    except the one the eval column already shows."""
+    shown = eval_metric_name(rows)
+    names: list[str] = []
+    for row in rows:
+        names.extend(n for n in row.get("metrics") or {} if n not in names and n != shown)
+    return names
+
+
 def _num(value: Any, fmt: str) -> str:
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return _DASH if value is None else str(value)
@@ -99,6 +109,7 @@ def format_table(rows: Sequence[Row]) -> str:
     """The report's markdown table, one line per job."""
     differing = differing_overrides(rows)
     baseline = find_baseline(rows)
+    metrics = metric_columns(rows)
     header = [
         "job",
         "mode",
@@ -112,6 +123,7 @@ def format_table(rows: Sequence[Row]) -> str:
         "idle",
         "samples/s",
         "speedup",
+        *metrics,
     ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
@@ -129,6 +141,7 @@ def format_table(rows: Sequence[Row]) -> str:
             _idle(row),
             _num(row.get("samples_per_s"), ".0f"),
             _DASH if gain is None else f"{gain:.2f}x",
+            *(_num((row.get("metrics") or {}).get(name), ".4f") for name in metrics),
         ]
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"

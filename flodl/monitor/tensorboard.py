@@ -83,7 +83,7 @@ class RunLogger:
         """One epoch's aggregates in ``tb/`` and each rank's loss, throughput and share."""
         if self._closed:
             return
-        step = m.epoch
+        step = m.epoch  # counts from 1, as the console's "epoch n/N"
         self._scalar(None, "loss/train", m.avg_loss, step)
         self._scalar(None, "eval/value", m.eval_value, step)
         # Not ``elche/anchor``: that tag is stepped by sync index, and one tag on two step
@@ -94,12 +94,22 @@ class RunLogger:
         self._scalar(None, "lr", m.lr, step)
         for name, value in m.scalars.items():
             self._scalar(None, f"scalars/{name}", value, step)
+        for name, value in m.eval_metrics.items():
+            self._scalar(None, f"eval/{name}", value, step)
         for rank, stats in enumerate(m.per_rank):
             self._scalar(rank, "loss/train", stats.get("loss"), step)
+            for key in ("busy_fraction", "data_wait_fraction", "peak_mem_mb"):
+                self._scalar(rank, f"telemetry/{key}", stats.get(key), step)
         for rank, throughput in enumerate(m.per_rank_throughput):
             self._scalar(rank, "throughput/samples_per_s", throughput, step)
         for rank, share in enumerate(m.per_rank_batch_share):
             self._scalar(rank, "share/batch", share, step)
+
+    def steps(self, rank: int, steps: tuple[tuple[int, float, float], ...]) -> None:
+        """Every ``logger.log_every_n_steps``-th training step of a rank: loss and LR."""
+        for step, loss, lr in steps:
+            self._scalar(rank, "step/loss", loss, step)
+            self._scalar(rank, "step/lr", lr, step)
 
     def hparams(
         self, hparams: Mapping[str, HParamValue], metrics: Mapping[str, float | None]

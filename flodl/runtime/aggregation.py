@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 from flodl.config import Mode, Outer, TrainerConfig
@@ -45,6 +46,10 @@ class Aggregation(Outbound):
     stop_reason: str | None
     _t_train: float
     _t_end: float
+    eval_metric: str | None
+    stopped_early: dict[str, Any] | None
+    best: Any
+    _after_epoch: Callable[[int, EpochMetrics, str | None], None]  # the controller's
 
     def _record_cycle(self, track: WindowTrack, reports: list[Report]) -> None:
         if self.elche is None:
@@ -126,14 +131,18 @@ class Aggregation(Outbound):
             track.start = previous.end if previous is not None else self._t_train
             syncs = len(self.events) if self.world > 1 and self.mode is not Mode.SOLO else 0
             metrics = track.metrics(
-                syncs, self.events[-1] if self.events else None, self.cfg.elche.anchor
+                syncs,
+                self.events[-1] if self.events else None,
+                self.cfg.elche.anchor,
+                self.eval_metric,
             )
             self.closed_epochs.append(metrics)
-            self.hooks.on_epoch(metrics)
+            self._after_epoch(track.epoch, metrics, self.hooks.on_epoch(metrics))
 
     def _result(self) -> ControllerResult:
         tracks = list(self.epochs.values())
-        rank_samples = [sum(t.rank_samples[r] for t in tracks) for r in range(self.world)]
+        ranks = range(self.world)
+        rank_samples = [sum(t.rank_samples[r] for t in tracks) for r in ranks]
         return ControllerResult(
             final=self.final,
             epochs=self.closed_epochs,
@@ -144,6 +153,10 @@ class Aggregation(Outbound):
             rank_samples=rank_samples,
             rank_batches=[sum(t.batches[r] for t in tracks) for r in range(self.world)],
             rank_compute_ms=[sum(t.compute_ms[r] for t in tracks) for r in range(self.world)],
+            rank_data_ms=[sum(t.data_ms[r] for t in tracks) for r in range(self.world)],
+            rank_peak_mem=[max((t.peak_mem[r] for t in tracks), default=0) for r in ranks],
+            stopped_early=self.stopped_early,
+            best=self.best.to_dict() if self.best is not None else None,
             devices=[self.ready[r].device for r in range(self.world) if r in self.ready],
             stopped=self.stop_reason,
             saved=list(self.checkpointer.saved) if self.checkpointer is not None else [],

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from flodl.callbacks import EarlyStopping, Watch
 from flodl.config import TrainerConfig
 from flodl.elche import (
     ElChe,
@@ -71,7 +72,9 @@ class Disconnected:
 @dataclass
 class Hooks:
     on_sync: Callable[[SyncEvent], None] = lambda ev: None
-    on_epoch: Callable[[EpochMetrics], None] = lambda m: None
+    # A closed epoch; a returned string is a stop request (its reason).
+    on_epoch: Callable[[EpochMetrics], str | None] = lambda m: None
+    on_steps: Callable[[int, tuple], None] = lambda rank, steps: None
     on_progress: Callable[[int, int, int, float | None, list[float]], None] = (
         lambda epoch, done, total, loss, shares: None
     )
@@ -91,8 +94,10 @@ class Controller(Planning, Aggregation):
         lookahead: int = 1,
         checkpointer: Checkpointer | None = None,
         resume: ResumePoint | None = None,
+        eval_metric: str | None = None,
     ) -> None:
         self.cfg = config
+        self.eval_metric = eval_metric
         self.world = world_size
         self.mode = config.elche.mode
         self.has_eval = has_eval
@@ -137,6 +142,12 @@ class Controller(Planning, Aggregation):
         self._unaveraged: dict[int, set[int]] = {}  # window -> survivors whose averaging failed
         self._settle_windows: dict[int, int] = {}  # an epoch's last window -> the epoch
         self.save_error: str | None = None  # set when a bundle could not be written
+        stopping, best = config.early_stopping, config.save_best
+        self.early_stopping = EarlyStopping(stopping) if stopping is not None else None
+        self.best = Watch(best, "trainer.save_best") if best is not None else None
+        self._best_states: dict[int, dict] = {}  # epoch -> rank states, until its verdict
+        self._best_verdicts: dict[int, bool] = {}  # epoch -> improved?
+        self.stopped_early: dict[str, Any] | None = None
         self._t_start = time.perf_counter()
         self._last_check = time.monotonic()
         self._t_train = 0.0
@@ -283,8 +294,7 @@ class Controller(Planning, Aggregation):
         elif isinstance(msg, Ready):
             self._on_ready(msg)
         elif isinstance(msg, EvalResult):
-            self.epochs[msg.epoch].eval_value = msg.value
-            self._close_epochs()
+            self._on_eval(msg)
         elif isinstance(msg, Final):
             self.final = msg
         elif isinstance(msg, RankState):
@@ -337,10 +347,25 @@ class Controller(Planning, Aggregation):
         first_open = self.completed_index()
         members = tuple(self.alive)
         self.regrouping = {r: False for r in members}  # no planning until survivors regroup
+        self._lose_eval(rank, first_open)
         self._void_windows(rank, first_open)
+        self._close_epochs()
         weights = {r: 1.0 / len(members) for r in members}
         for r in members:
             self._send(r, Regroup(self.members.generation, members, first_open, weights))
+
+    def _lose_eval(self, dead: int, first_open: int) -> None:
+        """A lost rank's pending eval shard: the epoch's eval is skipped (a replanned last
+        window plans its eval afresh), so no epoch waits forever for a shard that cannot come."""
+        for track in self.epochs.values():
+            replanned = track.eval_window in self.windows and track.eval_window != first_open
+            if not replanned and track.lose_eval(dead):
+                log.warning(
+                    "rank %d was lost before its eval of epoch %d arrived: that epoch's eval "
+                    "is skipped",
+                    dead,
+                    track.epoch + 1,
+                )
 
     def completed_index(self) -> int:
         """Index of the oldest window not completed yet (every later one is open too)."""
@@ -396,10 +421,38 @@ class Controller(Planning, Aggregation):
         self._fill()
         self._maybe_send_stop()
 
+    # -- evaluation and callbacks -------------------------------------------------------------
+    def _on_eval(self, msg: EvalResult) -> None:
+        track = self.epochs.get(msg.epoch)
+        if track is None or not track.take_eval(msg.rank, msg.window, msg.shard, msg.parts):
+            return
+        if not track.eval_skipped:
+            from flodl.evaluation import merge  # torch only where metrics are computed
+
+            track.eval_metrics = merge([track.eval_parts[s] for s in sorted(track.eval_parts)])
+        track.eval_parts = {}
+        self._close_epochs()
+        self._fill()  # planning may have waited for this verdict (early stopping)
+
+    def _after_epoch(self, epoch: int, metrics: EpochMetrics, request: str | None) -> None:
+        """Keep-best and early stopping on a closed epoch; a stop request stops every rank."""
+        if self.best is not None:
+            self._best_verdicts[epoch] = bool(self.best.observe(metrics))
+            self._write_best(epoch)
+        reason = request
+        if self.early_stopping is not None and self.early_stopping.should_stop(metrics):
+            reason = reason or "early_stopping"
+        if reason is None or self.stop_reason is not None or epoch + 1 >= self.cfg.num_epochs:
+            return
+        log.info("stopping after epoch %d (%s)", epoch + 1, reason)
+        self.stopped_early = {"reason": reason, "epoch": epoch + 1}
+        self.begin_stop(reason)
+
     # -- stopping --------------------------------------------------------------------------------
     def begin_stop(self, reason: str, grace_s: float = 8.0) -> None:
         """Stop dispatching; once in-flight windows are averaged, save (if set up) and end."""
-        log.warning("stopping (%s): finishing in-flight windows", reason)
+        if self.stopped_early is None:
+            log.warning("stopping (%s): finishing in-flight windows", reason)
         chaos.point("stop")
         self.stop_reason = reason
         self._stop_deadline = time.perf_counter() + grace_s
@@ -432,7 +485,11 @@ class Controller(Planning, Aggregation):
         try:
             if msg.window >= 0:  # an epoch-boundary checkpoint: the epoch is complete
                 epoch = self._checkpoint_epochs.pop(msg.window)
-                self._write(states, "checkpoint", epoch + 1, [])
+                if self.checkpointer.due(epoch, self.cfg.num_epochs):
+                    self._write(states, "checkpoint", epoch + 1, [])
+                if self.best is not None:
+                    self._best_states[epoch] = states
+                    self._write_best(epoch)
             else:  # the end of the run, or a stop: the lowest unfinished epoch is the resume point
                 epoch, uncovered = self._resume_point()
                 self._write(states, self.stop_reason or "final", epoch, uncovered)
@@ -458,12 +515,24 @@ class Controller(Planning, Aggregation):
                 return epoch, list(self.cursors[epoch].ranges)
         return max(self.cursors, default=-1) + 1, []
 
-    def _write(self, states: dict, reason: str, epoch: int, uncovered: list) -> None:
+    def _write_best(self, epoch: int) -> None:
+        """Once an evaluated epoch has both its states and its verdict: keep it if best."""
+        if epoch not in self._best_states or epoch not in self._best_verdicts:
+            return
+        states = self._best_states.pop(epoch)
+        if self._best_verdicts.pop(epoch):
+            assert self.checkpointer is not None and self.checkpointer.stem is not None
+            self._write(states, "best", epoch + 1, [], stem=self.checkpointer.stem + "_best")
+
+    def _write(
+        self, states: dict, reason: str, epoch: int, uncovered: list, stem: str | None = None
+    ) -> None:
         assert self.checkpointer is not None and self.coverage is not None
         chaos.point("checkpoint_write")
         self.checkpointer.write(
             states,
             reason,
+            stem=stem,
             epoch=epoch,
             global_step=self.global_step,
             sync_round=self.rounds_before + self.completed,
@@ -534,6 +603,8 @@ class Controller(Planning, Aggregation):
         if track is None or report.rank not in track.expected:
             return  # a void window's report (planned before a loss): its work was given back
         track.reports[report.rank] = report
+        if report.steps:
+            self.hooks.on_steps(report.rank, report.steps)
         assert self.coverage is not None
         self.coverage.record(report.epoch, report.chunks)
         self.epochs[report.epoch].add(report)

@@ -37,9 +37,11 @@ class Window:
     chunks: tuple[Chunk, ...]
     weight: float  # this rank's share of the parameter average
     buffer_weight: float  # this rank's share of the float-buffer average
-    eval_after: bool = False  # run eval_fn after this window's average (elected rank only)
+    eval_after: bool = False  # evaluate after this window's average (the eval ranks only)
+    eval_shard: tuple[int, int] = (0, 1)  # (shard, shards) of the eval set this rank evaluates
     max_overshoot: int = 0  # cpu_async: averages this rank may leave in flight
     checkpoint_after: bool = False  # send RankState after this window's average
+    checkpoint_weights: bool = False  # ... with the consensus weights (one rank: the head)
     generation: int = 0  # membership generation it was planned for
     settle: bool = False  # the epoch's last window: acknowledge its averaging (Settled)
     progress: int = 0  # global progress clock: samples of the run dispatched before this window
@@ -77,6 +79,9 @@ class Report:
     prev_divergence: float | None = None
     lr: float | None = None
     snapshot: Any = None  # flat parameters (controller-averaged modes)
+    data_ms: float = 0.0  # of compute_ms, the time spent waiting for batches
+    peak_mem: int = 0  # bytes: CUDA max_memory_allocated, or the process's peak RSS on CPU
+    steps: tuple[tuple[int, float, float], ...] = ()  # (rank step, loss, lr), every n-th step
 
 
 @dataclass(frozen=True)
@@ -89,10 +94,14 @@ class Average:
 
 @dataclass(frozen=True)
 class EvalResult:
+    """One rank's eval shard: torchmetrics states (on CPU) the controller merges, then computes."""
+
     rank: int
     epoch: int
-    value: float
+    window: int  # the window it evaluated after (a replanned window's stale result is ignored)
+    parts: dict[str, Any]
     ms: float
+    shard: int = 0
 
 
 @dataclass(frozen=True)

@@ -84,8 +84,17 @@ class Planning(Outbound):
             and not self.regrouping
             and not self.all_planned
             and self.next_window - self.completed <= self.lookahead
+            and not self._awaiting_verdict()
         ):
             self._plan_batch()
+
+    def _awaiting_verdict(self) -> bool:
+        """With early stopping, the next epoch waits until the previous one closed (its last
+        window and its eval are in): the stop then lands exactly after the epoch that asked for
+        it, at the cost of the ranks idling for that last window and the eval."""
+        if self.cfg.early_stopping is None:
+            return False
+        return any(t.all_planned and not t.closed for t in self.epochs.values())
 
     def _windows_per_plan(self) -> int:
         if not self.mode.is_sync or self.elche is None or not self.elche.calibrated:
@@ -159,7 +168,8 @@ class Planning(Outbound):
         track.planned += 1
         index = self.next_window
         self.next_window += 1
-        eval_rank, checkpoint = None, False
+        shards: dict[int, tuple[int, int]] = {}
+        checkpoint = False
         settle = False
         if cursor.done:
             track.all_planned = True
@@ -167,9 +177,12 @@ class Planning(Outbound):
             if settle:
                 track.unsettled = set(self.alive)
                 self._settle_windows[index] = cursor.epoch
-            eval_rank = track.eval_rank = self._eval_rank(cursor.epoch)
+            shards = self._eval_shards(cursor.epoch)
+            track.plan_eval(index, set(shards))
             if self.checkpointer is not None:
                 checkpoint = self.checkpointer.due(cursor.epoch, self.cfg.num_epochs)
+                # save_best: every evaluated epoch's state is kept until its metrics decide.
+                checkpoint = checkpoint or (bool(shards) and self.cfg.save_best is not None)
             if checkpoint:
                 self._checkpoint_epochs[index] = cursor.epoch
                 self._checkpoints_open += 1
@@ -183,9 +196,11 @@ class Planning(Outbound):
                 chunks[r],
                 weights[r],
                 bweights[r],
-                eval_after=eval_rank == r,
+                eval_after=r in shards,
+                eval_shard=shards.get(r, (0, 1)),
                 max_overshoot=self.overshoot[0],
                 checkpoint_after=checkpoint,
+                checkpoint_weights=checkpoint and r == self._head(),
                 generation=self.members.generation,
                 settle=settle,
                 progress=progress,
@@ -194,10 +209,17 @@ class Planning(Outbound):
             for r in self.alive
         }
 
-    def _eval_rank(self, epoch: int) -> int | None:
+    def _eval_shards(self, epoch: int) -> dict[int, tuple[int, int]]:
+        """Which ranks evaluate after ``epoch``, each with its ``(shard, shards)``."""
         last = epoch == self.cfg.num_epochs - 1
         if not self.has_eval or not (last or (epoch + 1) % self.cfg.eval_every == 0):
-            return None
+            return {}
+        if self.cfg.eval_policy == "sharded":
+            members = self.alive
+            return {r: (i, len(members)) for i, r in enumerate(members)}
+        return {self._eval_rank(): (0, 1)}
+
+    def _eval_rank(self) -> int:
         policy = self.cfg.callback_policy
         if policy.kind == "rank" and self.members.alive[policy.rank]:
             return policy.rank

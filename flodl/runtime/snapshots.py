@@ -51,9 +51,13 @@ class Checkpointer:
             return None
         return self.pending.pop(msg.window)
 
-    def write(self, states: dict[int, RankState], reason: str, **fields: Any) -> str:
-        """Write the bundle; the weights come from whichever rank sent them."""
-        assert self.stem is not None
+    def write(
+        self, states: dict[int, RankState], reason: str, stem: str | None = None, **fields: Any
+    ) -> str:
+        """Write the bundle (at ``stem``, default the run's); the weights come from whichever
+        rank sent them."""
+        stem = stem or self.stem
+        assert stem is not None
         source = next(s for s in states.values() if s.params is not None)
         payload = {
             "params": source.params,
@@ -72,10 +76,10 @@ class Checkpointer:
             saved_at=time.time(),
             **fields,
         )
-        save_bundle(self.stem, payload, meta)
+        save_bundle(stem, payload, meta)
         self.saved.append(reason)
-        log.info("saved %s bundle %s (epoch %d)", reason, self.stem, meta.epoch)
-        return self.stem
+        log.info("saved %s bundle %s (epoch %d)", reason, stem, meta.epoch)
+        return stem
 
 
 @dataclass

@@ -8,13 +8,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flodl.config import TrainerConfig
+from flodl.evaluation import EvalSpec
 
 
 @dataclass
 class Callbacks:
     """Launcher-side hooks (they never travel to ranks)."""
 
-    metrics_fn: Callable[[Any], None] | None = None
+    metrics_fn: Callable[[Any], Any] | None = None  # a truthy return (or a str) stops the run
     eval_result_fn: Callable[[int, float], None] | None = None
     epoch_fn: Callable[[int], None] | None = None
 
@@ -29,7 +30,7 @@ class JobSpec:
     train_step: Callable[..., Any]
     dataset: Any
     eval_dataset: Any = None
-    eval_fn: Callable[..., float] | None = None
+    evaluation: EvalSpec = field(default_factory=EvalSpec)
     scheduler_factory: Callable[..., Any] | None = None
     scheduler_interval: str = "epoch"  # "step": advanced on the global progress clock
     batch_sizes: list[int | None] | None = None  # per rank (None: probed on the rank); launcher
@@ -44,7 +45,7 @@ class JobSpec:
 
     @property
     def has_eval(self) -> bool:
-        return self.eval_fn is not None and self.eval_dataset is not None
+        return self.evaluation.enabled and self.eval_dataset is not None
 
 
 def state_signature(named_shapes: list[tuple[str, tuple[int, ...], str]]) -> str:

@@ -36,8 +36,11 @@ class EpochTrack:
     planned: int = 0
     done: int = 0
     all_planned: bool = False
-    eval_rank: int | None = None
-    eval_value: float | None = None
+    eval_window: int | None = None  # the window the eval ranks evaluate after
+    eval_waiting: set[int] = field(default_factory=set)  # ranks whose shard has not arrived
+    eval_parts: dict[int, Any] = field(default_factory=dict)  # shard index -> metric states
+    eval_skipped: bool = False  # a shard's rank was lost: no metrics this epoch
+    eval_metrics: dict[str, float] = field(default_factory=dict)
     start: float = 0.0
     end: float = 0.0
     samples: int = 0
@@ -52,12 +55,40 @@ class EpochTrack:
     # Ranks whose averaging of this epoch's last window is not yet known to have held
     # (collective modes): until then its work is not known to be in the model.
     unsettled: set[int] = field(default_factory=set)
+    data_ms: list[float] = field(default_factory=list)
+    peak_mem: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.batches = [0] * self.world
         self.rank_samples = [0] * self.world
         self.rank_loss = [[0.0, 0.0] for _ in range(self.world)]
         self.compute_ms = [0.0] * self.world
+        self.data_ms = [0.0] * self.world
+        self.peak_mem = [0] * self.world
+
+    def plan_eval(self, window: int, ranks: set[int]) -> None:
+        """The epoch's last window was (re)planned: expect a shard from each of ``ranks``."""
+        self.eval_window = window if ranks else None
+        self.eval_waiting = set(ranks)
+        self.eval_parts = {}
+        self.eval_skipped = False
+
+    def take_eval(self, rank: int, window: int, shard: int, parts: Any) -> bool:
+        """Keep a shard; True once every expected shard is in (stale results are ignored)."""
+        if window != self.eval_window or rank not in self.eval_waiting:
+            return False
+        self.eval_waiting.discard(rank)
+        self.eval_parts[shard] = parts
+        return not self.eval_waiting
+
+    def lose_eval(self, rank: int) -> bool:
+        """``rank`` is lost with its shard pending: skip this epoch's eval. True if it was."""
+        if rank not in self.eval_waiting:
+            return False
+        self.eval_waiting.discard(rank)
+        self.eval_skipped = True
+        self.eval_parts = {}
+        return True
 
     def add(self, report: Report) -> None:
         r = report.rank
@@ -65,6 +96,8 @@ class EpochTrack:
         self.rank_samples[r] += report.samples
         self.samples += report.samples
         self.compute_ms[r] += report.compute_ms
+        self.data_ms[r] += report.data_ms
+        self.peak_mem[r] = max(self.peak_mem[r], report.peak_mem)
         self.lr = report.lr if report.lr is not None else self.lr
         self.loss_sum += report.loss_sum
         self.loss_count += report.loss_count
@@ -82,6 +115,7 @@ class EpochTrack:
         self.rank_samples[r] -= report.samples
         self.samples -= report.samples
         self.compute_ms[r] -= report.compute_ms
+        self.data_ms[r] -= report.data_ms
         self.loss_sum -= report.loss_sum
         self.loss_count -= report.loss_count
         self.rank_loss[r][0] -= report.loss_sum
@@ -89,11 +123,13 @@ class EpochTrack:
 
     @property
     def closed(self) -> bool:
-        waiting_eval = self.eval_rank is not None and self.eval_value is None
         done = self.all_planned and self.done == self.planned
-        return done and not waiting_eval and not self.unsettled
+        return done and not self.eval_waiting and not self.unsettled
 
-    def metrics(self, syncs: int, last: SyncEvent | None, anchor: int) -> EpochMetrics:
+    def metrics(
+        self, syncs: int, last: SyncEvent | None, anchor: int, eval_metric: str | None = None
+    ) -> EpochMetrics:
+        """The closed epoch; ``epoch`` counts from 1 (the n-th epoch), as the console shows."""
         epoch_s = max(self.end - self.start, 1e-9)
         per_rank = [
             {
@@ -101,11 +137,19 @@ class EpochTrack:
                 "batches": float(self.batches[r]),
                 "samples": float(self.rank_samples[r]),
                 "compute_ms": self.compute_ms[r],
+                "busy_fraction": max(0.0, self.compute_ms[r] - self.data_ms[r]) / 1e3 / epoch_s,
+                "data_wait_fraction": self.data_ms[r] / 1e3 / epoch_s,
+                "peak_mem_mb": self.peak_mem[r] / 2**20,
             }
             for r, (ls, lc) in enumerate(self.rank_loss)
         ]
+        from flodl.evaluation import primary_name
+
+        evals = self.eval_metrics
+        name = primary_name(evals, eval_metric)
+        primary = evals[name] if name is not None else None
         return EpochMetrics(
-            epoch=self.epoch,
+            epoch=self.epoch + 1,
             avg_loss=self.loss_sum / self.loss_count if self.loss_count else math.nan,
             epoch_ms=epoch_s * 1000.0,
             scalars={k: s / c for k, (s, c) in self.scalars.items() if c},
@@ -116,7 +160,8 @@ class EpochTrack:
             syncs=syncs,
             anchor=last.anchor if last else anchor,
             overhead=last.overhead if last else 0.0,
-            eval_value=self.eval_value,
+            eval_value=primary,
+            eval_metrics=dict(evals),
             lr=self.lr,
         )
 
@@ -138,6 +183,10 @@ class ControllerResult:
     rank_batches: list[int]
     rank_compute_ms: list[float]
     devices: list[str]
+    rank_data_ms: list[float] = field(default_factory=list)
+    rank_peak_mem: list[int] = field(default_factory=list)
+    stopped_early: dict[str, Any] | None = None  # a normal stop: early stopping, metrics_fn
+    best: dict[str, Any] | None = None  # save_best's best value and its epoch
     stopped: str | None = None
     saved: list[str] = field(default_factory=list)
     lost_ranks: list[int] = field(default_factory=list)

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import itertools
 import logging
 import math
+import resource
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flodl import schedules
+from flodl import evaluation, schedules
 from flodl.config import Mode
 from flodl.data import BatchSource, resolve_dataset
 from flodl.metrics import drain_scalars
@@ -59,9 +61,13 @@ class WindowTally:
     loss_sum: float = 0.0
     loss_count: int = 0
     batches: int = 0
+    data_ms: float = 0.0  # waiting for batches
+    last_loss: float = math.nan
+    steps: list[tuple[int, float, float]] = dataclasses.field(default_factory=list)
 
     def add(self, loss: float) -> None:
         self.batches += 1
+        self.last_loss = loss
         if math.isfinite(loss):
             self.loss_sum += loss
             self.loss_count += 1
@@ -129,6 +135,7 @@ class Worker:
         self._pending: collections.deque[Any] = collections.deque()
         self._nonfinite = 0
         self._unaveraged = -1  # a window whose averaging failed, until the controller knows
+        self._step = 0  # this rank's optimizer steps so far (per-step logging)
 
     # -- set-up ------------------------------------------------------------------------------
     def build(self) -> None:
@@ -167,6 +174,9 @@ class Worker:
             self.eval_source = BatchSource(
                 eval_set, self.cfg.batch_size, self.cfg.seed, self.device
             )
+            # Before calibration: a bad metric fails now, and torchmetrics' import (dearer than
+            # torch's) does not land in the middle of paced training.
+            self.spec.evaluation.build(self.device)
 
     def _build_scheduler(self) -> None:
         self.per_step = self.spec.scheduler_interval == "step"
@@ -412,13 +422,33 @@ class Worker:
         if self.is_void(window):
             return
         tally = self.begin_window(window)
-        batches = self.source.batches(window.epoch, window.chunks)
+        batches = self.timed(self.source.batches(window.epoch, window.chunks), tally)
         for batch, last in _with_last(batches):
             tally.add(self.pacer.run(partial(self.train_batch, batch, last)))
             self.tick(batch)
+            self.log_step(tally)
             if tally.batches == 1:
                 chaos.point("window", self.rank)
         self.end_window(window, tally)
+
+    def timed(self, batches: Any, tally: WindowTally) -> Any:
+        """Yield ``batches``, adding the time spent waiting for each to the tally's data time."""
+        iterator = iter(batches)
+        while True:
+            t0 = time.perf_counter()
+            batch = next(iterator, None)
+            tally.data_ms += (time.perf_counter() - t0) * 1000.0
+            if batch is None:
+                return
+            yield batch
+
+    def log_step(self, tally: WindowTally) -> None:
+        """Every ``logger.log_every_n_steps``-th step: keep its loss and LR for the report."""
+        self._step += 1
+        every = self.cfg.logger.log_every_n_steps
+        if every and self._step % every == 0 and math.isfinite(tally.last_loss):
+            lr = float(self.optimizer.param_groups[0]["lr"])
+            tally.steps.append((self._step, tally.last_loss, lr))
 
     def begin_window(self, window: Window) -> WindowTally:
         """Account the sync that just ended and start timing this window's compute."""
@@ -454,6 +484,9 @@ class Worker:
                 prev_divergence=self._last_divergence,
                 lr=float(self.optimizer.param_groups[0]["lr"]),
                 snapshot=snapshot,
+                data_ms=tally.data_ms,
+                peak_mem=self.peak_memory(),
+                steps=tuple(tally.steps),
             )
         )
         chaos.point("report", self.rank)
@@ -461,9 +494,16 @@ class Worker:
             self.link.send(Settled(self.rank, window.index))
         if window.checkpoint_after:
             chaos.point("checkpoint", self.rank)
-            self.link.send(self.rank_state(window.index, with_weights=self.rank == 0))
+            # The head (first survivor) sends the weights: rank 0 may have been lost.
+            self.link.send(self.rank_state(window.index, with_weights=window.checkpoint_weights))
         if window.eval_after:
-            self.evaluate(window.epoch)
+            self.evaluate(window)
+
+    def peak_memory(self) -> int:
+        """Peak device memory in bytes: CUDA's max allocated, else this process's peak RSS."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
     def train_batch(self, batch: list[torch.Tensor], last: bool = False) -> float:
         """One micro-batch: forward in the run's precision, backward, and the optimizer step once
@@ -616,20 +656,20 @@ class Worker:
         self._last_divergence = self.state.divergence(before, after)
 
     # -- evaluation ----------------------------------------------------------------------------
-    @torch.no_grad()
-    def evaluate(self, epoch: int) -> None:
-        assert self.eval_source is not None and self.spec.eval_fn is not None
+    def evaluate(self, window: Window) -> None:
+        """Update the task's metrics over this rank's eval shard and send their states."""
+        assert self.eval_source is not None
         chaos.point("eval", self.rank)
         t0 = time.perf_counter()
-        self.model.eval()
-        total, count = 0.0, 0
-        try:
-            for inputs, target, *_ in self.eval_source.sequential():
-                n = int(target.shape[0])
-                total += float(self.spec.eval_fn(self.model, inputs, target)) * n
-                count += n
-        finally:
-            self.model.train()
+        shard, shards = window.eval_shard
+        start, stop = evaluation.shard_range(len(self.eval_source), shard, shards)
+        parts = evaluation.evaluate(
+            self.model,
+            self.eval_source.sequential(start=start, stop=stop),
+            self.spec.evaluation,
+            self.device,
+        )
+        drain_scalars()  # an eval step that records scalars must not leak them into training
         ms = (time.perf_counter() - t0) * 1000.0
         self._eval_ms += ms
-        self.link.send(EvalResult(rank=self.rank, epoch=epoch, value=total / max(count, 1), ms=ms))
+        self.link.send(EvalResult(self.rank, window.epoch, window.index, parts, ms, shard))

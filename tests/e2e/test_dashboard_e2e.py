@@ -194,7 +194,7 @@ def test_served_tensorboard_over_http_then_sigint_releases_everything(tmp_path: 
         points = poll_json(
             url + "data/plugin/scalars/scalars?" + query, lambda p: len(p) == 2, deadline
         )
-        assert [step for _, step, _ in points] == [0, 1]
+        assert [step for _, step, _ in points] == [1, 2]  # TensorBoard steps are epochs from 1
         assert points[-1][2] == pytest.approx(summary["final_loss"], rel=1e-6)
         # The resolved config is served as text, for Hydra jobs.
         text_tags = poll_json(url + "data/plugin/text/tags", lambda t: "0/tb" in t, deadline)

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torchmetrics import Metric
 
 from flodl import ClusterConfig, ElCheConfig, LoggerConfig, Trainer
 from recipes.datasets import synthetic
@@ -19,6 +20,22 @@ CLASSES = 4
 
 def data(split: str, n_train: int = 1536) -> Any:
     return synthetic(split, n_train=n_train, n_test=256, input_shape=SHAPE, num_classes=CLASSES)
+
+
+class SampleCount(Metric):
+    """How many eval samples were seen: a sum, which a mean of chunk values would get wrong."""
+
+    full_state_update = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("n", torch.tensor(0), dist_reduce_fx="sum")
+
+    def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
+        self.n += target.shape[0]
+
+    def compute(self) -> torch.Tensor:
+        return self.n
 
 
 def model_factory(device: torch.device) -> torch.nn.Module:

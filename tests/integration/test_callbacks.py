@@ -49,8 +49,8 @@ def test_metrics_eval_epoch_callbacks_and_scheduler(tmp_path):
         .run()
     )
     handle.join(timeout=240)
-    assert [m.epoch for m in metrics] == [0, 1, 2] == epochs
-    assert [e for e, _ in evals] == [0, 1, 2]
+    assert [m.epoch for m in metrics] == [1, 2, 3] == epochs  # as the console counts
+    assert [e for e, _ in evals] == [1, 2, 3]
     assert [m.eval_value for m in metrics] == [v for _, v in evals]
     m = metrics[-1]
     assert len(m.per_rank) == len(m.per_rank_throughput) == len(m.per_rank_batch_share) == 2

@@ -28,7 +28,7 @@ def rank_pid(rank: int) -> int:
     raise LookupError(f"no process for rank {rank}")
 
 
-def killing_run(tmp_path, mode, ranks, victim, kill_at_epoch=0, epochs=3, **trainer):
+def killing_run(tmp_path, mode, ranks, victim, kill_at_epoch=1, epochs=3, **trainer):
     killed = []
 
     def metrics(m):
@@ -78,7 +78,7 @@ def test_kill_one_of_three_ranks_mid_run(tmp_path, mode):
     assert result.summary.lost_ranks == [2]
     assert result.coverage_exact
     assert result.summary.samples_seen == 3 * 3072
-    assert [m.epoch for m in result.epochs] == [0, 1, 2]
+    assert [m.epoch for m in result.epochs] == [1, 2, 3]
     last = result.epochs[-1]
     assert last.per_rank_batch_share[2] == 0.0  # the dead rank did nothing in the last epoch
     assert result.summary.eval_value > 0.8
@@ -117,7 +117,7 @@ def test_a_frozen_rank_is_dropped_when_its_heartbeat_goes_stale(tmp_path, victim
     frozen = []
 
     def metrics(m):
-        if m.epoch == 0 and not frozen:
+        if m.epoch == 1 and not frozen:  # after the first epoch
             os.kill(rank_pid(victim), signal.SIGSTOP)  # alive but silent: only heartbeats tell
             frozen.append(victim)
 

@@ -126,7 +126,7 @@ def test_losing_one_hosts_ranks_is_survived(tmp_path, make_test_hosts):
     killed = []
 
     def kill_host_1(m):
-        if m.epoch == 0 and not killed:
+        if m.epoch == 1 and not killed:  # after the first epoch
             assert set(rank_processes(hosts, 1)) == {2}
             hosts.kill_host(1)  # every process of that host but its sshd
             killed.append(1)

@@ -35,7 +35,15 @@ AGGREGATE_TAGS = {
     "elche/sync_ms",
     "elche/divergence",
 }
-RANK_TAGS = {"loss/train", "throughput/samples_per_s", "share/batch", "elche/batches"}
+RANK_TAGS = {
+    "loss/train",
+    "throughput/samples_per_s",
+    "share/batch",
+    "elche/batches",
+    "telemetry/busy_fraction",
+    "telemetry/data_wait_fraction",
+    "telemetry/peak_mem_mb",
+}
 HPARAM_METRICS = {"final_loss", "eval", "wall_s", "samples_per_s"}
 
 
@@ -152,7 +160,7 @@ def test_aggregate_scalars_match_summary_and_trace(job) -> None:
     epochs = handle.result.epochs
     assert len(epochs) == EPOCHS
     for tag in ("loss/train", "eval/value", "time/epoch_ms", "lr", "epoch/anchor"):
-        assert tb.steps(tag) == list(range(EPOCHS)), tag
+        assert tb.steps(tag) == list(range(1, EPOCHS + 1)), tag  # epochs count from 1
     assert tb.values("loss/train")[-1] == pytest.approx(summary["final_loss"], rel=1e-6)
     assert tb.values("eval/value")[-1] == pytest.approx(summary["eval_value"], rel=1e-6)
     assert tb.values("loss/train") == pytest.approx([m.avg_loss for m in epochs], rel=1e-6)
@@ -197,7 +205,7 @@ def test_per_rank_scalars_match_the_epoch_metrics(job) -> None:
         tb = Events(out / "tb" / f"rank_{rank}")
         assert tb.tags == RANK_TAGS, (rank, sorted(tb.tags))
         for tag in ("loss/train", "throughput/samples_per_s", "share/batch"):
-            assert tb.steps(tag) == list(range(EPOCHS)), (rank, tag)
+            assert tb.steps(tag) == list(range(1, EPOCHS + 1)), (rank, tag)
         assert tb.values("share/batch")[-1] == pytest.approx(
             last.per_rank_batch_share[rank], rel=1e-6
         )

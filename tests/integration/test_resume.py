@@ -60,7 +60,7 @@ def test_stop_after_epoch_k_and_resume_equals_uninterrupted(tmp_path):
     assert (meta.epoch, meta.world_size, meta.save_reason) == (1, 2, "final")
     assert meta.coverage["uncovered"] == [] and meta.elche_state is not None
     resumed, state = run(tmp_path, "resumed", 3, resume_from=stem)
-    assert [m.epoch for m in resumed.result.epochs] == [1, 2]
+    assert [m.epoch for m in resumed.result.epochs] == [2, 3]  # the 2nd and 3rd epochs
     for key, value in straight.params.items():
         assert torch.allclose(state.params[key], value, atol=1e-5), key
     # the scheduler continued where it stopped: 1e-2 x2 (two ranks) x0.7 per epoch

@@ -28,7 +28,9 @@ SURFACE = {
         "checkpoint_every",
         "compile",
         "device",
+        "early_stopping",
         "eval_every",
+        "eval_policy",
         "lr_scale_ratio",
         "max_failure",
         "max_grad_norm",
@@ -36,6 +38,7 @@ SURFACE = {
         "num_epochs",
         "precision",
         "resume_from",
+        "save_best",
         "save_path",
         "seed",
     ],
@@ -73,13 +76,27 @@ SURFACE = {
         "warmup_steps",
         "workers",
     ],
-    "LoggerConfig": ["host", "keep_serving", "level", "progress", "serve", "tensorboard"],
+    "LoggerConfig": [
+        "csv",
+        "host",
+        "keep_serving",
+        "level",
+        "log_every_n_steps",
+        "mlflow",
+        "progress",
+        "serve",
+        "tensorboard",
+        "wandb",
+    ],
     "TaskConfig": [
         "epoch_fn",
         "eval_fn",
         "eval_higher_is_better",
+        "eval_loss",
         "eval_metric",
         "eval_result_fn",
+        "eval_step",
+        "metrics",
         "metrics_fn",
         "objective",
         "objective_direction",
@@ -148,6 +165,35 @@ def _run_data(**section):
         ({"elche": {"overhead_target": 2.0}}, "elche.overhead_target=2.0: Input should be less"),
         ({"cluster": {"ranks": 3, "speeds": [1.0, 0.5]}}, "speeds has 2 entries but ranks=3"),
         ({"elche": {"anchor": 5, "min_anchor": 50, "max_anchor": 20}}, "exceeds max_anchor"),
+        (
+            {"trainer": {"save_best": {"monitor": "eval_loss"}}},
+            "save_best needs trainer.save_path",
+        ),
+        (
+            {
+                "task": {
+                    "train_step": "recipes.steps.classification_step",
+                    "eval_loss": "torch.nn.functional.cross_entropy",
+                    "eval_metric": "eval_loss",
+                },
+                "trainer": {"early_stopping": {"monitor": "f1", "mode": "max"}},
+            },
+            "trainer.early_stopping.monitor=f1: not a metric of this task; one of train_loss, "
+            "eval_loss",
+        ),
+        (
+            {
+                "task": {
+                    "train_step": "recipes.steps.classification_step",
+                    "metrics": {
+                        "acc": {"_target_": "torchmetrics.classification.MulticlassAccuracy"}
+                    },
+                    "eval_metric": "accuracy",
+                }
+            },
+            "task.eval_metric=accuracy: not one of the eval metrics (acc)",
+        ),
+        ({"trainer": {"eval_policy": "all"}}, "trainer.eval_policy=all: Input should be"),
     ],
 )
 def test_bad_values_name_key_value_and_rule(section, expected):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from flodl.config import CallbackPolicy, ElCheConfig, TrainerConfig
+from flodl.evaluation import SampleMean
 from flodl.runtime.controller import Controller, RunFailed
 from flodl.runtime.dispatch import chunk_batches
 from flodl.runtime.messages import EvalResult, Final, Plan, Ready, Report, Settled, Stop
@@ -30,7 +31,14 @@ def make(world=2, epochs=2, n=1000, bs=10, has_eval=True, **elche):
     return ctl, links
 
 
-def drive(ctl, links, ms_per_batch=(1.0, 2.0), bs=10):
+def half(rank, window):
+    """A rank's eval states: a sample mean of 0.5 over its shard."""
+    metric = SampleMean()
+    metric.update(0.5, 10)
+    return {"accuracy": metric}
+
+
+def drive(ctl, links, ms_per_batch=(1.0, 2.0), bs=10, eval_parts=half):
     """Answer every planned window like real ranks would, until Stop."""
     done = [0] * len(links)
     stopped = [False] * len(links)
@@ -64,7 +72,9 @@ def drive(ctl, links, ms_per_batch=(1.0, 2.0), bs=10):
                         if w.settle:  # its averaging held (real ranks say so after it)
                             ctl._handle(rank, Settled(rank, w.index))
                         if w.eval_after:
-                            ctl._handle(rank, EvalResult(rank, w.epoch, 0.5, 1.0))
+                            parts = eval_parts(rank, w)
+                            result = EvalResult(rank, w.epoch, w.index, parts, 1.0, w.eval_shard[0])
+                            ctl._handle(rank, result)
                 elif isinstance(msg, Stop):
                     stopped[rank] = True
                     if msg.send_state:
@@ -77,7 +87,7 @@ def test_every_epoch_is_covered_exactly_and_run_finishes():
     drive(ctl, links)
     assert ctl._finished()
     result = ctl._result()
-    assert [m.epoch for m in result.epochs] == [0, 1]
+    assert [m.epoch for m in result.epochs] == [1, 2]  # counted from 1, as the console
     assert all(result.coverage.exact(e) for e in (0, 1))
     assert result.samples == 2000
     assert all(m.eval_value == 0.5 for m in result.epochs)

@@ -53,16 +53,23 @@ def _metrics(
 
 
 def test_epoch_line_matches_the_documented_shape() -> None:
-    line = format_epoch_line(_metrics(2, eval_value=0.94123), 5, "accuracy")
+    line = format_epoch_line(_metrics(3, eval_value=0.94123), 5, "accuracy")
     assert line == "epoch 3/5  loss 0.2143  accuracy 0.9412  1234 ms  share [0.67 0.33]  anchor 12"
 
 
+def test_epoch_line_shows_every_eval_metric_in_order() -> None:
+    m = _metrics(2, eval_value=0.9)
+    m.eval_metrics = {"eval_loss": 0.31234, "accuracy": 0.9, "f1": 0.88}
+    line = format_epoch_line(m, 5, "accuracy")
+    assert line.startswith("epoch 2/5  loss 0.2143  eval_loss 0.3123  accuracy 0.9000  f1 0.8800  ")
+
+
 def test_epoch_line_omits_what_does_not_apply() -> None:
-    assert format_epoch_line(_metrics(0), 5, "accuracy") == (
+    assert format_epoch_line(_metrics(1), 5, "accuracy") == (
         "epoch 1/5  loss 0.2143  1234 ms  share [0.67 0.33]  anchor 12"
     )
     # One rank: no share or anchor; an eval without a metric name is called "eval".
-    solo = _metrics(4, eval_value=0.5, shares=[1.0])
+    solo = _metrics(5, eval_value=0.5, shares=[1.0])
     assert format_epoch_line(solo, 5, None) == "epoch 5/5  loss 0.2143  eval 0.5000  1234 ms"
 
 

@@ -141,3 +141,13 @@ def test_all_failed_sweep_still_writes_everything(tmp_path: Path) -> None:
     assert json.loads(paths["json"].read_text())["baseline"] is None
     assert "failed: bad dataset" in paths["md"].read_text()
     _assert_png(paths["png"])
+
+
+def test_every_eval_metric_gets_a_column_after_the_fixed_ones() -> None:
+    rows = _sweep_rows()
+    rows[1]["metrics"] = {"eval_loss": 0.31, "accuracy": 0.9, "f1": 0.88}
+    rows[2]["metrics"] = {"eval_loss": 0.25, "accuracy": 0.93}
+    header, _sep, *body = format_table(rows).splitlines()
+    assert header.endswith("| speedup | eval_loss | f1 |")  # accuracy is the eval column
+    assert body[1].endswith("| 0.3100 | 0.8800 |") and body[2].endswith("| 0.2500 | — |")
+    assert report_data(rows)["rows"][1]["metrics"]["f1"] == 0.88

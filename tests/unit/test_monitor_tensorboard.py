@@ -139,3 +139,24 @@ def test_close_is_idempotent_and_final(tmp_path: Path) -> None:
     log.flush()
     assert len(list((tmp_path / "tb").glob("events.out.tfevents.*"))) == 1
     assert _values(_read(tmp_path / "tb"), "loss/train") == [(0, 1.0)]
+
+
+def test_eval_metrics_telemetry_and_steps_get_their_own_tags(tmp_path: Path) -> None:
+    m = _epoch(1, 0.9)
+    m.eval_metrics = {"eval_loss": 0.3, "accuracy": 0.9}
+    m.per_rank = [
+        {"loss": 0.9, "busy_fraction": 0.8, "data_wait_fraction": 0.05, "peak_mem_mb": 512}
+    ]
+    with RunLogger(tmp_path, world_size=1) as log:
+        log.epoch(m)
+        log.steps(0, ((10, 0.7, 1e-3), (20, 0.6, 5e-4)))
+        log.flush()
+    acc = _read(tmp_path / "tb")
+    assert _values(acc, "eval/eval_loss") == [(1, 0.3)] and _values(acc, "eval/accuracy") == [
+        (1, 0.9)
+    ]
+    rank = _read(tmp_path / "tb" / "rank_0")
+    assert _values(rank, "telemetry/peak_mem_mb") == [(1, 512.0)]
+    assert _values(rank, "telemetry/data_wait_fraction") == [(1, 0.05)]
+    assert _values(rank, "step/loss") == [(10, 0.7), (20, 0.6)]
+    assert _values(rank, "step/lr") == [(10, 1e-3), (20, 5e-4)]

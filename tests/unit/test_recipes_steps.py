@@ -124,6 +124,9 @@ def test_reconstruction_step_trains_the_autoencoder_on_mnist5k() -> None:
 TASK_KEYS = {
     "train_step",
     "eval_fn",
+    "eval_step",
+    "eval_loss",
+    "metrics",
     "eval_metric",
     "eval_higher_is_better",
     "metrics_fn",
@@ -140,7 +143,10 @@ def test_task_config_points_at_real_functions(path: Path) -> None:
 
     cfg = OmegaConf.to_container(OmegaConf.load(path))
     assert isinstance(cfg, dict) and set(cfg) == TASK_KEYS
-    assert callable(get_method(cfg["train_step"])) and callable(get_method(cfg["eval_fn"]))
+    paths = [cfg[k] for k in ("train_step", "eval_fn", "eval_step", "eval_loss") if cfg[k]]
+    assert all(callable(get_method(p)) for p in paths) and len(paths) >= 2
+    assert all(callable(get_method(m["_target_"])) for m in cfg["metrics"].values())
+    assert cfg["eval_metric"] in cfg["metrics"]
     assert isinstance(cfg["eval_higher_is_better"], bool)
 
 

@@ -1,0 +1,192 @@
+"""The controller's eval and callbacks on fake ranks: shards, lost shards, stops, keep-best."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from flodl.config import EarlyStoppingConfig, ElCheConfig, MonitorConfig, TrainerConfig
+from flodl.evaluation import SampleMean, shard_range
+from flodl.runtime.controller import Controller, Hooks
+from flodl.runtime.dispatch import chunk_batches
+from flodl.runtime.messages import (
+    EvalResult,
+    Final,
+    Plan,
+    RankState,
+    Ready,
+    Regroup,
+    Regrouped,
+    Report,
+    Stop,
+)
+
+from .test_controller import FakeLink
+from .test_evaluation import SampleCount
+
+N_EVAL = 101  # eval samples: odd, so shards differ in size
+
+
+def make(world=2, epochs=3, hooks=None, checkpointer=None, **knobs):
+    cfg = TrainerConfig(num_epochs=epochs, batch_size=10, elche=ElCheConfig(anchor=5), **knobs)
+    ctl = Controller(
+        cfg,
+        world,
+        [1.0] * world,
+        has_eval=True,
+        hooks=hooks,
+        checkpointer=checkpointer,
+        eval_metric="accuracy",
+    )
+    links = [FakeLink() for _ in range(world)]
+    for rank, link in enumerate(links):
+        ctl.attach(rank, link)
+    for rank in range(world):
+        ctl._handle(rank, Ready(rank, "sig", 10, 1.0, "cpu", 1000))  # 10 windows an epoch
+    return ctl, links
+
+
+def counted(accuracy_by_epoch):
+    """Eval states of a shard: the samples it covered, and a fixed accuracy per epoch."""
+
+    def parts(rank, window):
+        start, stop = shard_range(N_EVAL, *window.eval_shard)
+        count = SampleCount()
+        count.update(torch.zeros(stop - start), torch.zeros(stop - start))
+        acc = SampleMean()
+        acc.update(accuracy_by_epoch(window.epoch), stop - start)
+        return {"count": count, "accuracy": acc}
+
+    return parts
+
+
+def drive(ctl, links, eval_parts, on_stall=None):
+    """Answer plans, evals, regroups and stops like ranks would, until the controller is done."""
+    done = [0] * len(links)
+    stopped: set[int] = set()
+    while not ctl._finished():
+        progressed = False
+        for rank, link in enumerate(links):
+            while rank in ctl.alive and done[rank] < len(link.sent):
+                msg = link.sent[done[rank]]
+                done[rank] += 1
+                progressed = True
+                _answer(ctl, rank, msg, eval_parts, stopped)
+        if not progressed:
+            assert on_stall is not None, "controller stalled"
+            on_stall()
+            on_stall = None
+
+
+def _answer(ctl, rank, msg, eval_parts, stopped):
+    if isinstance(msg, Plan):
+        for w in msg.windows:
+            b = chunk_batches(w.chunks, 10)
+            samples = sum(s for _, s in w.chunks)
+            ctl._handle(rank, Report(rank, w.index, w.epoch, w.chunks, b, samples, b, b, b))
+            if w.checkpoint_after:  # only the head sends weights, as a real rank does
+                weights = {"w": torch.full((2,), float(w.epoch))} if w.checkpoint_weights else None
+                ctl._handle(rank, RankState(rank, w.index, {}, None, torch.zeros(1), weights, {}))
+            parts = eval_parts(rank, w) if w.eval_after else None
+            if parts is not None:
+                ctl._handle(rank, EvalResult(rank, w.epoch, w.index, parts, 1.0, w.eval_shard[0]))
+    elif isinstance(msg, Regroup):
+        ctl._handle(rank, Regrouped(rank, msg.generation))
+    elif isinstance(msg, Stop):
+        stopped.add(rank)
+        if msg.checkpoint:
+            ctl._handle(
+                rank, RankState(rank, -1, {}, None, torch.zeros(1), {"w": torch.ones(2)}, {})
+            )
+        if msg.send_state:
+            ctl._handle(rank, Final(rank, {}, {}))
+
+
+@pytest.mark.parametrize("policy", ["elected", "sharded"])
+def test_every_policy_covers_the_eval_set_exactly_once(policy):
+    ctl, links = make(world=3, eval_policy=policy)
+    drive(ctl, links, counted(lambda e: 0.5))
+    epochs = ctl._result().epochs
+    assert [m.eval_metrics["count"] for m in epochs] == [N_EVAL] * 3
+    assert [m.eval_value for m in epochs] == [0.5] * 3  # task.eval_metric names the value
+    shards = [
+        w.eval_shard
+        for link in links
+        for p in link.sent
+        if isinstance(p, Plan)
+        for w in p.windows
+        if w.eval_after
+    ]
+    expected = {(i, 3) for i in range(3)} if policy == "sharded" else {(0, 1)}
+    assert set(shards) == expected and len(shards) == 3 * len(expected)
+
+
+def test_a_lost_shard_skips_that_epochs_eval_instead_of_hanging(caplog):
+    ctl, links = make(world=2, epochs=2, eval_policy="sharded")
+    eval_parts = counted(lambda e: 0.5)
+    held = lambda rank, w: None if (rank, w.epoch) == (1, 0) else eval_parts(rank, w)  # noqa: E731
+    with caplog.at_level(logging.WARNING, logger="flodl"):
+        drive(ctl, links, held, on_stall=lambda: ctl._lose(1, "killed"))
+    epochs = ctl._result().epochs
+    assert [m.epoch for m in epochs] == [1, 2]
+    assert epochs[0].eval_metrics == {} and epochs[0].eval_value is None
+    assert epochs[1].eval_metrics["count"] == N_EVAL  # the survivor evaluates all of it
+    assert "eval of epoch 1 arrived: that epoch's eval is skipped" in caplog.text
+
+
+def test_early_stopping_stops_after_patience_epochs_without_improvement():
+    stopping = EarlyStoppingConfig(monitor="accuracy", mode="max", patience=2)
+    ctl, links = make(epochs=6, early_stopping=stopping)
+    drive(ctl, links, counted(lambda e: [0.5, 0.7, 0.7, 0.69, 0.9, 0.9][e]))
+    result = ctl._result()
+    assert [m.epoch for m in result.epochs] == [1, 2, 3, 4]  # best at 2, then 3 and 4 stale
+    assert result.stopped == "early_stopping"
+    assert result.stopped_early == {"reason": "early_stopping", "epoch": 4}
+
+
+def test_metrics_fn_may_request_a_stop():
+    hooks = Hooks(on_epoch=lambda m: "enough" if m.epoch == 2 else None)
+    ctl, links = make(epochs=5, hooks=hooks)
+    drive(ctl, links, counted(lambda e: 0.5))
+    result = ctl._result()
+    assert len(result.epochs) == 2 and result.stopped_early == {"reason": "enough", "epoch": 2}
+
+
+def test_save_best_keeps_the_bundle_of_the_best_epoch(tmp_path):
+    from flodl.checkpoint import load_bundle
+    from flodl.runtime.snapshots import Checkpointer
+
+    stem = str(tmp_path / "run")
+    ctl, links = make(
+        epochs=4,
+        checkpointer=Checkpointer(stem, None, "hash", 2),
+        save_path=stem,
+        save_best=MonitorConfig(monitor="accuracy", mode="max"),
+    )
+    drive(ctl, links, counted(lambda e: [0.5, 0.8, 0.6, 0.7][e]))
+    payload, meta = load_bundle(stem + "_best")
+    assert meta.save_reason == "best" and meta.epoch == 2  # after the 2nd epoch
+    assert torch.equal(payload["params"]["w"], torch.full((2,), 1.0))  # epoch index 1's weights
+    _, last = load_bundle(stem)
+    assert last.save_reason == "final" and last.epoch == 4
+    best = ctl._result().best
+    assert best == {"monitor": "accuracy", "mode": "max", "value": pytest.approx(0.8), "epoch": 2}
+    assert ctl.checkpointer.saved.count("best") == 2  # epochs 1 and 2 improved; 3 and 4 did not
+
+
+def test_epoch_checkpoints_take_the_weights_from_the_head_once_rank_0_is_lost(tmp_path):
+    from flodl.checkpoint import load_bundle
+    from flodl.runtime.snapshots import Checkpointer
+
+    stem = str(tmp_path / "run")
+    ctl, links = make(epochs=3, checkpointer=Checkpointer(stem, 1, "hash", 2), save_path=stem)
+    ctl._lose(0, "killed")
+    drive(ctl, links, counted(lambda e: 0.5))
+    checkpoints = [
+        w for p in links[1].sent if isinstance(p, Plan) for w in p.windows if w.checkpoint_after
+    ]
+    assert checkpoints and all(w.checkpoint_weights for w in checkpoints)
+    assert ctl.checkpointer.saved == ["checkpoint", "checkpoint", "final"]
+    assert load_bundle(stem)[1].epoch == 3
