@@ -616,6 +616,8 @@ class Controller(Planning, Aggregation):
         if epoch is not None and epoch in self.epochs:
             self.epochs[epoch].unsettled.discard(msg.rank)
             self._close_epochs()
+            self._fill()  # planning may have waited for this epoch to close (early stopping)
+            self._maybe_send_stop()
 
     def _take_back_unaveraged(self) -> None:
         """A window whose collective averaging failed counted the reports of ranks lost in it,
@@ -632,7 +634,7 @@ class Controller(Planning, Aggregation):
             for rank in sorted(set(track.reports) - set(self.alive)):
                 self._give_back_settled(track, rank)
         self._unaveraged.clear()
-        self._close_epochs()
+        self._close_epochs()  # (planning resumes right after, in _on_regrouped)
 
     def _give_back_settled(self, track: WindowTrack, rank: int) -> None:
         assert self.coverage is not None

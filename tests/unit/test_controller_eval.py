@@ -20,6 +20,7 @@ from flodl.runtime.messages import (
     Regroup,
     Regrouped,
     Report,
+    Settled,
     Stop,
 )
 
@@ -86,6 +87,8 @@ def _answer(ctl, rank, msg, eval_parts, stopped):
             b = chunk_batches(w.chunks, 10)
             samples = sum(s for _, s in w.chunks)
             ctl._handle(rank, Report(rank, w.index, w.epoch, w.chunks, b, samples, b, b, b))
+            if w.settle:  # its averaging held
+                ctl._handle(rank, Settled(rank, w.index))
             if w.checkpoint_after:  # only the head sends weights, as a real rank does
                 weights = {"w": torch.full((2,), float(w.epoch))} if w.checkpoint_weights else None
                 ctl._handle(rank, RankState(rank, w.index, {}, None, torch.zeros(1), weights, {}))
