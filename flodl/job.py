@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 
-from flodl.checkpoint import CheckpointError
 from flodl.metrics import EpochMetrics, RunSummary, SyncEvent
 from flodl.runtime.controller import Controller, ControllerResult, Hooks
 from flodl.runtime.links import in_process_link
@@ -172,12 +171,14 @@ class Job:
         stem = self.spec.config.resume_from
         if stem is None:
             return None
-        point = ResumePoint.load(stem)
+        point = ResumePoint.load(stem, fallback=self.spec.config.resume_fallback)
         saved, world = point.meta.world_size, self.topology.world_size
         if saved != world:
-            raise CheckpointError(
-                f"checkpoint {stem} was saved by {saved} ranks, this run has {world}: resume "
-                f"with the same cluster size (cluster.ranks={saved}) or start fresh"
+            log.info(
+                "checkpoint %s was saved by %d ranks; resuming on %d (see README: Checkpoints)",
+                stem,
+                saved,
+                world,
             )
         return point
 

@@ -42,8 +42,6 @@ class Planning(Outbound):
     stop_reason: str | None
     regrouping: dict[int, bool]
     overshoot: tuple[int, int, int]
-    _checkpoints_open: int
-    _checkpoint_epochs: dict[int, int]
 
     @property
     def alive(self) -> list[int]:
@@ -135,15 +133,16 @@ class Planning(Outbound):
         track.planned += 1
         index = self.next_window
         self.next_window += 1
-        eval_rank, checkpoint = None, False
+        eval_rank, save = None, None
         if cursor.done:
             track.all_planned = True
             eval_rank = track.eval_rank = self._eval_rank(cursor.epoch)
-            if self.checkpointer is not None:
-                checkpoint = self.checkpointer.due(cursor.epoch, self.cfg.num_epochs)
-            if checkpoint:
-                self._checkpoint_epochs[index] = cursor.epoch
-                self._checkpoints_open += 1
+            if self.checkpointer is not None and self.checkpointer.due(
+                cursor.epoch, self.cfg.num_epochs
+            ):
+                save = self.checkpointer.open(
+                    index, "checkpoint", cursor.epoch + 1, self.alive, writer=self._head()
+                )
         self.windows[index] = WindowTrack(
             index, cursor.epoch, batches, list(chunks), set(self.alive)
         )
@@ -156,8 +155,10 @@ class Planning(Outbound):
                 bweights[r],
                 eval_after=eval_rank == r,
                 max_overshoot=self.overshoot[0],
-                checkpoint_after=checkpoint,
+                checkpoint_after=save is not None,
                 generation=self.members.generation,
+                save_tag=save.tag if save is not None else "",
+                write_weights=save is not None and r == save.writer,
             )
             for r in self.alive
         }

@@ -80,7 +80,7 @@ def test_checkpoint_every_on_a_memory_url(tmp_path):
 def test_corrupt_bundle_is_refused_and_kept(tmp_path):
     stem = str(tmp_path / "bad" / "run")
     run(tmp_path, "first", 1, save_path=stem)
-    pt = tmp_path / "bad" / "run.pt"
+    pt = next((tmp_path / "bad").glob("run.*.model.pt"))  # the weights shard
     blob = pt.read_bytes()
     pt.write_bytes(blob[: len(blob) // 2])  # truncated
     with pytest.raises(CheckpointError):
@@ -88,7 +88,7 @@ def test_corrupt_bundle_is_refused_and_kept(tmp_path):
     assert pt.read_bytes() == blob[: len(blob) // 2]  # nothing touched what was there
 
 
-def test_bundle_for_another_model_or_world_is_refused(tmp_path):
+def test_bundle_for_another_model_is_refused(tmp_path):
     stem = str(tmp_path / "other" / "run")
     run(tmp_path, "first", 1, save_path=stem)
 
@@ -101,5 +101,3 @@ def test_bundle_for_another_model_or_world_is_refused(tmp_path):
 
     with pytest.raises(RunFailed, match="saved for another model"):
         run(tmp_path, "wider", 2, model=wider, resume_from=stem)
-    with pytest.raises(CheckpointError, match="saved by 2 ranks, this run has 1"):
-        run(tmp_path, "solo", 2, ranks=1, resume_from=stem)

@@ -30,6 +30,7 @@ SURFACE = {
         "max_grad_norm",
         "max_nonfinite",
         "num_epochs",
+        "resume_fallback",
         "resume_from",
         "save_path",
         "seed",
