@@ -21,7 +21,7 @@ def step_lr(optimizer):
     return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
 
 
-def run(tmp_path, name, epochs, ranks=2, model=model_factory, **trainer):
+def run(tmp_path, name, epochs, ranks=2, model=model_factory, outer="average", **trainer):
     builder = (
         Trainer.builder(model, optim_factory, classification_step)
         .dataset(partial(data, "train", 512))
@@ -30,7 +30,7 @@ def run(tmp_path, name, epochs, ranks=2, model=model_factory, **trainer):
         .batch_size(32)
         .num_epochs(epochs)
         .scheduler(step_lr)
-        .elche(ElCheConfig.nccl_sync())
+        .elche(ElCheConfig(mode="nccl_sync", outer=outer))
         .cluster(
             ClusterConfig(kind="cpu_rig", ranks=ranks, speeds=[1.0, 0.5][:ranks], warmup_steps=2)
         )
@@ -52,14 +52,16 @@ def run(tmp_path, name, epochs, ranks=2, model=model_factory, **trainer):
     return handle, handle.join(timeout=240)
 
 
-def test_stop_after_epoch_k_and_resume_equals_uninterrupted(tmp_path):
-    _, straight = run(tmp_path, "straight", 3)
+@pytest.mark.parametrize("outer", ["average", "nesterov"])
+def test_stop_after_epoch_k_and_resume_equals_uninterrupted(tmp_path, outer):
+    _, straight = run(tmp_path, "straight", 3, outer=outer)
     stem = str(tmp_path / "ckpt" / "run")
-    _first, _ = run(tmp_path, "first", 1, save_path=stem)
-    _, meta = load_bundle(stem)
+    _first, _ = run(tmp_path, "first", 1, outer=outer, save_path=stem)
+    payload, meta = load_bundle(stem)
     assert (meta.epoch, meta.world_size, meta.save_reason) == (1, 2, "final")
     assert meta.coverage["uncovered"] == [] and meta.elche_state is not None
-    resumed, state = run(tmp_path, "resumed", 3, resume_from=stem)
+    assert (payload["outer"] is not None) == (outer == "nesterov")  # the outer momentum
+    resumed, state = run(tmp_path, "resumed", 3, outer=outer, resume_from=stem)
     assert [m.epoch for m in resumed.result.epochs] == [1, 2]
     for key, value in straight.params.items():
         assert torch.allclose(state.params[key], value, atol=1e-5), key
