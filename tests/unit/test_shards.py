@@ -80,7 +80,6 @@ def test_a_damaged_shard_is_refused_and_falling_back_is_asked_for(stem):
     _save(stem, 1)
     _save(stem, 2, keep_previous=True)
     _, meta = load_bundle(stem)
-    fs, _ = fsspec.core.url_to_fs(stem)
     target = shards.shard_location(stem, meta.shards["rank1"]["file"])
     with fsspec.open(target, "wb") as f:
         f.write(b"garbage")
