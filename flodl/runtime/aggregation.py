@@ -106,8 +106,7 @@ class Aggregation(Outbound):
             self.center = self.outer.step(mean)
         else:
             self.center = mean
-        for report in reports:
-            self._send(report.rank, Average(track.index, self.center))
+        self._send_each([r.rank for r in reports], Average(track.index, self.center))
 
     def _progress(self, epoch: EpochTrack) -> None:
         cursor = self.cursors.get(epoch.epoch)
