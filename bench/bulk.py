@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import socket
 import statistics
 import sys
@@ -30,7 +29,15 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from bench.common import MODES, child_main, log, machine, run_isolated, write_result
+from bench.common import (
+    MODES,
+    child_main,
+    exit_on_sigterm,
+    log,
+    machine,
+    run_isolated,
+    write_result,
+)
 
 DEFAULT_PARAMS = 120_000_000
 WIDTH = 64
@@ -67,6 +74,34 @@ def _data(split: str) -> Any:
     return synthetic(split, n_train=128, n_test=64, input_shape=[1, 8, 8], num_classes=4)
 
 
+def _hwm_mb(pid: int | str = "self") -> float:
+    """A process's peak RSS (VmHWM: reset by exec, unlike ``ru_maxrss``), in MB."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1e3
+    except OSError:
+        pass
+    return 0.0
+
+
+class _RankPeaks(threading.Thread):
+    """Samples every rank process's VmHWM until told to stop (the kernel keeps the peak)."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.peaks: dict[int, float] = {}
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        import psutil
+
+        me = psutil.Process()
+        while not self.done.wait(0.2):
+            for child in me.children(recursive=True):
+                self.peaks[child.pid] = max(self.peaks.get(child.pid, 0.0), _hwm_mb(child.pid))
+
+
 def memory_one(payload: dict[str, Any]) -> dict[str, Any]:
     """One run in this (fresh) process: the launcher's and the ranks' peak RSS."""
     from flodl import ClusterConfig, ElCheConfig, LoggerConfig, Trainer
@@ -74,7 +109,11 @@ def memory_one(payload: dict[str, Any]) -> dict[str, Any]:
 
     rows = payload["params"] // WIDTH
     mode = payload["mode"]
-    baseline_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    import flodl.runtime.worker  # noqa: F401  (torch and flodl imported: the baseline)
+
+    baseline_mb = _hwm_mb()
+    watch = _RankPeaks()
+    watch.start()
     with tempfile.TemporaryDirectory(prefix="flodl-bench-bulk-") as tmp:
         model = partial(table_model, rows)
         ranks = 1 if mode == "solo" else 2
@@ -99,15 +138,17 @@ def memory_one(payload: dict[str, Any]) -> dict[str, Any]:
         )
         handle.join(timeout=payload["timeout_s"])
         wall = time.perf_counter() - t0
+        watch.done.set()
+        watch.join()
     n = rows * WIDTH + WIDTH * 4 + 4
     return {
         "status": "ok",
         "mode": mode,
         "params": n,
         "param_mb": n * 4 / 1e6,
-        "launcher_baseline_mb": baseline_kb / 1e3,
-        "launcher_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3,
-        "rank_peak_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1e3,
+        "launcher_baseline_mb": baseline_mb,
+        "launcher_peak_mb": _hwm_mb(),
+        "rank_peak_mb": max(watch.peaks.values(), default=0.0),
         "wall_s": wall,
     }
 
@@ -123,8 +164,10 @@ def memory(params: int, modes: list[str]) -> list[dict[str, Any]]:
             p = result["param_mb"]
             result["launcher_bound_mb"] = 1.5 * p + 300
             result["launcher_within_bound"] = result["launcher_peak_mb"] <= 1.5 * p + 300
-            # Adam needs params + grads + 2 moments = 4x; what is left over is extra copies
-            result["rank_extra_copies"] = (result["rank_peak_mb"] - 300 - 4 * p) / p
+            # Adam needs params + grads + 2 moments = 4x; what is left over (less the same
+            # import baseline the launcher has) is extra copies of the weights
+            base = result["launcher_baseline_mb"]
+            result["rank_extra_copies"] = (result["rank_peak_mb"] - base - 4 * p) / p
         log(f"  {result}")
         rows.append(result)
     return rows
@@ -282,6 +325,7 @@ def disk(params: int, where: str) -> dict[str, Any]:
 def main(argv: list[str]) -> int:
     if child_main(argv, memory_one):
         return 0
+    exit_on_sigterm()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--params", type=int, default=DEFAULT_PARAMS)
     ap.add_argument("--only", nargs="*", default=["memory", "speed", "disk"])
@@ -290,6 +334,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out", default="bulk")
     args = ap.parse_args(argv)
     result: dict[str, Any] = {"machine": machine(), "command": " ".join(["bench.bulk", *argv])}
+    if "memory" in args.only:  # first: later phases allocate in this (driver) process
+        result["memory"] = memory(args.params, args.modes)
     if "disk" in args.only:
         log("disk")
         result["disk"] = disk(args.params, args.disk_dir)
@@ -298,8 +344,6 @@ def main(argv: list[str]) -> int:
         log("speed")
         result["speed"] = speed(args.params)
         log(f"  {result['speed']}")
-    if "memory" in args.only:
-        result["memory"] = memory(args.params, args.modes)
     result["load_average_end"] = list(os.getloadavg())
     log(f"wrote {write_result(args.out, result)}")
     return 0

@@ -1,5 +1,9 @@
 """Checkpoint bundles: ``<stem>.pt`` + ``<stem>.meta.json`` on any fsspec filesystem, atomically.
 
+This module holds the meta (:class:`BundleMeta`), the single-file bundle (schema 1,
+:func:`save_bundle`) and :func:`load_bundle`, which also reads the sharded bundles (schema 2)
+that training runs write: each rank its own shard, the meta last (:mod:`flodl.shards`).
+
 A *stem* is a local path or any fsspec URL without extension (``ckpt/run1``, ``file:///x/run1``,
 ``memory://ck/run1``, ``s3://bucket/run1`` when s3fs is installed); a trailing ``.pt`` or
 ``.meta.json`` is tolerated and dropped. A bundle is two files:
