@@ -94,10 +94,15 @@ class Aggregation(Outbound):
         weights = averaging_weights(batches, self.cfg.elche.gamma)
         bweights = buffer_weights(batches)
         n_params = self.ready[reports[0].rank].n_params
-        mean = weighted_mean([r.snapshot for r in reports], weights, bweights, n_params)
         alpha = self.cfg.elche.effective_easgd_alpha
+        if alpha is None and self.cfg.elche.outer is not Outer.NESTEROV:
+            self.center = None  # replaced by this round's mean: free it before computing that
+        # The snapshots are consumed: the first becomes the mean (memory: one round's snapshots)
+        mean = weighted_mean(
+            [r.snapshot for r in reports], weights, bweights, n_params, in_place=True
+        )
         if alpha is not None and self.center is not None:
-            self.center = (1 - alpha) * self.center + alpha * mean
+            self.center.mul_(1 - alpha).add_(mean, alpha=alpha)
         elif self.cfg.elche.outer is Outer.NESTEROV:
             if self.outer is None:
                 from flodl.runtime.outer import make_outer

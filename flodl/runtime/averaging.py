@@ -114,10 +114,20 @@ def weighted_mean(
     weights: Sequence[float],
     buffer_weights: Sequence[float],
     n_params: int,
+    in_place: bool = False,
 ) -> torch.Tensor:
-    """The controller's CPU average of rank snapshots (``cpu_*`` modes)."""
-    out = torch.zeros_like(flats[0], dtype=torch.float32)
-    for flat, w, bw in zip(flats, weights, buffer_weights, strict=True):
+    """The controller's CPU average of rank snapshots (``cpu_*`` modes). ``in_place``: the
+    snapshots are the caller's to consume, and the first becomes the average (no new vector:
+    the controller holds the snapshots of one round and nothing else)."""
+    if in_place and flats[0].dtype == torch.float32:
+        out = flats[0]
+        out[:n_params].mul_(weights[0])
+        out[n_params:].mul_(buffer_weights[0])
+        rest = zip(flats[1:], weights[1:], buffer_weights[1:], strict=True)
+    else:
+        out = torch.zeros_like(flats[0], dtype=torch.float32)
+        rest = zip(flats, weights, buffer_weights, strict=True)
+    for flat, w, bw in rest:
         if w:
             out[:n_params].add_(flat[:n_params], alpha=w)
         if bw:
