@@ -140,3 +140,22 @@ def test_a_streamed_message_cut_by_a_foreign_frame_is_refused():
         receiver.recv()
     sender.close()
     receiver.close()
+
+
+def test_code_messages_stream_their_tensors_too(monkeypatch):
+    """The job spec (cloudpickle: closures) with a dataset passed as an object, past the bound."""
+    import torch
+
+    sender, receiver = _pair(max_frame=8192)
+    data = torch.arange(40_000, dtype=torch.float32)
+    offset = 3.0
+    spec = {"dataset": torch.utils.data.TensorDataset(data), "fn": lambda x: x + offset}
+    out: dict = {}
+    reader = threading.Thread(target=lambda: out.update(msg=receiver.recv()), daemon=True)
+    reader.start()
+    sender.send_code(spec)
+    reader.join(10)
+    got = out["msg"]
+    assert torch.equal(got["dataset"].tensors[0], data) and got["fn"](1.0) == 4.0
+    sender.close()
+    receiver.close()
