@@ -95,8 +95,6 @@ class Aggregation(Outbound):
         bweights = buffer_weights(batches)
         n_params = self.ready[reports[0].rank].n_params
         alpha = self.cfg.elche.effective_easgd_alpha
-        if alpha is None and self.cfg.elche.outer is not Outer.NESTEROV:
-            self.center = None  # replaced by this round's mean: free it before computing that
         # The snapshots are consumed: the first becomes the mean (memory: one round's snapshots)
         mean = weighted_mean(
             [r.snapshot for r in reports], weights, bweights, n_params, in_place=True
@@ -112,6 +110,9 @@ class Aggregation(Outbound):
         else:
             self.center = mean
         self._send_each([r.rank for r in reports], Average(track.index, self.center))
+        if alpha is None and self.cfg.elche.outer is not Outer.NESTEROV:
+            # A plain average is not state: holding it would overlap the next round's snapshots
+            self.center = None
 
     def _progress(self, epoch: EpochTrack) -> None:
         cursor = self.cursors.get(epoch.epoch)
