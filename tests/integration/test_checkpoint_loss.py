@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 N_TRAIN = 1536
 
 
-def run(tmp_path, name, ranks, epochs, victim=None, **trainer):
+def run(tmp_path, name, ranks, epochs, victim=None, mode="nccl_cadence", **trainer):
     """A tiny run on ``ranks`` CPU ranks; ``victim`` is SIGKILLed once epoch 0 closed. Returns
     the handle and the time the last epoch closed."""
     ends: list[float] = []
@@ -39,7 +39,7 @@ def run(tmp_path, name, ranks, epochs, victim=None, **trainer):
         Trainer.builder(model_factory, optim_factory, classification_step)
         .batch_size(32)
         .num_epochs(epochs)
-        .elche(ElCheConfig(mode="nccl_cadence"))
+        .elche(ElCheConfig(mode=mode))
         .cluster(ClusterConfig(kind="cpu_rig", ranks=ranks, speeds=speeds, warmup_steps=2))
         .logger(LoggerConfig(progress="off", tensorboard=False))
         .build_config()
@@ -58,11 +58,14 @@ def run(tmp_path, name, ranks, epochs, victim=None, **trainer):
     return handle, ends[-1]
 
 
-@pytest.mark.parametrize("victim", [0, 1, 2])
-def test_killed_rank_with_checkpoint_every_epoch(tmp_path, victim):
+@pytest.mark.parametrize(
+    ("mode", "victim"),
+    [("nccl_cadence", 0), ("nccl_cadence", 1), ("nccl_cadence", 2), ("cpu_async", 0)],
+)
+def test_killed_rank_with_checkpoint_every_epoch(tmp_path, mode, victim):
     stem = str(tmp_path / "ckpt" / "run")
     handle, last_epoch = run(
-        tmp_path, "killed", 3, 3, victim=victim, save_path=stem, checkpoint_every=1
+        tmp_path, "killed", 3, 3, victim=victim, mode=mode, save_path=stem, checkpoint_every=1
     )
     tail_s = time.perf_counter() - last_epoch
     result = handle.result
@@ -80,6 +83,8 @@ def test_killed_rank_with_checkpoint_every_epoch(tmp_path, victim):
         assert torch.equal(payload["params"][key], value), key
     leftovers = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     assert len(leftovers) == 1 + len(meta.shards), leftovers  # no orphan shard survives
+    # cpu_async: the controller's EASGD centre is in the bundle
+    assert ("controller" in payload) == (mode == "cpu_async")
 
 
 def test_post_loss_bundle_resumes_on_fewer_and_more_ranks(tmp_path):
