@@ -402,15 +402,17 @@ class Worker:
         if self.world == 1 or self.mode is Mode.SOLO:
             return
         if not self.mode.via_controller:
-            # The guard reads divergence; lock-step sync modes never consult it: skip the copy.
-            before = None if self.mode.is_sync else self.state.flatten()
-            if not self._averaged(window.weight, window.buffer_weight):
+            # The guard reads divergence; lock-step sync modes never consult it. Without an
+            # outer step it is measured inside the average (no copy of the weights kept).
+            guard = not self.mode.is_sync
+            before = self.state.flatten() if guard and self.outer is not None else None
+            if not self._averaged(window.weight, window.buffer_weight, measure=guard):
                 self._await_regroup()
                 return
             if self.outer is not None:
                 self.state.load(self.outer.step(self.state.flatten()))
             if before is not None:
-                self._last_divergence = self.state.divergence(before, self.state.flatten())
+                self._last_divergence = self.state.divergence(before, self.state.current())
             return
         self._outstanding.append(window.index)
         limit = window.max_overshoot if self.mode is Mode.CPU_ASYNC else 0
@@ -424,12 +426,17 @@ class Worker:
                 self._pending.append(msg)
 
     # -- membership ------------------------------------------------------------------------------
-    def _averaged(self, weight: float, buffer_weight: float) -> bool:
+    def _averaged(self, weight: float, buffer_weight: float, measure: bool = False) -> bool:
         """The collective average; False when a peer is gone (the group is then released) or
-        the controller announced a new membership while it was in flight (abandoned)."""
+        the controller announced a new membership while it was in flight (abandoned).
+        ``measure``: record the divergence from the average (the guard's signal)."""
         failure, abandoned = None, False
         try:
-            collective_average(self.state, weight, buffer_weight, doomed=self._doomed)
+            divergence = collective_average(
+                self.state, weight, buffer_weight, doomed=self._doomed, measure=measure
+            )
+            if divergence is not None:
+                self._last_divergence = divergence
         except groups.Abandoned as exc:
             failure, abandoned = str(exc), not exc.settled
         except (RuntimeError, dist.DistBackendError) as exc:  # a peer is gone
@@ -485,11 +492,11 @@ class Worker:
         if msg.window in self._outstanding:
             self._outstanding.remove(msg.window)
         center = msg.flat.to(self.device)
-        before = self.state.flatten()
+        before = self.state.current()  # read before the load: no copy of the weights
         alpha = self.cfg.elche.effective_easgd_alpha
-        after = center if alpha is None else (1 - alpha) * before + alpha * center
-        self.state.load(after)
+        after = center if alpha is None else center.mul_(alpha).add_(before, alpha=1 - alpha)
         self._last_divergence = self.state.divergence(before, after)
+        self.state.load(after)
 
     # -- evaluation ----------------------------------------------------------------------------
     @torch.no_grad()
