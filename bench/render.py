@@ -4,8 +4,8 @@
     .venv/bin/python -m bench.render --stdout   # prints them instead
 
 Each block sits between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` (NAME: hetero,
-overhead, convergence, targets) and carries the machine the numbers came from and the command
-that reproduces them. Nothing in a block is typed by hand.
+overhead, convergence, targets, accuracy, ddp_bench) and carries the machine the numbers came
+from and the command that reproduces them. Nothing in a block is typed by hand.
 """
 
 from __future__ import annotations
@@ -341,10 +341,21 @@ def replace_block(text: str, name: str, body: str) -> str:
     return pattern.sub(lambda m: m.group(1) + body + m.group(2), text)
 
 
+def _ddp_bench() -> str:
+    from bench.ddp_bench_report import ddp_bench_block
+
+    for stem in ("ddp_bench", "ddp_bench_quick"):  # the full run when there is one
+        data = _load(stem)
+        if data:
+            return ddp_bench_block(data, stem, _machine(data))
+    return "_No results yet: run the command above._"
+
+
 def render() -> dict[str, str]:
     hetero, overhead, convergence = _load("hetero"), _load("overhead"), _load("convergence")
     missing = "_No results yet: run the command above._"
     return {
+        "ddp_bench": _ddp_bench(),
         "hetero": hetero_block(hetero) if hetero else missing,
         "overhead": overhead_block(overhead) if overhead else missing,
         "convergence": convergence_block(convergence) if convergence else missing,

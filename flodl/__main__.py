@@ -10,14 +10,18 @@ def main(argv: list[str] | None = None) -> int:
     if not args or args[0] in {"-h", "--help"}:
         print(
             "usage: python -m flodl probe [cluster=NAME_OR_FILE] [cluster.KEY=VALUE ...] "
-            "[--json] [--port PORT] [--data-path PATH]"
+            "[--json] [--port PORT] [--data-path PATH]\n       python -m flodl gpu-check"
         )
         return 0 if args else 2
     if args[0] == "probe":
         from flodl.probe import main as probe
 
         return probe(args[1:])
-    print(f"error: unknown command {args[0]!r}; commands: probe", file=sys.stderr)
+    if args[0] == "gpu-check":
+        from flodl.gpu_check import main as gpu_check
+
+        return gpu_check(args[1:])
+    print(f"error: unknown command {args[0]!r}; commands: probe, gpu-check", file=sys.stderr)
     return 2
 
 

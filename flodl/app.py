@@ -24,8 +24,11 @@ from flodl.config import ConfigError, RunConfig, TargetConfig, resolve_dotted
 
 log = logging.getLogger("flodl")
 
-# Set by the launcher plugin: whether a sweep started, and how many of its jobs failed.
-STATE: dict[str, int] = {"launched": 0, "failed": 0}
+# Set by the launcher plugin (whether a sweep started, how many jobs it has) and by train()
+# (how many jobs failed, under any launcher).
+STATE: dict[str, int] = {"launched": 0, "failed": 0, "jobs": 0}
+# Each finished job's summary row by job number: the A/B report's input.
+ROWS: dict[int, dict[str, Any]] = {}
 
 
 # -- factories (module-level so they pickle by reference to the ranks) ---------------------------
@@ -47,8 +50,14 @@ def build_dataset(target: TargetConfig, split: str) -> Any:
     return _instantiate(target, split=split)
 
 
-def build_scheduler(target: TargetConfig, optimizer: Any) -> Any:
-    return _instantiate(target, optimizer)
+def build_scheduler(target: TargetConfig, optimizer: Any, total_steps: int | None = None) -> Any:
+    """``total_steps: auto`` (or left out where the target needs it) becomes the run's length."""
+    from flodl.schedules import fill_total_steps
+
+    kwargs = fill_total_steps(resolve_dotted(target.target), target.kwargs(), total_steps)
+    from hydra.utils import instantiate
+
+    return instantiate({"_target_": target.target, **kwargs}, optimizer)
 
 
 # -- the job -----------------------------------------------------------------------------------
@@ -64,12 +73,15 @@ def plain_config(cfg: Any) -> dict[str, Any]:
     return {str(k): v for k, v in data.items()}
 
 
-def train(cfg: Any) -> dict[str, Any]:
-    """Run one job and return its summary; a failure becomes a failed summary, not an abort."""
+def train(cfg: Any) -> float:
+    """Run one job; return its objective (for optimizing sweepers: Optuna, Nevergrad, Ax).
+
+    The job's summary row goes to :data:`ROWS` (the A/B report); a failed job is a failed row
+    and a NaN objective, never an aborted sweep. A configuration error exits with code 2
+    before any rank starts.
+    """
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
-
-    from flodl.trainer import Trainer
 
     run_cfg = schema.validate_run_config(plain_config(cfg))
     if STATE.get("serving"):  # the sweep serves one dashboard over all jobs
@@ -79,14 +91,44 @@ def train(cfg: Any) -> dict[str, Any]:
     logging.getLogger("flodl").setLevel(run_cfg.logger.level)
     hydra_cfg = HydraConfig.get()
     job_dir = Path(hydra_cfg.runtime.output_dir)
-    task = run_cfg.task
-    has_eval = task.eval_fn is not None
-    run_info = {
+    run_info: dict[str, Any] = {
         "job": str(hydra_cfg.job.num),
         "overrides": list(hydra_cfg.overrides.task),
         "config_yaml": OmegaConf.to_yaml(OmegaConf.create(plain_config(cfg))),
     }
-    handle = Trainer.run(
+    try:
+        handle = _start(run_cfg, job_dir, run_info)
+    except ConfigError as exc:
+        where = (
+            f" (job {run_info['job']}: {' '.join(run_info['overrides'])})"
+            if STATE.get("jobs", 0) > 1
+            else ""
+        )
+        print(f"error: {exc}{where}", file=sys.stderr)
+        sys.exit(2)
+    try:
+        handle.join()
+        summary = handle.result.summary.to_dict()
+    except Exception as exc:
+        log.error("job %s failed: %s (outputs in %s)", run_info["job"], exc, job_dir)
+        if os.environ.get("FLODL_FULL_ERROR"):
+            log.exception("full traceback")
+        STATE["failed"] += 1
+        summary = _read_summary(job_dir)
+    row = summary | {"job": run_info["job"]}
+    ROWS[int(hydra_cfg.job.num)] = row
+    return objective(row, run_cfg.task)
+
+
+def _start(run_cfg: RunConfig, job_dir: Path, run_info: dict[str, Any]) -> Any:
+    """Check everything the launcher can (:mod:`flodl.preflight`), then start the run."""
+    from flodl import preflight
+    from flodl.trainer import Trainer
+
+    task = run_cfg.task
+    has_eval = task.eval_fn is not None
+    run_info["model_signature"] = preflight.check_factories(run_cfg)
+    return Trainer.run(
         partial(build_model, run_cfg.model),
         partial(build_optimizer, run_cfg.optimizer),
         resolve_dotted(task.train_step),
@@ -97,6 +139,7 @@ def train(cfg: Any) -> dict[str, Any]:
         scheduler_factory=(
             partial(build_scheduler, run_cfg.scheduler) if run_cfg.scheduler is not None else None
         ),
+        scheduler_interval=run_cfg.scheduler.interval if run_cfg.scheduler else "epoch",
         metrics_fn=_optional(task.metrics_fn),
         eval_result_fn=_optional(task.eval_result_fn),
         epoch_fn=_optional(task.epoch_fn),
@@ -104,14 +147,34 @@ def train(cfg: Any) -> dict[str, Any]:
         eval_metric=task.eval_metric,
         run_info=run_info,
     )
-    try:
-        handle.join()
-        return handle.result.summary.to_dict() | {"job": run_info["job"]}
-    except Exception as exc:
-        log.error("job %s failed: %s", run_info["job"], exc)
-        if os.environ.get("FLODL_FULL_ERROR"):
-            log.exception("full traceback")
-        return _read_summary(job_dir) | {"job": run_info["job"]}
+
+
+def objective(row: dict[str, Any], task: schema.TaskConfig) -> float:
+    """The number an optimizing sweeper sees: ``task.objective`` of the summary (``auto``: the
+    final eval value, else the final loss); NaN for a failed job (Optuna records a failed trial).
+    """
+    key = objective_key(task, has_eval=task.eval_fn is not None)
+    value: Any = row
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    if row.get("status") != "ok" or not isinstance(value, (int, float)):
+        return float("nan")
+    return float(value)
+
+
+def objective_key(task: schema.TaskConfig, has_eval: bool) -> str:
+    if task.objective == "auto":
+        return "eval_value" if has_eval else "final_loss"
+    return {"eval": "eval_value", "loss": "final_loss"}.get(task.objective, task.objective)
+
+
+def objective_maximized(task: schema.TaskConfig) -> bool:
+    """Whether a larger objective is better (``task.objective_direction``; auto: the eval
+    metric's direction when the objective is the eval value, else minimize)."""
+    if task.objective_direction != "auto":
+        return task.objective_direction == "maximize"
+    key = objective_key(task, has_eval=task.eval_fn is not None)
+    return key == "eval_value" and task.eval_higher_is_better
 
 
 def _optional(path: str | None) -> Any:

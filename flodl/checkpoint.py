@@ -784,3 +784,18 @@ def model_signature(model: torch.nn.Module | Mapping[str, torch.Tensor]) -> str:
         t = state[name]
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype}\n".encode())
     return h.hexdigest()[:16]
+
+
+def probe_writable(stem: str) -> None:
+    """Create the stem's directory and a probe file there, then delete it; raise
+    :class:`CheckpointError` saying what failed (run before training, never after it)."""
+    stem = _normalize(stem)
+    store = _Store(stem)
+    probe = store.full(f"{store.base}.write-probe-{os.getpid()}")
+    try:
+        store.makedirs()
+        with store.fs.open(probe, "wb") as sink:
+            sink.write(b"flodl")
+        store.fs.rm(probe)
+    except Exception as exc:
+        raise CheckpointError(f"cannot write at {stem}: {type(exc).__name__}: {exc}") from None

@@ -165,6 +165,13 @@ class ControllerAddress(_Schema):
         0, ge=0, le=65535, description="control-plane port (0 = any free); the store takes port+1"
     )
 
+    @field_validator("port")
+    @classmethod
+    def _store_port_fits(cls, v: int) -> int:
+        if v == 65535:
+            raise ValueError("must be at most 65534: the data-plane store listens on port+1")
+        return v
+
 
 class SshConfig(_Schema):
     """How the launcher reaches a worker host with the OpenSSH client (``ssh -T``, BatchMode)."""
@@ -201,6 +208,17 @@ class WorkerConfig(_Schema):
         None, description="interface for NCCL and gloo (NCCL_/GLOO_SOCKET_IFNAME)"
     )
     env: dict[str, str] = Field(default_factory=dict, description="extra environment of its ranks")
+    batch_size: int | Literal["auto"] | None = Field(
+        None,
+        description="per-rank batch of this host's ranks (auto: probed on CUDA); null: trainer's",
+    )
+
+    @field_validator("batch_size")
+    @classmethod
+    def _batch_positive(cls, v: int | str | None) -> int | str | None:
+        if isinstance(v, int) and v < 1:
+            raise ValueError("must be >= 1, 'auto' or null")
+        return v
 
     @field_validator("devices")
     @classmethod
@@ -294,16 +312,36 @@ class ClusterConfig(_Schema):
     heartbeat_timeout_s: float = Field(
         30.0, gt=0, description="a rank silent this long is dropped as lost"
     )
+    batch_sizes: list[int] | Literal["auto"] | None = Field(
+        None,
+        description="per-rank batch sizes (memory-unequal devices); auto: probed per CUDA rank; "
+        "null: trainer.batch_size everywhere",
+    )
+    memory_fraction: float = Field(
+        0.9, gt=0.05, le=1.0, description="batch_sizes=auto: peak memory a probe step may use"
+    )
 
     @field_validator("speeds")
     @classmethod
     def _speeds_valid(cls, v: list[float] | None) -> list[float] | None:
         return _check_speeds(v)
 
+    @field_validator("batch_sizes")
+    @classmethod
+    def _batch_sizes_valid(cls, v: list[int] | str | None) -> list[int] | str | None:
+        if isinstance(v, list) and (not v or any(b < 1 for b in v)):
+            raise ValueError("must be a non-empty list of sizes >= 1, 'auto' or null")
+        return v
+
     @model_validator(mode="after")
     def _consistent(self) -> ClusterConfig:
         if self.speeds is not None and len(self.speeds) != self.ranks:
             raise ValueError(f"speeds has {len(self.speeds)} entries but ranks={self.ranks}")
+        sizes = self.batch_sizes
+        if isinstance(sizes, list) and self.kind == "cpu_rig" and len(sizes) != self.ranks:
+            raise ValueError(f"batch_sizes has {len(sizes)} entries but ranks={self.ranks}")
+        if isinstance(sizes, list) and self.kind == "hosts":
+            raise ValueError("kind=hosts: set batch_size on each worker instead of batch_sizes")
         if self.kind == "hosts" and not self.workers:
             raise ValueError("kind=hosts needs at least one entry in workers")
         if self.kind != "hosts" and self.workers:
@@ -373,12 +411,32 @@ class TrainerKnobs(_Schema):
         False, description="resume from an older bundle when the newest is damaged (else: error)"
     )
     checkpoint_every: int | None = Field(None, ge=1, description="save every N epochs")
+
+    @field_validator("save_path", "resume_from", check_fields=False)
+    @classmethod
+    def _stem_not_empty(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("empty: give a path or fsspec URL, or null")
+        return v
+
     max_failure: int | str | None = Field(
         None, description="ranks that may be lost (count or 'N%') before save-and-stop; null: any"
     )
     max_nonfinite: int = Field(
         10, ge=0, description="NaN/inf losses skipped (with a warning) before the run stops"
     )
+    precision: Literal["32", "bf16-mixed", "16-mixed"] = Field(
+        "32", description="32 (fp32), bf16-mixed (autocast) or 16-mixed (fp16 + GradScaler, CUDA)"
+    )
+    accumulate_grad_batches: int = Field(
+        1, ge=1, le=4096, description="micro-batches whose gradients make one optimizer step"
+    )
+    compile: bool = Field(False, description="torch.compile each rank's model for the step")
+
+    @field_validator("precision", mode="before")
+    @classmethod
+    def _precision_text(cls, v: Any) -> Any:
+        return str(v) if isinstance(v, int) and not isinstance(v, bool) else v
 
 
 def _check_max_failure(v: int | str | None) -> int | str | None:
@@ -429,6 +487,16 @@ class TargetConfig(_Schema):
         return dict(self.model_extra or {})
 
 
+class SchedulerConfig(TargetConfig):
+    """An LR scheduler reference; ``interval`` says how it advances (the rest are its kwargs)."""
+
+    interval: Literal["step", "epoch"] = Field(
+        "epoch",
+        description="step: advanced on the global progress clock per optimizer step; "
+        "epoch: stepped once per epoch",
+    )
+
+
 class TaskConfig(_Schema):
     """What one step and one evaluation mean for the chosen model."""
 
@@ -436,6 +504,15 @@ class TaskConfig(_Schema):
     eval_fn: str | None = Field(None, description="dotted path: fn(model, input, target) -> float")
     eval_metric: str = Field("accuracy", description="name of the eval value in summaries")
     eval_higher_is_better: bool = Field(True, description="direction of the eval metric")
+    objective: str = Field(
+        "auto",
+        min_length=1,
+        description="a job's return value for optimizing sweepers: auto (final eval value, "
+        "else final loss), eval, loss, or a numeric summary.json key (dots reach nested keys)",
+    )
+    objective_direction: Literal["auto", "minimize", "maximize"] = Field(
+        "auto", description="direction of the objective (auto: the eval metric's, loss: minimize)"
+    )
     metrics_fn: str | None = Field(None, description="dotted path: fn(EpochMetrics), launcher")
     eval_result_fn: str | None = Field(None, description="dotted path: fn(epoch, value), launcher")
     epoch_fn: str | None = Field(None, description="dotted path: fn(epoch), launcher")
@@ -455,8 +532,8 @@ class RunConfig(_Schema):
     optimizer: TargetConfig
     dataset: TargetConfig
     task: TaskConfig
-    scheduler: TargetConfig | None = Field(
-        None, description="per-rank LR scheduler, stepped per epoch"
+    scheduler: SchedulerConfig | None = Field(
+        None, description="per-rank LR scheduler (total_steps: auto = the run's length)"
     )
     trainer: TrainerKnobs = Field(default_factory=TrainerKnobs)
     elche: ElCheConfig = Field(default_factory=ElCheConfig)

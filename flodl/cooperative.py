@@ -10,6 +10,9 @@
             worker.step(loss)            # paces (CPU rig) and records the loss
     state = worker.finish()              # TrainedState in the launcher
 
+For ``trainer.precision`` and ``trainer.accumulate_grad_batches`` use ``with worker.autocast():``
+around the forward and ``worker.backward(loss)`` in place of ``backward()`` + ``optimizer.step()``.
+
 With two or more ranks this tier re-executes your script once per rank, as torchrun does: the
 launcher runs ``sys.orig_argv`` again with the rank role in the environment, so code *before*
 ``into_worker()`` runs on every rank. On a rank, ``finish()`` ends the process; code after it runs
@@ -93,8 +96,26 @@ class CooperativeWorker:
                 if self._pending_loss is None:
                     raise RuntimeError("call worker.step(loss) once for every batch")
                 self._tally.add(self._pending_loss)
+                self._core.tick(batch)
+            if self._core.runner.pending:  # worker.backward's last group: step before averaging
+                self._core.optimizer_step()
             self._core.end_window(window, self._tally)
             self._window = self._next_window()
+
+    def autocast(self) -> Any:
+        """A context for the forward pass in ``trainer.precision`` (no-op for 32)."""
+        return self._core.runner.autocast()
+
+    def backward(self, loss: torch.Tensor) -> bool:
+        """``loss.backward()`` the managed way: scaled under 16-mixed, and the optimizer step
+        (clipping, scaler) once ``accumulate_grad_batches`` micro-batches are in, or at the end of
+        the window. True when this call stepped. Use it instead of ``backward()`` + ``step()``."""
+        runner = self._core.runner
+        runner.backward(loss)
+        if not runner.due:
+            return False
+        self._core.optimizer_step()
+        return True
 
     def step(self, loss: torch.Tensor | float) -> None:
         """Record the batch's loss and pad the step to its CPU-rig deadline."""

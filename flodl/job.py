@@ -22,8 +22,9 @@ from typing import Any
 import torch
 
 from flodl.metrics import EpochMetrics, RunSummary, SyncEvent
-from flodl.runtime.controller import Controller, ControllerResult, Hooks
+from flodl.runtime.controller import Controller, ControllerResult, Hooks, RunFailed
 from flodl.runtime.links import in_process_link
+from flodl.runtime.preflight import format_lr_scaling, preflight, rank_batch_sizes
 from flodl.runtime.snapshots import Checkpointer, ResumePoint
 from flodl.runtime.spec import Callbacks, JobSpec
 from flodl.topology import Topology, resolve_topology
@@ -51,6 +52,15 @@ class Job:
         self.eval_metric = eval_metric
         self.run_info = run_info
         self.topology: Topology = resolve_topology(spec.config)
+        from flodl.preflight import check_run
+
+        # Before any rank: the callback rank, a writable save_path, the resume bundle.
+        signature = run_info.pop("model_signature", None)
+        self._resume: ResumePoint | None = check_run(
+            spec.config, self.topology.world_size, signature
+        )
+        self.run_info["lr_scaling"] = preflight(spec, self.topology)
+        spec.batch_sizes = rank_batch_sizes(spec.config, self.topology)
         self._stop = threading.Event()
         self.launcher: Any = None  # the process launcher, once a cohort is spawned
         self.cooperative = False
@@ -77,6 +87,7 @@ class Job:
         log.info("flodl: %s | mode %s", topo.description, cfg.elche.mode.value)
         dashboard = None
         try:
+            log.info("flodl: %s", format_lr_scaling(self.run_info["lr_scaling"]))
             # Everything that can refuse the run does so before any rank (or server) starts.
             controller = Controller(
                 cfg,
@@ -85,7 +96,7 @@ class Job:
                 self.spec.has_eval,
                 self._hooks(),
                 checkpointer=self._checkpointer(),
-                resume=self._resume_point(),
+                resume=self._resume,
             )
             dashboard = self._serve()
             self._open_outputs()
@@ -112,7 +123,7 @@ class Job:
             self.spec.has_eval,
             Hooks(),
             checkpointer=self._checkpointer(),
-            resume=self._resume_point(),
+            resume=self._resume,
         )
         from flodl.runtime.external import ExternalCohort
 
@@ -166,22 +177,6 @@ class Job:
         digest = hashlib.sha256(cfg.model_dump_json().encode()).hexdigest()[:16]
         return Checkpointer(cfg.save_path, cfg.checkpoint_every, digest, self.topology.world_size)
 
-    def _resume_point(self) -> ResumePoint | None:
-        """Load and check the bundle before any rank starts: a bad one fails fast."""
-        stem = self.spec.config.resume_from
-        if stem is None:
-            return None
-        point = ResumePoint.load(stem, fallback=self.spec.config.resume_fallback)
-        saved, world = point.meta.world_size, self.topology.world_size
-        if saved != world:
-            log.info(
-                "checkpoint %s was saved by %d ranks; resuming on %d (see README: Checkpoints)",
-                stem,
-                saved,
-                world,
-            )
-        return point
-
     def _serve(self) -> Any:
         logger = self.spec.config.logger
         if logger.serve is None:
@@ -207,10 +202,11 @@ class Job:
             try:
                 Worker(self.spec, rank_end, 0, device).run()
             except BaseException as exc:
+                from flodl.failures import describe
                 from flodl.runtime.messages import RankError
 
                 failure.append(exc)
-                controller.post(0, RankError(0, f"{type(exc).__name__}: {exc}", ""))
+                controller.post(0, RankError(0, describe(exc), ""))
 
         if self.cooperative:
             from flodl.cooperative import CooperativeWorker
@@ -222,9 +218,9 @@ class Job:
         thread.start()
         try:
             return controller.run(self._stop.is_set)
-        except Exception:
-            if failure:
-                raise failure[0] from None
+        except RunFailed as exc:
+            if failure:  # the rank's own exception stays reachable for API callers
+                raise exc from failure[0]
             raise
         finally:
             thread.join(timeout=5.0)
@@ -282,6 +278,13 @@ class Job:
         self._result_state = state
         state.save(self.job_dir / "model.pt")
         summary = self._summary(result)
+        if result.save_error is not None:  # stopped cleanly; what was trained is in model.pt
+            summary.status = "failed"
+            summary.error = (
+                f"{result.save_error}; the trained state was saved to {self.job_dir / 'model.pt'}"
+            )
+            self._interrupted_summary = summary
+            raise RunFailed(summary.error)
         if result.stopped is not None:
             summary.status = "interrupted"
             summary.error = f"stopped ({result.stopped}); saved: {result.saved or 'nothing'}"
@@ -312,6 +315,7 @@ class Job:
             mean_sync_ms=sum(syncs) / len(syncs) if syncs else 0.0,
             samples_per_s=result.samples / result.train_s,
             per_rank_batch_share=[b / total_batches for b in result.rank_batches],
+            per_rank_sample_share=[s / max(result.samples, 1) for s in result.rank_samples],
             per_rank_throughput=[s / result.train_s for s in result.rank_samples],
             idle_fraction=[
                 max(0.0, 1.0 - c / 1000.0 / result.train_s) for c in result.rank_compute_ms
@@ -326,9 +330,9 @@ class Job:
 
     def _failed_summary(self, exc: BaseException) -> RunSummary:
         message = str(exc) or type(exc).__name__
+        if self._interrupted_summary is not None:
+            return self._interrupted_summary  # a clean stop (signal, failed save) wrote it
         if isinstance(exc, KeyboardInterrupt):
-            if self._interrupted_summary is not None:
-                return self._interrupted_summary  # the graceful stop already wrote it
             message = "interrupted"
         return RunSummary(
             status="failed",

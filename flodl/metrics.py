@@ -70,6 +70,7 @@ class RunSummary:
     mean_sync_ms: float = 0.0
     samples_per_s: float = 0.0
     per_rank_batch_share: list[float] = field(default_factory=list)
+    per_rank_sample_share: list[float] = field(default_factory=list)
     per_rank_throughput: list[float] = field(default_factory=list)
     idle_fraction: list[float] = field(default_factory=list)
     error: str | None = None

@@ -327,7 +327,8 @@ def process_local(stem: str) -> bool:
 
 def assemble(stem: str, meta: BundleMeta) -> dict[str, Any]:
     """Every shard of a (verified) bundle in one payload: the shape of a schema-1 bundle."""
-    payload: dict[str, Any] = {"optimizer": {}, "scheduler": {}, "rng": {}, "extra": {}}
+    keys = ("optimizer", "scheduler", "rng", "extra", "scaler")
+    payload: dict[str, Any] = {key: {} for key in keys}
     for name, raw in sorted(meta.shards.items()):
         shard = load_shard(shard_location(stem, raw["file"]))
         if name == MODEL:
@@ -336,6 +337,6 @@ def assemble(stem: str, meta: BundleMeta) -> dict[str, Any]:
             payload["controller"] = shard
         else:
             rank = int(name.removeprefix("rank"))
-            for key in ("optimizer", "scheduler", "rng", "extra"):
+            for key in keys:
                 payload[key][rank] = shard.get(key)
     return payload

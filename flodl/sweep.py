@@ -13,34 +13,48 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from hydra.experimental.callback import Callback
+
 from flodl import app
 from flodl.config import ConfigError, validate_run_config
+from flodl.failures import describe
 
 log = logging.getLogger("flodl")
 
 
 def launch_sweep(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_idx: int):
-    from hydra.core.utils import setup_globals
+    from hydra.core.utils import configure_log, setup_globals
     from omegaconf import open_dict
+
+    from flodl.preflight import check_factories
 
     setup_globals()
     config, ctx = launcher.config, launcher.hydra_context
+    configure_log(config.hydra.hydra_logging, config.hydra.verbose)  # as BasicLauncher does
     sweep_dir = Path(str(config.hydra.sweep.dir))
     jobs, loggers = [], []
+    app.STATE["jobs"] = max(app.STATE["jobs"], initial_job_idx + len(job_overrides))
     for offset, overrides in enumerate(job_overrides):
         idx = initial_job_idx + offset
         job_cfg = ctx.config_loader.load_sweep_config(config, list(overrides))
         with open_dict(job_cfg):
             job_cfg.hydra.job.id = f"{idx}"
             job_cfg.hydra.job.num = idx
-        try:
+        _require_flodl_job(job_cfg)
+        try:  # every job of the batch, before any of them starts a rank
             run_cfg = validate_run_config(app.plain_config(job_cfg))
+            check_factories(run_cfg)
+            from flodl.runtime.preflight import check_config
+
+            check_config(run_cfg.trainer_config())
         except ConfigError as exc:
-            where = f" (job {idx}: {' '.join(overrides)})" if len(job_overrides) > 1 else ""
+            where = f" (job {idx}: {' '.join(overrides)})" if app.STATE["jobs"] > 1 else ""
             print(f"error: {exc}{where}", file=sys.stderr)
             sys.exit(2)
         jobs.append((idx, list(overrides), job_cfg))
         loggers.append(run_cfg.logger)
+        if offset == 0 and initial_job_idx == 0:
+            _check_direction(config, run_cfg.task)
 
     app.STATE["launched"] = 1
     follower = _follower()
@@ -56,6 +70,47 @@ def launch_sweep(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
             _linger(dashboard, logger.keep_serving)
             app.STATE["serving"] = 0
     return returns
+
+
+def _require_flodl_job(job_cfg: Any) -> None:
+    """This launcher trains flodl jobs; another app's task gets one line, not a schema error."""
+    if not any(key in job_cfg for key in ("model", "optimizer", "dataset", "task")):
+        print(
+            "error: hydra/launcher=flodl runs flodl training jobs (a config with model, "
+            "optimizer, dataset and task) and this app's config has none of them; use another "
+            "launcher for it (hydra/launcher=basic)",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+
+
+def _check_direction(config: Any, task: Any) -> None:
+    """Warn when an optimizing sweeper would optimize the objective the wrong way round."""
+    from omegaconf import OmegaConf
+
+    sweeper = OmegaConf.to_container(config.hydra.sweeper, resolve=False)
+    assert isinstance(sweeper, dict)
+    if "direction" in sweeper:  # Optuna
+        setting, said = str(sweeper["direction"]).lower(), "hydra.sweeper.direction"
+        sweeper_max = "max" in setting
+    elif isinstance(sweeper.get("optim"), dict) and "maximize" in sweeper["optim"]:  # Nevergrad
+        sweeper_max, said = bool(sweeper["optim"]["maximize"]), "hydra.sweeper.optim.maximize"
+    else:
+        return
+    wanted = app.objective_maximized(task)
+    if sweeper_max != wanted:
+        key = app.objective_key(task, has_eval=task.eval_fn is not None)
+        fix = "maximize" if wanted else "minimize"
+        fix_line = f"{said}={fix}" if said.endswith("direction") else f"{said}={wanted}"
+        log.warning(
+            "%s asks to %s, but the objective (%s) is better when %s: add %s, or set "
+            "task.objective / task.objective_direction",
+            said,
+            "maximize" if sweeper_max else "minimize",
+            key,
+            "larger" if wanted else "smaller",
+            fix_line,
+        )
 
 
 def _follower() -> Any:
@@ -111,7 +166,7 @@ def _linger(dashboard: Any, keep: bool) -> None:
 def _run_jobs(launcher: Any, ctx: Any, jobs: list, sweep_dir: Path) -> list:
     from hydra.core.utils import JobReturn, JobStatus, run_job
 
-    returns, rows = [], []
+    returns = []
     for idx, overrides, job_cfg in jobs:
         log.info("job %d: %s", idx, " ".join(overrides) or "(defaults)")
         ret = run_job(
@@ -122,10 +177,11 @@ def _run_jobs(launcher: Any, ctx: Any, jobs: list, sweep_dir: Path) -> list:
             job_subdir_key="hydra.sweep.subdir",
         )
         row = _row(ret, idx, overrides)
-        rows.append(row)
-        if row.get("status") != "ok":
+        launcher.rows[idx] = row
+        if ret.status != JobStatus.COMPLETED:  # raised out of the task (train() counts its own)
             app.STATE["failed"] += 1
-        # A failed job is a failed row, not an aborted sweep: hand Hydra a completed return.
+        # A failed job is a failed row (NaN objective), not an aborted sweep.
+        objective = ret._return_value if ret.status == JobStatus.COMPLETED else float("nan")
         returns.append(
             JobReturn(
                 overrides=ret.overrides,
@@ -134,27 +190,61 @@ def _run_jobs(launcher: Any, ctx: Any, jobs: list, sweep_dir: Path) -> list:
                 working_dir=ret.working_dir,
                 task_name=ret.task_name,
                 status=JobStatus.COMPLETED,
-                _return_value=row,
+                _return_value=objective,
             )
         )
-    if len(rows) > 1 and launcher.report:
+    # Sweepers may launch a sweep in batches (max_batch_size, Optuna's n_jobs): the report covers
+    # every job so far and is rewritten after each batch, so the last one covers the sweep.
+    if len(launcher.rows) > 1 and launcher.report:
         from flodl.monitor.report import write_ab_report
 
+        rows = [launcher.rows[i] for i in sorted(launcher.rows)]
         paths = write_ab_report(sweep_dir, rows)
-        print(f"A/B report: {paths['md']}", flush=True)
+        print(f"A/B report: {paths['md']} ({len(rows)} jobs)", flush=True)
     return returns
 
 
 def _row(ret: Any, idx: int, overrides: list[str]) -> dict[str, Any]:
     from hydra.core.utils import JobStatus
 
-    if ret.status == JobStatus.COMPLETED and isinstance(ret._return_value, dict):
-        row = dict(ret._return_value)
+    row = app.ROWS.pop(idx, None)
+    if row is not None and ret.status == JobStatus.COMPLETED:
+        row = dict(row)
     else:
-        row = {
-            "status": "failed",
-            "error": f"{type(ret._return_value).__name__}: {ret._return_value}",
-        }
+        value = ret._return_value
+        error = describe(value) if isinstance(value, BaseException) else str(value)
+        row = {"status": "failed", "error": error}
     row.setdefault("job", str(idx))
     row.setdefault("overrides", overrides)
     return row
+
+
+class FailedJobs(Callback):
+    """Hydra callback (``hydra.callbacks`` in ``conf/config.yaml``): after a multirun, count the
+    jobs whose ``summary.json`` says failed, so the command exits 1 under any launcher, also
+    one that runs jobs in other processes or on other machines (joblib, submitit)."""
+
+    def __init__(self) -> None:
+        self._t0 = time.time()
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        self._t0 = time.time()
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        failed = count_failed(Path(str(config.hydra.sweep.dir)), since=self._t0)
+        app.STATE["failed"] = max(app.STATE["failed"], failed)
+
+
+def count_failed(sweep_dir: Path, since: float) -> int:
+    """Jobs of this sweep (summaries written since ``since``) whose status is not ``ok``."""
+    import json
+
+    failed = 0
+    for path in sweep_dir.glob("**/summary.json"):
+        try:
+            if path.stat().st_mtime < since - 1.0:
+                continue  # an earlier sweep into the same directory
+            failed += json.loads(path.read_text()).get("status") != "ok"
+        except (OSError, ValueError):
+            continue
+    return failed

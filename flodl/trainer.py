@@ -172,7 +172,12 @@ class TrainerBuilder:
     def epoch_fn(self, fn: Callable[[int], None]) -> TrainerBuilder:
         return self._put("epoch_fn", fn)
 
-    def scheduler(self, factory: Callable[[torch.optim.Optimizer], Any]) -> TrainerBuilder:
+    def scheduler(self, factory: Callable[..., Any], interval: str = "epoch") -> TrainerBuilder:
+        """``factory(optimizer)``, or ``factory(optimizer, total_steps=...)`` to get the run's
+        length; ``interval="step"`` advances it on the global progress clock per step."""
+        if interval not in ("step", "epoch"):
+            raise ValueError(f"scheduler.interval={interval!r}: must be 'step' or 'epoch'")
+        self._put("scheduler_interval", interval)
         return self._put("scheduler_factory", factory)
 
     def output_dir(self, path: str | Path) -> TrainerBuilder:
@@ -192,6 +197,16 @@ class TrainerBuilder:
 
     def lr_scale_ratio(self, x: float) -> TrainerBuilder:
         return self._set("lr_scale_ratio", x)
+
+    def precision(self, kind: str | int) -> TrainerBuilder:
+        """``32``, ``"bf16-mixed"`` or ``"16-mixed"`` (CUDA ranks only)."""
+        return self._set("precision", kind)
+
+    def accumulate_grad_batches(self, n: int) -> TrainerBuilder:
+        return self._set("accumulate_grad_batches", n)
+
+    def compile(self, on: bool = True) -> TrainerBuilder:
+        return self._set("compile", on)
 
     def elche(self, config: ElCheConfig) -> TrainerBuilder:
         return self._set("elche", config.model_dump())
@@ -271,6 +286,7 @@ class Trainer:
         metrics_fn: Callable[[EpochMetrics], None] | None = None,
         epoch_fn: Callable[[int], None] | None = None,
         scheduler_factory: Callable[..., Any] | None = None,
+        scheduler_interval: str = "epoch",
         job_dir: str | Path | None = None,
         eval_metric: str = "eval",
         run_info: dict[str, Any] | None = None,
@@ -294,10 +310,13 @@ class Trainer:
             eval_dataset=eval_dataset,
             eval_fn=eval_fn,
             scheduler_factory=scheduler_factory,
+            scheduler_interval=scheduler_interval,
         )
         callbacks = Callbacks(metrics_fn, eval_result_fn, epoch_fn)
         if cooperative:  # ranks re-execute the user's script, as torchrun does
             spec.entry = list(sys.orig_argv[1:])
         job = Job(spec, callbacks, job_dir, eval_metric=eval_metric, run_info=run_info or {})
         job.cooperative = cooperative
+        if run_info is None:  # the Python API: say where the outputs go (Hydra prints its own)
+            print(f"flodl: outputs in {job.job_dir}", file=sys.stderr, flush=True)
         return RunHandle(job)

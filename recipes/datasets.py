@@ -273,21 +273,27 @@ def data_dir(name: str, cache_dir: str | os.PathLike[str] | None = None) -> Path
     return base / name
 
 
-def _md5(path: Path) -> str:
-    digest = hashlib.md5(usedforsecurity=False)  # integrity against published sums, not security
+def _hasher(algorithm: str) -> Any:
+    # md5: integrity against published sums, not security
+    return hashlib.new(algorithm, usedforsecurity=algorithm != "md5")
+
+
+def _md5(path: Path, algorithm: str = "md5") -> str:
+    digest = _hasher(algorithm)
     with path.open("rb") as f:
         while chunk := f.read(1 << 20):
             digest.update(chunk)
     return digest.hexdigest()
 
 
-def _download(url: str, target: Path, md5: str) -> None:
-    """Stream ``url`` into a temp file beside ``target``, check its MD5, then rename atomically."""
+def _download(url: str, target: Path, md5: str, algorithm: str = "md5") -> None:
+    """Stream ``url`` into a temp file beside ``target``, check its digest (MD5 unless
+    ``algorithm`` says otherwise), then rename atomically."""
     import fsspec  # lazy: only downloads need it
 
     fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".part", dir=target.parent)
     try:
-        digest = hashlib.md5(usedforsecurity=False)
+        digest = _hasher(algorithm)
         with os.fdopen(fd, "wb") as out, fsspec.open(url, "rb") as src:
             while chunk := src.read(1 << 20):
                 digest.update(chunk)
@@ -295,18 +301,21 @@ def _download(url: str, target: Path, md5: str) -> None:
             out.flush()
             os.fsync(out.fileno())
         if digest.hexdigest() != md5:
-            raise ValueError(f"checksum mismatch: md5 {digest.hexdigest()}, expected {md5}")
+            raise ValueError(f"checksum mismatch: {algorithm} {digest.hexdigest()}, expected {md5}")
         os.replace(tmp_name, target)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp_name)
 
 
-def fetch(filename: str, mirrors: Sequence[str], md5: str, directory: Path) -> Path:
+def fetch(
+    filename: str, mirrors: Sequence[str], md5: str, directory: Path, algorithm: str = "md5"
+) -> Path:
     """Return ``directory/filename``, downloading it from the first mirror that serves the
-    expected MD5. A cached file is re-verified and replaced when it does not match."""
+    expected digest (``md5`` holds it; ``algorithm`` names it, e.g. ``"sha256"``). A cached
+    file is re-verified and replaced when it does not match."""
     target = directory / filename
-    if target.is_file() and _md5(target) == md5:
+    if target.is_file() and _md5(target, algorithm) == md5:
         return target
     if isinstance(mirrors, str):  # dataset.mirrors=URL on the command line: one mirror
         mirrors = (mirrors,)
@@ -315,7 +324,7 @@ def fetch(filename: str, mirrors: Sequence[str], md5: str, directory: Path) -> P
     for mirror in mirrors:
         url = (mirror if mirror.endswith("/") else mirror + "/") + filename
         try:
-            _download(url, target, md5)
+            _download(url, target, md5, algorithm)
             return target
         except Exception as exc:  # any failure of one mirror means: try the next one
             failures.append(f"{url}: {type(exc).__name__}: {exc}")
@@ -474,3 +483,37 @@ def cifar10(
     std = np.asarray(CIFAR10_STD, np.float32).reshape(1, 3, 1, 1)
     x = (images.reshape(len(images), 3, 32, 32).astype(np.float32) / 255.0 - mean) / std
     return _finish(x, labels, name="cifar10", input_shape=input_shape, num_classes=num_classes)
+
+
+# ---------------------------------------------------------------------------------------------
+# cheap lengths: a factory's ``num_samples`` takes the factory's own arguments and returns the
+# split's length without loading anything, so flodl's launcher can compare trainer.batch_size
+# with it before any rank starts
+
+
+def _holdout_length(total: int, default_test: int) -> Callable[..., int]:
+    def num_samples(split: str = "train", test_size: int = default_test, **_: Any) -> int:
+        return int(test_size) if split == "test" else total - int(test_size)
+
+    return num_samples
+
+
+def _fixed_length(train: int, test: int) -> Callable[..., int]:
+    def num_samples(split: str = "train", **_: Any) -> int:
+        return test if split == "test" else train
+
+    return num_samples
+
+
+def _synthetic_length(
+    split: str = "train", n_train: int = 2048, n_test: int = 512, **_: Any
+) -> int:
+    return int(n_train if split == "train" else n_test)
+
+
+mnist5k.num_samples = _holdout_length(5000, 1000)  # type: ignore[attr-defined]
+digits.num_samples = _holdout_length(1797, 360)  # type: ignore[attr-defined]
+synthetic.num_samples = _synthetic_length  # type: ignore[attr-defined]
+mnist.num_samples = _fixed_length(60000, 10000)  # type: ignore[attr-defined]
+fashion_mnist.num_samples = _fixed_length(60000, 10000)  # type: ignore[attr-defined]
+cifar10.num_samples = _fixed_length(50000, 10000)  # type: ignore[attr-defined]

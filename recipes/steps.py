@@ -7,6 +7,7 @@ into one number. ``conf/task/*.yaml`` names which pair a run uses.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -19,9 +20,12 @@ from flodl.metrics import record_scalar
 __all__ = [
     "accuracy",
     "augmented_classification_step",
+    "bits_per_char",
     "classification_step",
+    "language_model_step",
     "reconstruction_mse",
     "reconstruction_step",
+    "val_loss",
 ]
 
 EVAL_CHUNK = 1024  # eval inputs are split so a 10k-image test set does not need 10k activations
@@ -101,3 +105,37 @@ def reconstruction_mse(model: nn.Module, input: torch.Tensor, target: torch.Tens
         target,
         lambda out, x, _y: F.mse_loss(out, x, reduction="sum") / x[0].numel(),
     )
+
+
+def _token_ce(logits: torch.Tensor, target: torch.Tensor, reduction: str) -> torch.Tensor:
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction=reduction
+    )
+
+
+def language_model_step(model: nn.Module, batch: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Next-character cross-entropy (nats/char), averaged over every position of the batch;
+    records training ``bits_per_char``."""
+    inputs, target = batch[0], batch[1]
+    loss = _token_ce(model(inputs), target, "mean")
+    record_scalar("bits_per_char", loss.item() / math.log(2))
+    return loss
+
+
+def val_loss(model: nn.Module, input: torch.Tensor, target: torch.Tensor) -> float:
+    """Mean next-character cross-entropy in nats/char over ``input``'s windows (lower is better).
+
+    A mean over samples: every window holds ``block_size`` positions, so the runner's
+    sample-weighted mean over eval batches is the mean over all tokens of the eval set.
+    """
+    return _chunked_mean(
+        model,
+        input,
+        target,
+        lambda out, _x, y: _token_ce(out, y, "sum") / y[0].numel(),
+    )
+
+
+def bits_per_char(model: nn.Module, input: torch.Tensor, target: torch.Tensor) -> float:
+    """:func:`val_loss` in bits: nats / ln 2."""
+    return val_loss(model, input, target) / math.log(2)

@@ -91,7 +91,7 @@ class Aggregation(Outbound):
         from flodl.runtime.averaging import weighted_mean  # torch only where averaging happens
 
         batches = [r.batches for r in reports]
-        weights = averaging_weights(batches, self.cfg.elche.gamma)
+        weights = averaging_weights([r.samples for r in reports], self.cfg.elche.gamma)
         bweights = buffer_weights(batches)
         n_params = self.ready[reports[0].rank].n_params
         alpha = self.cfg.elche.effective_easgd_alpha
@@ -153,4 +153,5 @@ class Aggregation(Outbound):
             stopped=self.stop_reason,
             saved=list(self.checkpointer.saved) if self.checkpointer is not None else [],
             lost_ranks=list(self.members.lost),
+            save_error=getattr(self, "save_error", None),
         )

@@ -19,13 +19,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from flodl import shards
-from flodl.checkpoint import CheckpointError
 from flodl.config import TrainerConfig
 from flodl.elche import (
     ElChe,
     ElCheState,
 )
 from flodl.metrics import EpochMetrics, SyncEvent
+from flodl.runtime import chaos
 from flodl.runtime.aggregation import Aggregation
 from flodl.runtime.dispatch import Coverage, EpochCursor
 from flodl.runtime.membership import Membership, failure_budget
@@ -39,13 +39,15 @@ from flodl.runtime.messages import (
     Regroup,
     Regrouped,
     Report,
+    Settled,
     Stop,
 )
 from flodl.runtime.planning import Planning
-from flodl.runtime.snapshots import Checkpointer, PendingSave, ResumePoint
+from flodl.runtime.snapshots import Checkpointer, PendingSave, ResumePoint, ShardWriteFailed
 from flodl.runtime.tracking import ControllerResult, EpochTrack, WindowTrack
 
 log = logging.getLogger(__name__)
+_STALL_S = 1.0  # a gap between two liveness checks longer than this is the judge's own stall
 
 __all__ = ["Controller", "ControllerResult", "Disconnected", "Exited", "Hooks", "RunFailed"]
 
@@ -121,14 +123,21 @@ class Controller(Planning, Aggregation):
         self.center: Any = None
         self.outer: Any = None
         self.overshoot = (0, 0, 0)  # cpu_async: (current, initial, cap) averages in flight
+        self.batch_sizes = [config.batch_size] * world_size
         self.global_step = resume.meta.global_step if resume is not None else 0
         self.rounds_before = resume.meta.sync_round if resume is not None else 0
         self.stop_reason: str | None = None
         self.regrouping: dict[int, bool] = {}
         self._stop_sent = False
         self._stop_deadline = 0.0
-        self._failure: tuple[float, str] | None = None
+        self._failure: tuple[float, str, int | None] | None = None
+        self._told: dict[int, int] = {}  # the membership generation each rank was told
+        self._recent: dict[int, WindowTrack] = {}  # completed windows, averaging in flight
+        self._unaveraged: dict[int, set[int]] = {}  # window -> survivors whose averaging failed
+        self._settle_windows: dict[int, int] = {}  # an epoch's last window -> the epoch
+        self.save_error: str | None = None  # set when a bundle could not be written
         self._t_start = time.perf_counter()
+        self._last_check = time.monotonic()
         self._t_train = 0.0
         self._t_end = 0.0
         self._restore_controller_state()
@@ -169,6 +178,9 @@ class Controller(Planning, Aggregation):
         self.links[rank] = link
 
     def post(self, rank: int, msg: Any) -> None:
+        # Liveness is stamped when a message arrives (reader threads), not when this thread gets
+        # to it: a slow callback or checkpoint write here must not make healthy ranks look dead.
+        self.members.seen(rank)
         self.inbox.put((rank, msg))
 
     # -- main loop -------------------------------------------------------------------------------
@@ -183,9 +195,23 @@ class Controller(Planning, Aggregation):
                 rank, msg = self.inbox.get(timeout=0.2)
             except queue.Empty:
                 continue
-            self.members.seen(rank)
-            self._handle(rank, msg)
+            self._handle_timed(rank, msg)
         return self._result()
+
+    def _handle_timed(self, rank: int, msg: Any) -> None:
+        """Handle one message; warn when that kept this thread (the liveness judge) busy."""
+        t0 = time.monotonic()
+        self._handle(rank, msg)
+        busy = time.monotonic() - t0
+        if busy > self.members.heartbeat_timeout_s / 2:
+            log.warning(
+                "the controller was busy %.1f s handling %s from rank %d (a slow metrics_fn, "
+                "callback or checkpoint write?); ranks are judged by when their heartbeats "
+                "arrived, so none was dropped for it",
+                busy,
+                type(msg).__name__,
+                rank,
+            )
 
     def _finished(self) -> bool:
         saving = self.checkpointer is not None and self.checkpointer.pending
@@ -197,14 +223,15 @@ class Controller(Planning, Aggregation):
         return any(not t.closed for t in self.epochs.values())
 
     def _check_deadlines(self) -> None:
+        self._excuse_stalls()
         now = time.perf_counter()
         if self._failure is not None and now >= self._failure[0]:
-            raise RunFailed(self._failure[1])
+            self._deferred_failure_due()
         timeout = self.cfg.cluster.start_timeout_s
-        if len(self.ready) < self.world and now - self._t_start > timeout:
-            missing = sorted(set(range(self.world)) - set(self.ready))
+        missing = sorted(set(self.alive) - set(self.ready))
+        if missing and self.coverage is None and now - self._t_start > timeout:
             raise RunFailed(f"ranks {missing} did not get ready within {timeout:.0f} s")
-        if len(self.ready) == self.world and not self._stop_sent:
+        if not self._stop_sent:
             for rank in self.members.stale():
                 log.warning(
                     "rank %d: no heartbeat for %.0f s; dropping it",
@@ -212,9 +239,67 @@ class Controller(Planning, Aggregation):
                     self.members.heartbeat_timeout_s,
                 )
                 self.hooks.kill_rank(rank)
-                self._lose(rank, "heartbeat went stale")
+                if self._formed():
+                    self._lose(rank, "heartbeat went stale")
+                else:
+                    self._lose_early(rank, "heartbeat went stale")
+
+    def _deferred_failure_due(self) -> None:
+        """A rank exited or hung up without an error of its own: before training began that
+        is a lost rank, survived like any other while ``trainer.max_failure`` allows."""
+        assert self._failure is not None
+        _, message, rank = self._failure
+        self._failure = None
+        if rank is None or self._stop_sent:
+            raise RunFailed(message)
+        if self._formed():
+            self._lose(rank, message)
+        else:
+            self._lose_early(rank, message)
+
+    def _lose_early(self, rank: int, why: str) -> None:
+        """Lose ``rank`` before the cohort formed: the others re-form without it and meet
+        again (the same weights, a new calibration); training then starts without it."""
+        if not self.members.lose(rank):
+            return
+        self.ready.pop(rank, None)
+        if not self.alive:
+            raise RunFailed(f"every rank was lost before training began; last: {why}")
+        if self.members.over_budget:
+            raise RunFailed(
+                f"{why}; trainer.max_failure={self.cfg.max_failure} allows "
+                f"{self.members.budget} lost rank(s) and nothing is trained yet to save"
+            )
+        log.warning(
+            "lost rank %d before training began (%s); %d rank(s) go on",
+            rank,
+            why,
+            len(self.alive),
+        )
+        for r in self.alive:
+            self._tell_membership(r)
+        self._maybe_begin()
+
+    def _tell_membership(self, rank: int) -> None:
+        members = tuple(self.alive)
+        weights = {r: 1.0 / len(members) for r in members}
+        self._told[rank] = self.members.generation
+        self._send(rank, Regroup(self.members.generation, members, -1, weights))
+
+    def _excuse_stalls(self) -> None:
+        """A gap between two checks longer than a heartbeat interval means this process did not
+        run (SIGSTOP, a swapped-out VM) or this thread was blocked: heartbeats may be sitting
+        unread in the sockets, so the gap does not count as the ranks' silence."""
+        now = time.monotonic()
+        gap = now - self._last_check
+        self._last_check = now
+        if gap > _STALL_S:
+            self.members.excuse(gap)
 
     def _handle(self, rank: int, msg: Any) -> None:
+        told = self._told.get(rank, 0)
+        if told < self.members.generation and self.coverage is None and rank in self.alive:
+            self._tell_membership(rank)  # joined late, after a rank was lost: membership first
         if isinstance(msg, Report):
             self._on_report(msg)
         elif isinstance(msg, Heartbeat):
@@ -228,6 +313,8 @@ class Controller(Planning, Aggregation):
             self.final = msg
         elif isinstance(msg, RankState):
             self._on_rank_state(msg)
+        elif isinstance(msg, Settled):
+            self._on_settled(msg)
         elif isinstance(msg, Regrouped):
             self._on_regrouped(msg)
         elif isinstance(msg, RankError):
@@ -249,20 +336,21 @@ class Controller(Planning, Aggregation):
         if self._stop_sent and self._formed() and self._lose_while_stopping(rank, message):
             return
         if not self._formed() or self._stop_sent:
-            # Before the cohort forms (or while it winds down) a failure fails the job fast.
+            # A rank's own error before the cohort forms (the same on every rank, typically)
+            # fails the job fast; a rank that just went away is a loss (see _deferred_failure_due).
             if immediate:
                 raise RunFailed(message)
-            self._defer_failure(message)
+            self._defer_failure(message, None if self._stop_sent else rank)
             return
         self._lose(rank, message)
 
     def _formed(self) -> bool:
-        return len(self.ready) == self.world and self.coverage is not None
+        return self.coverage is not None and set(self.alive) <= set(self.ready)
 
-    def _defer_failure(self, message: str, grace_s: float = 1.0) -> None:
+    def _defer_failure(self, message: str, rank: int | None, grace_s: float = 1.0) -> None:
         # Give the rank's own error message (already on its way) a moment to arrive first.
         if self._failure is None:
-            self._failure = (time.perf_counter() + grace_s, message)
+            self._failure = (time.perf_counter() + grace_s, message, rank)
 
     def _lose_while_stopping(self, rank: int, why: str) -> bool:
         """A rank lost after Stop: fine unless it owed the final weights (True: handled)."""
@@ -278,6 +366,8 @@ class Controller(Planning, Aggregation):
         if not self.members.lose(rank):
             return
         log.warning("lost rank %d (%s); %d rank(s) go on", rank, why, len(self.alive))
+        for epoch in self.epochs.values():
+            epoch.unsettled.discard(rank)  # its acknowledgement will never come
         if not self.alive:
             raise RunFailed(f"every rank was lost; last: {why}")
         first_open = self.completed_index()
@@ -328,12 +418,15 @@ class Controller(Planning, Aggregation):
         self.all_planned = False
 
     def _on_regrouped(self, msg: Regrouped) -> None:
+        if msg.unaveraged >= 0:
+            self._unaveraged.setdefault(msg.unaveraged, set()).add(msg.rank)
         if msg.generation != self.members.generation or msg.rank not in self.regrouping:
             return
         self.regrouping[msg.rank] = True
         if not all(self.regrouping.values()):
             return
         self.regrouping = {}
+        self._take_back_unaveraged()
         if self.members.over_budget:
             self.begin_stop("max_failure")
             return
@@ -346,6 +439,7 @@ class Controller(Planning, Aggregation):
     def begin_stop(self, reason: str, grace_s: float = 8.0) -> None:
         """Stop dispatching; once in-flight windows are averaged, save (if set up) and end."""
         log.warning("stopping (%s): finishing in-flight windows", reason)
+        chaos.point("stop")
         self.stop_reason = reason
         self._stop_deadline = time.perf_counter() + grace_s
         if not self._formed():
@@ -359,7 +453,7 @@ class Controller(Planning, Aggregation):
             return
         self._stop_sent = True
         head, tag = self._head(), ""
-        if self.checkpointer is not None and self.checkpointer.enabled:
+        if self.checkpointer is not None and self.checkpointer.enabled and self.save_error is None:
             reason = self.stop_reason or "final"
             tag = self.checkpointer.open(-1, reason, None, self.alive, writer=head).tag
         for rank in self.alive:
@@ -377,15 +471,31 @@ class Controller(Planning, Aggregation):
         assert self.checkpointer is not None
         try:
             save = self.checkpointer.collect(msg)
-        except CheckpointError as exc:
-            raise RunFailed(str(exc)) from None
-        if save is not None:
-            self._commit(save)
+            if save is not None:
+                self._commit(save)
+        except Exception as exc:
+            self._save_failed(exc, mid_run=msg.window >= 0)
 
     def _saves_after_loss(self, rank: int) -> None:
-        if self.checkpointer is not None:
+        if self.checkpointer is None:
+            return
+        try:
             for save in self.checkpointer.lose(rank):
                 self._commit(save)
+        except Exception as exc:
+            self._save_failed(exc, mid_run=not self._stop_sent)
+
+    def _save_failed(self, exc: Exception, mid_run: bool) -> None:
+        """A bundle could not be written: never lose what was trained. Stop cleanly; the trained
+        state still reaches the launcher (Final), which writes it to the job directory."""
+        from flodl.failures import describe
+
+        assert self.checkpointer is not None
+        detail = str(exc) if isinstance(exc, ShardWriteFailed) else describe(exc)
+        self.save_error = f"saving a checkpoint to {self.checkpointer.stem} failed: {detail}"
+        log.error("%s; stopping", self.save_error)
+        if mid_run and self.stop_reason is None:
+            self.begin_stop("checkpoint save failed")
 
     def _resume_point(self) -> tuple[int, list]:
         for epoch in sorted(self.cursors):
@@ -396,6 +506,7 @@ class Controller(Planning, Aggregation):
     def _commit(self, save: PendingSave) -> None:
         """Every expected shard is written: add the controller's own, then the meta."""
         assert self.checkpointer is not None and self.coverage is not None
+        chaos.point("checkpoint_write")
         uncovered: list = []
         if save.epoch is not None:  # an epoch-boundary checkpoint: the epoch is complete
             epoch = save.epoch
@@ -430,8 +541,13 @@ class Controller(Planning, Aggregation):
 
     # -- start -----------------------------------------------------------------------------------
     def _on_ready(self, msg: Ready) -> None:
-        self.ready[msg.rank] = msg
-        if len(self.ready) < self.world:
+        if msg.rank in self.alive:
+            self.ready[msg.rank] = msg
+            self._maybe_begin()
+
+    def _maybe_begin(self) -> None:
+        """Start training once every member is ready."""
+        if self.coverage is not None or not set(self.alive) <= set(self.ready):
             return
         signatures = {r.signature for r in self.ready.values()}
         if len(signatures) > 1:
@@ -441,6 +557,10 @@ class Controller(Planning, Aggregation):
         if len(sizes) > 1:
             raise RunFailed(f"ranks loaded datasets of different sizes: {sorted(sizes)}")
         n_samples = sizes.pop()
+        self.batch_sizes = [  # a rank lost before it was ready gets no work: any size will do
+            (self.ready[r].batch_size if r in self.ready else None) or self.cfg.batch_size
+            for r in range(self.world)
+        ]
         if self.checkpointer is not None:
             self.checkpointer.signature = signatures.pop()
         start, ranges = self._resume_ranks(n_samples)
@@ -473,7 +593,7 @@ class Controller(Planning, Aggregation):
             )
         saved_world = int(meta.extra.get("launch_world", meta.world_size))
         factor = self._lr_factor(self.world) / self._lr_factor(saved_world)
-        for rank in range(self.world):
+        for rank in self.alive:
             self._send(rank, self.resume.restore_for(rank, lr_factor=factor))
         return meta.epoch, self.resume.uncovered()
 
@@ -492,8 +612,58 @@ class Controller(Planning, Aggregation):
         if track.complete:
             self._complete(track)
 
+    def _on_settled(self, msg: Settled) -> None:
+        epoch = self._settle_windows.get(msg.window)
+        if epoch is not None and epoch in self.epochs:
+            self.epochs[epoch].unsettled.discard(msg.rank)
+            self._close_epochs()
+
+    def _take_back_unaveraged(self) -> None:
+        """A window whose collective averaging failed counted the reports of ranks lost in it,
+        but their work never reached the survivors' weights (the regroup re-averages the
+        survivors only): give it back, so coverage counts only what the model holds. An epoch
+        already closed cannot take work back: its coverage is then recorded short, not exact."""
+        for index, failed in sorted(self._unaveraged.items()):
+            epoch = self._settle_windows.get(index)
+            if epoch is not None and epoch in self.epochs:  # they will not settle it: regrouped
+                self.epochs[epoch].unsettled -= failed
+            track = self._recent.pop(index, None)
+            if track is None:
+                continue
+            for rank in sorted(set(track.reports) - set(self.alive)):
+                self._give_back_settled(track, rank)
+        self._unaveraged.clear()
+        self._close_epochs()
+
+    def _give_back_settled(self, track: WindowTrack, rank: int) -> None:
+        assert self.coverage is not None
+        chunks = track.chunks[rank]
+        closed = track.epoch < min(self.epochs, default=0) + len(self.closed_epochs)
+        if closed:
+            self.coverage.unrecord(track.epoch, chunks)
+            log.warning(
+                "rank %d was lost while averaging window %d, the last of epoch %d: its %d "
+                "samples there never reached the model; epoch %d's coverage is short",
+                rank,
+                track.index,
+                track.epoch + 1,
+                sum(size for _, size in chunks),
+                track.epoch + 1,
+            )
+            return
+        log.warning(
+            "rank %d was lost while averaging window %d: its work there is trained again",
+            rank,
+            track.index,
+        )
+        self._give_back(track, rank)  # the window stays completed; only this work returns
+
     def _complete(self, track: WindowTrack) -> None:
         reports = [track.reports[r] for r in sorted(track.reports)]
+        if not self.mode.via_controller and self.world > 1:
+            self._recent[track.index] = track  # until its averaging is known to have held
+            for old in [i for i in self._recent if i < track.index - 4]:
+                del self._recent[old]
         if self.mode.via_controller and self.world > 1:
             self._average(track, reports)
         self._record_cycle(track, reports)

@@ -3,8 +3,9 @@
 Every rank derives the same permutation from ``seed + epoch`` (``flodl.data.epoch_permutation``);
 the controller only deals in ``(offset, size)`` ranges of it. A window gives rank ``r`` the next
 ``counts[r] * batch_size`` samples, so chunks are progressive and throughput-proportional once
-ElChe has calibrated. :class:`Coverage` checks that every sample of every epoch was trained
-exactly once.
+ElChe has calibrated. With per-rank batch sizes a rank's batches are its own size, so equal
+counts give sample shares in the ratio of the sizes. :class:`Coverage` checks that every sample
+of every epoch was trained exactly once.
 """
 
 from __future__ import annotations
@@ -46,21 +47,25 @@ class EpochCursor:
     def done(self) -> bool:
         return not self.ranges
 
-    def take(self, counts: Sequence[int]) -> list[tuple[Chunk, ...]]:
-        """Give rank ``r`` the next ``counts[r]`` batches; a rank with count 0 gets nothing."""
-        return [self._take_batches(count) for count in counts]
+    def take(
+        self, counts: Sequence[int], sizes: Sequence[int] | None = None
+    ) -> list[tuple[Chunk, ...]]:
+        """Give rank ``r`` the next ``counts[r]`` batches of ``sizes[r]`` samples (default: the
+        cursor's batch size); a rank with count 0 gets nothing."""
+        sizes = sizes if sizes is not None else [self.batch_size] * len(counts)
+        return [self._take_batches(count, size) for count, size in zip(counts, sizes, strict=True)]
 
-    def _take_batches(self, count: int) -> tuple[Chunk, ...]:
+    def _take_batches(self, count: int, batch_size: int) -> tuple[Chunk, ...]:
         chunks: list[Chunk] = []
         while count > 0 and self.ranges:
             offset, size = self.ranges[0]
-            batches = math.ceil(size / self.batch_size)
+            batches = math.ceil(size / batch_size)
             if batches <= count:
                 chunks.append((offset, size))
                 self.ranges.pop(0)
                 count -= batches
             else:
-                cut = count * self.batch_size
+                cut = count * batch_size
                 chunks.append((offset, cut))
                 self.ranges[0] = (offset + cut, size - cut)
                 count = 0
@@ -74,6 +79,16 @@ class EpochCursor:
 def chunk_batches(chunks: Sequence[Chunk], batch_size: int) -> int:
     """Number of batches (the last possibly partial) the chunks make."""
     return sum(math.ceil(size / batch_size) for _, size in chunks)
+
+
+def clamp_to_samples(counts: Sequence[int], sizes: Sequence[int], remaining: int) -> list[int]:
+    """Scale batch counts of unequal batch sizes down so the window fits the epoch's
+    ``remaining`` samples (proportionally, each rank that had work keeps at least one batch)."""
+    need = sum(c * s for c, s in zip(counts, sizes, strict=True))
+    if need <= remaining or need == 0:
+        return list(counts)
+    scale = remaining / need
+    return [max(1, math.ceil(c * scale)) if c > 0 else 0 for c in counts]
 
 
 def proportional_counts(ratios: Sequence[float], total: int) -> list[int]:

@@ -22,6 +22,7 @@ LIFELINE = "FLODL_LIFELINE"  # "1": stdin stays open; its EOF means the launcher
 PLACED_BY = "FLODL_PLACED_BY"  # who placed an external rank ("torchrun" unless told)
 RENDEZVOUS_FILE = "FLODL_RENDEZVOUS_FILE"  # SLURM rank0 mode: where rank 0 publishes itself
 SECRET_FILE = "FLODL_SECRET_FILE"  # external placement: a file holding the control-plane secret
+CHAOS = "FLODL_CHAOS"  # test-only fault injection (flodl/runtime/chaos.py); unset in real runs
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,8 @@ class ExternalRole:
     master_addr: str
     master_port: int
     device: str  # "cuda" when this host has a GPU for LOCAL_RANK, else "cpu"
+    single_host: bool | None = None  # every rank on this host (None: the launcher did not say)
+    run_id: str = "none"  # the placing launcher's job id (TORCHELASTIC_RUN_ID, SLURM_JOB_ID)
 
     @property
     def is_controller(self) -> bool:
@@ -66,10 +69,11 @@ def external_role(environ: Mapping[str, str] | None = None) -> ExternalRole | No
     if "RANK" in env and "WORLD_SIZE" in env:
         launcher = env.get(PLACED_BY, "torchrun")
         rank, world, local = env["RANK"], env["WORLD_SIZE"], env.get("LOCAL_RANK", "0")
-    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "MASTER_ADDR" in env:
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env and _srun_step(env):
         launcher = "srun"
         rank, world = env["SLURM_PROCID"], env["SLURM_NTASKS"]
         local = env.get("SLURM_LOCALID", "0")
+        env = {**env, **_slurm_master(env)}
     else:
         return None
     missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
@@ -84,6 +88,8 @@ def external_role(environ: Mapping[str, str] | None = None) -> ExternalRole | No
             master_addr=env["MASTER_ADDR"],
             master_port=int(env["MASTER_PORT"]),
             device=env.get(DEVICE) or _external_device(int(local)),
+            single_host=_single_host(env, launcher, int(world)),
+            run_id=env.get("TORCHELASTIC_RUN_ID") or env.get("SLURM_JOB_ID") or "none",
         )
     except ValueError as exc:
         raise RuntimeError(f"bad {launcher} environment: {exc}") from None
@@ -92,6 +98,49 @@ def external_role(environ: Mapping[str, str] | None = None) -> ExternalRole | No
             f"bad {launcher} environment: RANK={role.rank} WORLD_SIZE={role.world_size}"
         )
     return role
+
+
+def _single_host(env: Mapping[str, str], launcher: str, world_size: int) -> bool | None:
+    """Whether the placing launcher put every rank on this host: torchrun's LOCAL_WORLD_SIZE,
+    SLURM's node count."""
+    if launcher != "srun" and env.get("LOCAL_WORLD_SIZE", "").isdigit():
+        return int(env["LOCAL_WORLD_SIZE"]) == world_size
+    for key in ("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES"):
+        if env.get(key, "").isdigit():
+            return int(env[key]) == 1
+    return None
+
+
+def _srun_step(env: Mapping[str, str]) -> bool:
+    """Tasks of an ``srun`` step (a batch script itself has no step id): placed, even when the
+    script exported no MASTER_ADDR. One task alone is no cohort."""
+    step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID"))
+    return "MASTER_ADDR" in env or (step is not None and env.get("SLURM_NTASKS", "1") != "1")
+
+
+def _slurm_master(env: Mapping[str, str]) -> dict[str, str]:
+    """MASTER_ADDR / MASTER_PORT as Lightning's SLURMEnvironment derives them: the first node of
+    the step's node list, and 15000 + the job id's last four digits."""
+    from flodl.runtime.hostlist import root_node
+
+    derived: dict[str, str] = {}
+    if not env.get("MASTER_ADDR"):
+        nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_NODELIST") or ""
+        if not nodes:
+            raise RuntimeError(
+                "srun placement without MASTER_ADDR and without SLURM_NODELIST: export "
+                "MASTER_ADDR (rank 0's host) in the batch script"
+            )
+        try:
+            derived["MASTER_ADDR"] = root_node(nodes)
+        except ValueError as exc:
+            raise RuntimeError(f"srun placement without MASTER_ADDR: {exc}; export it") from None
+    if not env.get("MASTER_PORT"):
+        job = env.get("SLURM_JOB_ID", "")
+        if not job[-4:].isdigit():
+            raise RuntimeError("srun placement without MASTER_PORT or SLURM_JOB_ID: export it")
+        derived["MASTER_PORT"] = str(15000 + int(job[-4:]))
+    return derived
 
 
 def _external_device(local_rank: int) -> str:
@@ -131,6 +180,8 @@ def role_env(rank: int, world_size: int, controller: str, device: str, gpu: int 
         DEVICE: device,
         "PYTHONUNBUFFERED": "1",
     }
+    if os.environ.get(CHAOS):  # a test's fault injection reaches remote ranks too
+        env[CHAOS] = os.environ[CHAOS]
     if gpu is not None:
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)
@@ -146,6 +197,11 @@ def child_env(rank: int, world_size: int, controller: str, device: str, gpu: int
     # The child imports what the parent imports (user modules, recipes, the project).
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     return env
+
+
+def chaos_spec(environ: Mapping[str, str] | None = None) -> str:
+    """The fault-injection spec of this process (empty: no chaos)."""
+    return (os.environ if environ is None else environ).get(CHAOS, "")
 
 
 def read_secret(stream=None) -> bytes:

@@ -6,10 +6,18 @@ on a thread beside it, connected over loopback like any other rank. The other ra
 they find the controller through the launcher's rendezvous store at ``MASTER_ADDR:MASTER_PORT``
 (torchrun's own store when its agent hosts one), authenticate, and run the controller's plans.
 
-The control-plane secret: with ``FLODL_SECRET_FILE`` set (a file every rank can read, e.g. on a
-shared file system, mode 0600), ranks read it there and it never crosses the network. Without it,
-rank 0 draws a fresh secret and publishes it in the rendezvous store, so the control plane is then
-exactly as private as torchrun's own data plane (whoever reaches ``MASTER_PORT`` can join that).
+The control-plane secret never crosses the rendezvous store, which has no authentication
+(anyone who reaches ``MASTER_PORT`` can read and write it):
+
+* with ``FLODL_SECRET_FILE`` set (a file every rank can read, e.g. on a shared file system, mode
+  0600), every rank reads it there;
+* without it, on one host (torchrun's ``LOCAL_WORLD_SIZE`` equals ``WORLD_SIZE``; srun on one
+  node), rank 0 draws a fresh secret and hands it, with the controller's address, to its
+  followers in a 0600 file of a 0700 folder that only this user can read
+  (``$TMPDIR/flodl-<uid>/``); the store carries only that file's random name, so a stranger who
+  rewrites it can at worst make the followers fail to authenticate, never run their code;
+* across hosts without it the placement is refused, saying so: nothing else torchrun gives the
+  ranks is secret.
 
 Placed ranks cannot be restarted or signalled by us: a lost follower is dropped like any lost rank,
 but torchrun itself stops the survivors when a worker exits non-zero (its ``--max-restarts``
@@ -22,6 +30,10 @@ import itertools
 import json
 import logging
 import os
+import re
+import secrets
+import stat
+import tempfile
 import threading
 import time
 from datetime import timedelta
@@ -72,6 +84,39 @@ def _file_secret() -> bytes | None:
         return bytes.fromhex(text)
     except ValueError:
         return text.encode()
+
+
+def _check_secret_source(role: rank_env.ExternalRole) -> None:
+    """Across hosts the secret must come from FLODL_SECRET_FILE: refuse otherwise."""
+    if os.environ.get(rank_env.SECRET_FILE) or role.single_host:
+        return
+    where = "spans several hosts" if role.single_host is False else "may span several hosts"
+    raise RuntimeError(
+        f"this {role.launcher} placement {where}, and the rendezvous store at "
+        f"{role.master_addr}:{role.master_port} has no authentication: set "
+        f"{rank_env.SECRET_FILE}=<a file every rank can read, mode 0600, holding a random hex "
+        "string> (e.g. `python -c 'import secrets; print(secrets.token_hex(32))' > ~/.flodl-secret`"
+        " on a shared file system)"
+    )
+
+
+def private_dir() -> Path:
+    """This user's 0700 hand-off folder on this host, refused if anyone else could use it."""
+    folder = Path(tempfile.gettempdir()) / f"flodl-{os.getuid()}"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    info = os.lstat(folder)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise RuntimeError(f"{folder} is not a private folder of this user (mode 0700): remove it")
+    return folder
+
+
+_HANDOFF_NAME = re.compile(r"^[0-9a-f]{32}$")
+
+
+def _handoff_path(name: str) -> Path:
+    if not _HANDOFF_NAME.match(name):
+        raise RuntimeError(f"the rendezvous store holds a bad hand-off name {name[:40]!r}")
+    return private_dir() / f"{name}.json"
 
 
 def _write_private(path: Path, data: dict) -> None:
@@ -134,13 +179,21 @@ class ExternalCohort(ProcessLauncher):
                 {"controller": controller, "secret": self.secret.hex()},
             )
         else:  # torchrun / srun: their rendezvous store at MASTER_ADDR:MASTER_PORT
+            _check_secret_source(role)
             store = rendezvous_store(role, timeout)
             self.spec.store_host, self.spec.store_port = role.master_addr, role.master_port
-            store.set(key + "controller", controller)
-            if os.environ.get(rank_env.SECRET_FILE) is None:
-                store.set(key + "secret", self.secret.hex())
+            if os.environ.get(rank_env.SECRET_FILE):
+                store.set(key + "controller", controller)
+            else:  # one host: the secret and address go through this user's private folder
+                name = secrets.token_hex(16)
+                self._handoff = _handoff_path(name)
+                _write_private(
+                    self._handoff, {"controller": controller, "secret": self.secret.hex()}
+                )
+                store.set(key + "handoff", name)
         log.info("%s placement: controller on port %d", role.launcher, self.listener.port)
         failures: list[BaseException] = []
+        self.own_ranks = {0}
         try:
             threading.Thread(target=self._accept_loop, name="flodl-accept", daemon=True).start()
             here = "127.0.0.1" if self.listener.host == "0.0.0.0" else self.listener.host
@@ -156,12 +209,19 @@ class ExternalCohort(ProcessLauncher):
             self.await_goodbyes()
             worker.join(timeout=30.0)
             return result
-        except RunFailed:
+        except RunFailed as exc:
             if failures:
                 log.debug("rank 0 worker failed: %r", failures[0])
+            self.abort(exc)
+            raise
+        except BaseException as exc:
+            self.abort(exc)
             raise
         finally:
             self.shutdown()
+            handoff = getattr(self, "_handoff", None)
+            if handoff is not None:
+                handoff.unlink(missing_ok=True)
             del store
 
 
@@ -169,7 +229,7 @@ def _own_rank(role: rank_env.RankEnv, secret: bytes, failures: list[BaseExceptio
     from flodl.runtime.rank import run_managed
 
     try:
-        run_managed(role, secret)
+        run_managed(role, secret, in_launcher=True)
     except BaseException as exc:  # reported to the controller by run_managed already
         failures.append(exc)
 
@@ -184,11 +244,17 @@ def follow(role: rank_env.ExternalRole, timeout_s: float = 120.0) -> int:
         published = _read_when_written(Path(rendezvous_file), timeout_s)
         controller, secret = published["controller"], bytes.fromhex(published["secret"])
     else:
+        _check_secret_source(role)
         store = rendezvous_store(role, timeout_s)
-        store.wait([key + "controller"], timedelta(seconds=timeout_s))
-        controller = store.get(key + "controller").decode()
         file_secret = _file_secret()
-        secret = file_secret or bytes.fromhex(store.get(key + "secret").decode())
+        if file_secret is not None:
+            store.wait([key + "controller"], timedelta(seconds=timeout_s))
+            controller, secret = store.get(key + "controller").decode(), file_secret
+        else:
+            store.wait([key + "handoff"], timedelta(seconds=timeout_s))
+            path = _handoff_path(store.get(key + "handoff").decode(errors="replace"))
+            published = _read_when_written(path, timeout_s)
+            controller, secret = published["controller"], bytes.fromhex(published["secret"])
         del store
     host, _, port = controller.rpartition(":")
     local = rank_env.RankEnv(

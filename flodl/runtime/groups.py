@@ -56,10 +56,25 @@ def protect_port(port: int) -> None:
     _protected_ports.add(port)
 
 
-def form(backend: str, store: Any, rank: int, world_size: int, timeout_s: float) -> None:
-    """Join a new default group (blocks until every member has joined, or the timeout)."""
+def form(
+    backend: str,
+    store: Any,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    doomed: Callable[[], bool] | None = None,
+    poll_s: float = POLL_S,
+) -> None:
+    """Join a new default group (blocks until every member has joined, or the timeout).
+
+    Members first meet at a presence barrier polled in short slices (``Store.check`` does not
+    block), so a formation that a newer membership made pointless — a member died while the
+    others were forming, or two died at once — is given up (:class:`Abandoned`) as soon as
+    ``doomed()`` says so, instead of waiting out the timeout for a rank that will never come.
+    Only then does ``init_process_group`` run, with every member known to be there."""
     import torch.distributed as dist
 
+    _await_members(store, rank, world_size, timeout_s, doomed, poll_s)
     before = _socket_fds()
     dist.init_process_group(
         backend,
@@ -70,6 +85,26 @@ def form(backend: str, store: Any, rank: int, world_size: int, timeout_s: float)
     )
     _group_sockets.clear()
     _group_sockets.update(_socket_fds() - before)
+
+
+def _await_members(
+    store: Any,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    doomed: Callable[[], bool] | None,
+    poll_s: float,
+) -> None:
+    store.set(f"present/{rank}", "1")
+    keys = [f"present/{r}" for r in range(world_size)]
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys):
+        if doomed is not None and doomed():
+            raise Abandoned(settled=True)
+        if time.monotonic() > deadline:
+            missing = [r for r in range(world_size) if not store.check([f"present/{r}"])]
+            raise TimeoutError(f"group ranks {missing} did not join within {timeout_s:.0f} s")
+        time.sleep(poll_s)
 
 
 def wait(

@@ -148,6 +148,8 @@ class ProcessLauncher:
         self.procs: list[RankProcess] = []
         self.channels: list[Channel] = []
         self._reading: set[int] = set()  # ranks whose control channel is still open
+        self._channel_of: dict[int, Channel] = {}
+        self.own_ranks: set[int] = set()  # ranks that train inside the launcher's process
         self._closing = False
         self._rejects = RejectLog()
         controller.hooks.kill_rank = self.kill_rank
@@ -178,9 +180,27 @@ class ProcessLauncher:
             result = self.controller.run(stop_requested)
             self.await_goodbyes()
             return result
+        except BaseException as exc:
+            self.abort(exc)
+            raise
         finally:
             self.shutdown()
             del store
+
+    def abort(self, exc: BaseException) -> None:
+        """The run failed: tell every rank process why before teardown closes its channel, so
+        the survivors exit quietly instead of reporting a lost control channel."""
+        from flodl.failures import describe
+        from flodl.runtime.messages import Abort
+
+        reason = str(exc) if isinstance(exc, RunFailed) else describe(exc)
+        for rank, channel in list(self._channel_of.items()):
+            if rank in self.own_ranks:  # trains in this very process: never told to exit
+                continue
+            try:
+                channel.send(Abort(reason or "stopped"))
+            except (OSError, ValueError):
+                pass
 
     def await_goodbyes(self, timeout_s: float = _TERM_GRACE_S) -> None:
         """After a normal stop, let every rank close its channel itself before teardown closes
@@ -296,6 +316,7 @@ class ProcessLauncher:
             channel.close()
             return
         self.channels.append(channel)
+        self._channel_of[hello.rank] = channel
         self._reading.add(hello.rank)
         self.controller.attach(hello.rank, channel)
         channel.send_code(self.spec)

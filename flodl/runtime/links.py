@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from flodl.runtime.channel import Channel
-from flodl.runtime.messages import Regroup
+from flodl.runtime.messages import Abort, Regroup
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +61,11 @@ class Outbound:
     links: dict[int, Any]
 
     def _send(self, rank: int, msg: Any) -> None:
+        link = self.links.get(rank)
+        if link is None:  # never attached (lost before it said hello): nothing to tell it
+            return
         try:
-            self.links[rank].send(msg)
+            link.send(msg)
         except OSError as exc:  # the rank is going away; its exit is handled as a loss
             log.debug("send to rank %d failed: %s", rank, exc)
 
@@ -109,11 +112,18 @@ class SocketLink(_InboxLink):
     """
 
     def __init__(
-        self, channel: Channel, rank: int, on_regroup: Callable[[], Any] | None = None
+        self,
+        channel: Channel,
+        rank: int,
+        on_regroup: Callable[[], Any] | None = None,
+        in_launcher: bool = False,
     ) -> None:
         self.channel = channel
         self.rank = rank
         self.stopping = False
+        # Rank 0 of a torchrun/srun cohort trains on a thread of the launcher's own process:
+        # its link never ends the process (the launcher is the one closing it).
+        self.in_launcher = in_launcher
         self._on_regroup = on_regroup
         self._inbox: queue.Queue = queue.Queue()
         self._reader = threading.Thread(target=self._read, name="flodl-control", daemon=True)
@@ -136,11 +146,16 @@ class SocketLink(_InboxLink):
             try:
                 msg = self.channel.recv()
             except (OSError, EOFError, ConnectionError) as exc:
-                if not self.stopping:
+                if not self.stopping and not self.in_launcher:
                     log.error("rank %d: control channel lost (%s); exiting", self.rank, exc)
                     os._exit(3)
                 self._inbox.put(_CLOSED)
                 return
+            if isinstance(msg, Abort):  # not an error of ours: the launcher said why
+                self.stopping = True
+                log.info("rank %d: the launcher ended the run (%s); exiting", self.rank, msg.reason)
+                if not self.in_launcher:
+                    os._exit(1)
             if isinstance(msg, Regroup) and msg.generation > self.announced_generation:
                 self.announced_generation = msg.generation
                 if self._on_regroup is not None:

@@ -45,6 +45,12 @@ class Membership:
     def seen(self, rank: int, now: float | None = None) -> None:
         self.last_seen[rank] = time.monotonic() if now is None else now
 
+    def excuse(self, seconds: float) -> None:
+        """The judge itself was not running for ``seconds`` (the launcher was paused, or its
+        thread blocked): that time is nobody's silence, so every clock moves forward by it."""
+        for rank in self.last_seen:
+            self.last_seen[rank] += seconds
+
     def stale(self, now: float | None = None) -> list[int]:
         """Alive ranks silent for longer than the heartbeat timeout."""
         now = time.monotonic() if now is None else now

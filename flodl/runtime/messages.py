@@ -25,6 +25,7 @@ class Ready:
     step_ms: float
     device: str
     n_samples: int
+    batch_size: int = 0  # this rank's batch size (configured or probed); 0: trainer.batch_size
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,17 @@ class Window:
     generation: int = 0  # membership generation it was planned for
     save_tag: str = ""  # names the shard files of that checkpoint
     write_weights: bool = False  # this rank also writes the consensus weights (one rank does)
+    settle: bool = False  # the epoch's last window: acknowledge its averaging (Settled)
+    progress: int = 0  # global progress clock: samples of the run dispatched before this window
+    window_samples: int = 0  # samples of this window over all ranks
+
+
+@dataclass(frozen=True)
+class Settled:
+    """A rank's collective averaging of an epoch's last window held: the epoch may close."""
+
+    rank: int
+    window: int
 
 
 @dataclass(frozen=True)
@@ -136,6 +148,13 @@ class RankError:
 
 
 @dataclass(frozen=True)
+class Abort:
+    """The launcher ends the run (another rank failed): exit quietly, this is no lost launcher."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
 class Heartbeat:
     rank: int
 
@@ -157,3 +176,4 @@ class Regroup:
 class Regrouped:
     rank: int
     generation: int
+    unaveraged: int = -1  # the window whose collective averaging failed on this rank, if any

@@ -10,7 +10,7 @@ import math
 
 from flodl.config import Mode, TrainerConfig
 from flodl.elche import ElChe, auto_max_overshoot, averaging_weights, buffer_weights
-from flodl.runtime.dispatch import EpochCursor, chunk_batches
+from flodl.runtime.dispatch import EpochCursor, chunk_batches, clamp_to_samples
 from flodl.runtime.links import Outbound
 from flodl.runtime.membership import Membership
 from flodl.runtime.messages import Plan, Window
@@ -20,6 +20,14 @@ from flodl.runtime.tracking import EpochTrack, WindowTrack
 # A sync-mode plan bundles enough lock-step windows for about this much work, so the controller
 # is not on every step's critical path.
 _SYNC_PLAN_S = 0.25
+
+
+def whole_steps(counts: list[int], cfg: TrainerConfig) -> list[int]:
+    """Round each rank's micro-batches up to whole optimizer steps (accumulate_grad_batches), so
+    a window rarely ends inside a group. ElChe's "batch" is a micro-batch: it times and counts
+    those; the cursor clips what it hands out to what the epoch has left."""
+    n = cfg.accumulate_grad_batches
+    return [math.ceil(c / n) * n for c in counts]
 
 
 class Planning(Outbound):
@@ -42,6 +50,8 @@ class Planning(Outbound):
     stop_reason: str | None
     regrouping: dict[int, bool]
     overshoot: tuple[int, int, int]
+    batch_sizes: list[int]  # per rank, from their Ready messages
+    _settle_windows: dict[int, int]
 
     @property
     def alive(self) -> list[int]:
@@ -121,11 +131,25 @@ class Planning(Outbound):
             return counts
         return self.elche.window(remaining, alive=alive)
 
+    def _window_counts(self, cursor: EpochCursor, sizes: list[int]) -> list[int]:
+        """ElChe's batch counts (each rank's batches are its own size), clamped to the epoch."""
+        if len(set(sizes)) == 1:
+            return whole_steps(self._counts(cursor.remaining_batches), self.cfg)
+        # ElChe clamps in batches: bound it by the smallest size, then clamp in samples.
+        bound = math.ceil(cursor.remaining_samples / min(sizes))
+        counts = clamp_to_samples(self._counts(bound), sizes, cursor.remaining_samples)
+        return whole_steps(counts, self.cfg)
+
     def _plan_window(self, cursor: EpochCursor) -> dict[int, Window]:
-        chunks = cursor.take(self._counts(cursor.remaining_batches))
-        batches = [chunk_batches(c, self.cfg.batch_size) for c in chunks]
+        remaining = cursor.remaining_samples
+        # The LR clock: derived from epoch and coverage only, so a resumed run lands on it too.
+        progress = cursor.epoch * cursor.n_samples + cursor.n_samples - remaining
+        sizes = self.batch_sizes
+        chunks = cursor.take(self._window_counts(cursor, sizes), sizes)
+        batches = [chunk_batches(c, size) for c, size in zip(chunks, sizes, strict=True)]
+        samples = [sum(size for _, size in c) for c in chunks]
         if self.world > 1:
-            weights = averaging_weights(batches, self.cfg.elche.gamma)
+            weights = averaging_weights(samples, self.cfg.elche.gamma)  # ∝ samples ** gamma
             bweights = buffer_weights(batches)
         else:
             weights, bweights = [1.0], [1.0]
@@ -134,8 +158,13 @@ class Planning(Outbound):
         index = self.next_window
         self.next_window += 1
         eval_rank, save = None, None
+        settle = False
         if cursor.done:
             track.all_planned = True
+            settle = self.world > 1 and self.mode is not Mode.SOLO and not self.mode.via_controller
+            if settle:
+                track.unsettled = set(self.alive)
+                self._settle_windows[index] = cursor.epoch
             eval_rank = track.eval_rank = self._eval_rank(cursor.epoch)
             if self.checkpointer is not None and self.checkpointer.due(
                 cursor.epoch, self.cfg.num_epochs
@@ -159,6 +188,9 @@ class Planning(Outbound):
                 generation=self.members.generation,
                 save_tag=save.tag if save is not None else "",
                 write_weights=save is not None and r == save.writer,
+                settle=settle,
+                progress=progress,
+                window_samples=remaining - cursor.remaining_samples,
             )
             for r in self.alive
         }

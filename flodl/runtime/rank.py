@@ -16,13 +16,14 @@ import socket
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 from flodl.runtime import env as rank_env
 from flodl.runtime import groups
 from flodl.runtime.channel import Channel, connect
-from flodl.runtime.messages import Hello, RankError
+from flodl.runtime.messages import Abort, Hello, RankError
 
 log = logging.getLogger("flodl.rank")
 
@@ -77,24 +78,34 @@ def _hello(role: rank_env.RankEnv, secret: bytes) -> Channel:
 
 
 def report_failure(channel: Channel, rank: int, exc: BaseException) -> None:
-    """One line to the controller; the traceback to this rank's log only."""
-    message = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
+    """One line to the controller (the chain's innermost cause); the traceback to this rank's
+    log only."""
+    from flodl.failures import describe
+
+    message = describe(exc)
     trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    for line in trace.splitlines():  # first: once the controller knows, teardown may be quick
+        print(f"DEBUG traceback| {line}", flush=True)
     try:
         channel.send(RankError(rank, message, trace))
     except OSError:
         pass
-    for line in trace.splitlines():
-        print(f"DEBUG traceback| {line}", flush=True)
 
 
-def join(channel: Channel, role: rank_env.RankEnv) -> tuple[Any, Any, Any]:
+def join(
+    channel: Channel, role: rank_env.RankEnv, in_launcher: bool = False
+) -> tuple[Any, Any, Any]:
     """Receive the job, pin threads and device, join the process group: (spec, link, device)."""
     import torch
 
     from flodl.runtime.links import SocketLink
 
     spec = channel.recv()
+    if isinstance(spec, Abort):  # another rank failed before this one got the job
+        log.info("rank %d: the launcher ended the run (%s); exiting", role.rank, spec.reason)
+        if in_launcher:
+            raise RuntimeError(f"the run ended before rank {role.rank} started: {spec.reason}")
+        os._exit(1)
     cluster = spec.config.cluster
     if role.device == "cpu":
         torch.set_num_threads(cluster.threads_per_rank)
@@ -102,14 +113,18 @@ def join(channel: Channel, role: rank_env.RankEnv) -> tuple[Any, Any, Any]:
     else:
         device = torch.device("cuda", role.local_rank)
         torch.cuda.set_device(device)
-    link = SocketLink(channel, role.rank, on_regroup=groups.abort)
-    groups.form(
-        spec.backend,
-        _data_store(spec, "generation0"),
-        role.rank,
-        role.world_size,
-        cluster.start_timeout_s,
-    )
+    link = SocketLink(channel, role.rank, on_regroup=groups.abort, in_launcher=in_launcher)
+    try:
+        groups.form(
+            spec.backend,
+            _data_store(spec, "generation0"),
+            role.rank,
+            role.world_size,
+            cluster.start_timeout_s,
+            doomed=lambda: link.announced_generation > 0,
+        )
+    except groups.Abandoned:  # a rank was lost before it joined: the worker forms the next one
+        log.warning("rank %d: a rank was lost before the group formed; regrouping", role.rank)
     return spec, link, device
 
 
@@ -121,8 +136,15 @@ def _data_store(spec: Any, generation: str) -> Any:
     return dist.PrefixStore(f"{spec.store_prefix}/{generation}", store)
 
 
-def regroup(spec: Any, role: rank_env.RankEnv, members: tuple[int, ...], generation: int) -> None:
-    """Re-form the process group over the survivors, under a fresh store prefix."""
+def regroup(
+    spec: Any,
+    role: rank_env.RankEnv,
+    members: tuple[int, ...],
+    generation: int,
+    doomed: Callable[[], bool] | None = None,
+) -> None:
+    """Re-form the process group over the survivors, under a fresh store prefix; given up
+    (:class:`groups.Abandoned`) once ``doomed()`` says a newer membership was announced."""
     groups.release()
     if len(members) < 2:
         return  # a lone survivor trains on alone
@@ -132,6 +154,7 @@ def regroup(spec: Any, role: rank_env.RankEnv, members: tuple[int, ...], generat
         members.index(role.rank),
         len(members),
         spec.config.cluster.start_timeout_s,
+        doomed=doomed,
     )
 
 
@@ -140,14 +163,15 @@ def leave(link: Any) -> None:
     groups.release()
 
 
-def run_managed(role: rank_env.RankEnv, secret: bytes) -> int:
-    """Join the controller as ``role`` and run its plans until it says stop; the exit code."""
+def run_managed(role: rank_env.RankEnv, secret: bytes, in_launcher: bool = False) -> int:
+    """Join the controller as ``role`` and run its plans until it says stop; the exit code.
+    ``in_launcher``: this rank is a thread of the launcher's process (never exit the process)."""
     channel = _hello(role, secret)
     link = None
     try:
         from flodl.runtime.worker import Worker
 
-        spec, link, device = join(channel, role)
+        spec, link, device = join(channel, role, in_launcher)
         Worker(spec, link, role.rank, device, regroup=partial(regroup, spec, role)).run()
         return 0
     except BaseException as exc:

@@ -25,6 +25,10 @@ from flodl.runtime.messages import RankState, Restore
 log = logging.getLogger(__name__)
 
 
+class ShardWriteFailed(CheckpointError):
+    """A rank could not write its shard; the message is the rank's own ``Type: message``."""
+
+
 @dataclass
 class PendingSave:
     """One save in progress: who must still report, and what was written."""
@@ -82,8 +86,9 @@ class Checkpointer:
         if save is None or save.tag != msg.tag or msg.rank not in save.expected:
             return None  # a discarded save's late report
         if msg.error:
+            del self.pending[save.key]
             self.discard(save, f"rank {msg.rank} could not write its shard: {msg.error}")
-            raise CheckpointError(f"checkpoint {self.stem}: rank {msg.rank}: {msg.error}")
+            raise ShardWriteFailed(msg.error)
         assert self.stem is not None
         for name, shard in msg.shards.items():
             if not isinstance(shard, shards.ShardInfo):  # relayed: the launcher writes it
@@ -186,6 +191,7 @@ class ResumePoint:
                 "scheduler": p["scheduler"].get(src),
                 "rng": p["rng"][src],
                 "extra": (p.get("extra") or {}).get(src),
+                "scaler": (p.get("scaler") or {}).get(src),  # bundles before 16-mixed have none
             }
             return Restore(model, state, self.meta.epoch, lr_factor)
         return Restore(

@@ -31,6 +31,8 @@ class JobSpec:
     eval_dataset: Any = None
     eval_fn: Callable[..., float] | None = None
     scheduler_factory: Callable[..., Any] | None = None
+    scheduler_interval: str = "epoch"  # "step": advanced on the global progress clock
+    batch_sizes: list[int | None] | None = None  # per rank (None: probed on the rank); launcher
     world_size: int = 1
     speeds: list[float] = field(default_factory=lambda: [1.0])
     pace: bool = False

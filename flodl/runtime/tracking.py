@@ -49,6 +49,9 @@ class EpochTrack:
     rank_samples: list[int] = field(default_factory=list)
     rank_loss: list[list[float]] = field(default_factory=list)
     compute_ms: list[float] = field(default_factory=list)
+    # Ranks whose averaging of this epoch's last window is not yet known to have held
+    # (collective modes): until then its work is not known to be in the model.
+    unsettled: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.batches = [0] * self.world
@@ -87,7 +90,8 @@ class EpochTrack:
     @property
     def closed(self) -> bool:
         waiting_eval = self.eval_rank is not None and self.eval_value is None
-        return self.all_planned and self.done == self.planned and not waiting_eval
+        done = self.all_planned and self.done == self.planned
+        return done and not waiting_eval and not self.unsettled
 
     def metrics(self, syncs: int, last: SyncEvent | None, anchor: int) -> EpochMetrics:
         epoch_s = max(self.end - self.start, 1e-9)
@@ -137,4 +141,5 @@ class ControllerResult:
     stopped: str | None = None
     saved: list[str] = field(default_factory=list)
     lost_ranks: list[int] = field(default_factory=list)
+    save_error: str | None = None  # a checkpoint that could not be written (the run stopped)
     extra: dict[str, Any] = field(default_factory=dict)

@@ -22,11 +22,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flodl import schedules
 from flodl.config import Mode
 from flodl.data import BatchSource, resolve_dataset
 from flodl.metrics import drain_scalars
-from flodl.runtime import groups
-from flodl.runtime.averaging import FlatState, broadcast_from, collective_average
+from flodl.precision import StepRunner, compiled
+from flodl.runtime import chaos, groups
+from flodl.runtime.averaging import FlatState, collective_average
 from flodl.runtime.messages import (
     Average,
     EvalResult,
@@ -38,6 +40,7 @@ from flodl.runtime.messages import (
     Regrouped,
     Report,
     Restore,
+    Settled,
     Stop,
     Window,
 )
@@ -65,6 +68,35 @@ class WindowTally:
             self.loss_count += 1
 
 
+class _CohortBroke(RuntimeError):
+    """A start-up collective failed or was given up: a member was lost."""
+
+    def __init__(self, message: str, abandoned: bool) -> None:
+        super().__init__(message)
+        self.abandoned = abandoned
+
+
+def _batch_samples(batch: Any) -> int | None:
+    """Samples in a batch: the leading dimension of its first tensor (None: no tensor found)."""
+    first = batch[0] if isinstance(batch, (list, tuple)) and batch else batch
+    if isinstance(first, dict) and first:
+        first = next(iter(first.values()))
+    return int(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() else None
+
+
+def _with_last(items: Any) -> Any:
+    """``(item, is_last)`` pairs, looking one ahead."""
+    it = iter(items)
+    try:
+        current = next(it)
+    except StopIteration:
+        return
+    for following in it:
+        yield current, False
+        current = following
+    yield current, True
+
+
 class Worker:
     """One rank's training state and loop."""
 
@@ -74,7 +106,7 @@ class Worker:
         link: Any,
         rank: int,
         device: torch.device,
-        regroup: Callable[[tuple[int, ...], int], None] | None = None,
+        regroup: Callable[..., None] | None = None,
     ) -> None:
         self.spec = spec
         self.regroup_fn = regroup  # rebuilds the process group over the survivors
@@ -97,6 +129,7 @@ class Worker:
         self._outstanding: list[int] = []
         self._pending: collections.deque[Any] = collections.deque()
         self._nonfinite = 0
+        self._unaveraged = -1  # a window whose averaging failed, until the controller knows
 
     # -- set-up ------------------------------------------------------------------------------
     def build(self) -> None:
@@ -107,29 +140,86 @@ class Worker:
         self.model.to(self.device).train()
         # Before the optimizer: parameters move into one buffer the collectives use in place.
         self.state = FlatState(self.model, share_storage=True)
+        # What the step runs; averaging, checkpoints and the final state read self.model.
+        self.train_model: nn.Module = compiled(self.model) if self.cfg.compile else self.model
+        self.runner = StepRunner(
+            self.cfg.precision,
+            self.device,
+            self.cfg.accumulate_grad_batches,
+            self.cfg.max_grad_norm,
+        )
         self.optimizer = self.spec.optim_factory(self.model.parameters())
         self._scale_lr()
-        self.scheduler = (
-            self.spec.scheduler_factory(self.optimizer) if self.spec.scheduler_factory else None
-        )
         self.outer = make_outer(self.cfg.elche, self.state.n_params)
         dataset = resolve_dataset(self.spec.dataset)
-        if self.cfg.batch_size > len(dataset):
-            raise ValueError(
-                f"trainer.batch_size={self.cfg.batch_size}: larger than the dataset "
-                f"({len(dataset)} samples)"
+        self.batch_size = self._own_batch_size(dataset)
+        if self.batch_size > len(dataset):
+            key = (
+                f"trainer.batch_size={self.batch_size}"
+                if self.batch_size == self.cfg.batch_size
+                else f"rank {self.rank}'s batch size {self.batch_size} (cluster.batch_sizes)"
             )
-        self.source = BatchSource(dataset, self.cfg.batch_size, self.cfg.seed, self.device)
+            raise ValueError(f"{key}: larger than the dataset ({len(dataset)} samples)")
+        self.source = BatchSource(dataset, self.batch_size, self.cfg.seed, self.device)
+        self._build_scheduler()
         self.eval_source = None
         if self.spec.has_eval:
             eval_set = resolve_dataset(self.spec.eval_dataset, "eval_dataset")
             self.eval_source = BatchSource(
                 eval_set, self.cfg.batch_size, self.cfg.seed, self.device
             )
-        if self.distributed:
-            broadcast_from(self.state, src=0)
-        if self.outer is not None:
-            self.outer.reset(self.state.flatten())
+
+    def _build_scheduler(self) -> None:
+        self.per_step = self.spec.scheduler_interval == "step"
+        self.run_length = schedules.RunLength(
+            self.cfg.num_epochs * len(self.source), self._global_batch()
+        )
+        total = self.run_length.total_steps if self.per_step else self.cfg.num_epochs
+        factory = self.spec.scheduler_factory
+        self.scheduler = schedules.build(factory, self.optimizer, total) if factory else None
+        self._clock = (0, 0, 0)  # (progress before the window, its samples, this rank's share)
+        self._own_done = 0
+
+    def _own_batch_size(self, dataset: Any) -> int:
+        sizes = self.spec.batch_sizes
+        if not sizes or self.rank >= len(sizes):
+            return self.cfg.batch_size
+        size = sizes[self.rank]
+        if size is None:  # cluster.batch_sizes=auto: the largest that fits, probed here
+            from flodl.runtime.memory import probe_batch_size
+
+            size = probe_batch_size(self, dataset)
+            log.info(
+                "rank %d: batch size %d (probed, memory_fraction %.2f)",
+                self.rank,
+                size,
+                self.cfg.cluster.memory_fraction,
+            )
+        return size
+
+    def _rank_sizes(self) -> list[int]:
+        """Every rank's batch size; probed ones are gathered, so all ranks agree on the sum."""
+        sizes = list(self.spec.batch_sizes or [self.cfg.batch_size] * self.spec.world_size)
+        if any(b is None for b in sizes) and self.distributed:
+            gathered = torch.zeros(self.spec.world_size, dtype=torch.int64, device=self.device)
+            gathered[self.rank] = self.batch_size
+            dist.all_reduce(gathered)
+            return [int(b) for b in gathered]
+        return [self.batch_size if b is None else int(b) for b in sizes]
+
+    def _global_batch(self) -> int:
+        """Samples of one global step: every rank's batch, times the micro-batches per step."""
+        return sum(self._rank_sizes()) * self.cfg.accumulate_grad_batches
+
+    def tick(self, batch: Any) -> None:
+        """Advance a per-step scheduler to the global progress after this batch."""
+        if self.scheduler is None or not self.per_step:
+            return
+        before, in_window, own_total = self._clock
+        samples = _batch_samples(batch)
+        self._own_done += samples if samples is not None else self.batch_size
+        done = schedules.global_samples(before, in_window, self._own_done, own_total)
+        schedules.advance_to(self.scheduler, self.run_length.target_step(done))
 
     def _scale_lr(self) -> None:
         factor = 1.0 + (self.spec.world_size - 1) * self.cfg.lr_scale_ratio
@@ -146,23 +236,24 @@ class Worker:
         probe = copy.deepcopy(self.model)
         optimizer = self.spec.optim_factory(probe.parameters())
         n = self.cfg.cluster.warmup_steps
-        chunk = ((0, min(len(self.source), self.cfg.batch_size * n)),)
+        chunk = ((0, min(len(self.source), self.batch_size * n)),)
         batches = itertools.cycle(list(self.source.batches(0, chunk)))
 
         def step() -> None:
             optimizer.zero_grad(set_to_none=True)
-            self.spec.train_step(probe, next(batches)).backward()
+            with self.runner.autocast():
+                loss = self.spec.train_step(probe, next(batches))
+            loss.backward()
             optimizer.step()
 
-        if self.distributed:
-            # Measure together: a rank still importing or loading data would otherwise steal
-            # the other's core and inflate the nominal step every rank is then paced to.
-            dist.barrier()
+        # Measure together: a rank still importing or loading data would otherwise steal the
+        # other's core and inflate the nominal step every rank is then paced to.
+        self._together(torch.zeros(1))
+        chaos.point("calibrate", self.rank)
         step_s = measure_step_s(step, n)
-        if self.distributed:
-            t = torch.tensor([step_s], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            step_s = float(t.item())
+        t = torch.tensor([step_s], dtype=torch.float64)
+        self._together(t, op=dist.ReduceOp.MAX)
+        step_s = float(t.item())
         if self.spec.pace:
             self.pacer.set_nominal(step_s * self.cfg.cluster.pace_margin)
         drain_scalars()
@@ -186,13 +277,75 @@ class Worker:
             elif isinstance(msg, Regroup):
                 self.regroup(msg)
 
+    def _meet(self) -> float | None:
+        """One set of weights (the first member's) and the calibration; ``None`` when a member
+        was lost in a collective (the group is released; a Regroup will follow)."""
+        try:
+            if self.distributed:
+                flat = self.state.flatten()  # a copy: loaded only once the broadcast succeeded
+                self._together(flat, broadcast=True)
+                self.state.load(flat)
+            step_ms = self.calibrate()
+        except _CohortBroke as exc:
+            log.warning(
+                "rank %d: a member was lost before training (%s); waiting to regroup",
+                self.rank,
+                exc,
+            )
+            groups.release(exc.abandoned)
+            return None
+        if self.outer is not None:
+            self.outer.reset(self.state.flatten())
+        return step_ms
+
+    def _together(self, t: torch.Tensor, op: Any = None, broadcast: bool = False) -> None:
+        """A start-up collective over the current group (nothing alone), given up once a newer
+        membership is announced; a failure is :class:`_CohortBroke`, never the user's error."""
+        if not self.distributed:
+            return
+        failure, abandoned = None, False
+        try:
+            if broadcast:
+                work = dist.broadcast(t, src=0, async_op=True)
+            else:
+                work = dist.all_reduce(t, op=op or dist.ReduceOp.SUM, async_op=True)
+            if dist.get_backend() == "gloo":
+                groups.wait(work, self._doomed)
+            else:  # NCCL: the control reader aborts the communicator on a new membership
+                work.wait()
+        except groups.Abandoned as exc:
+            failure, abandoned = str(exc), not exc.settled
+        except (RuntimeError, dist.DistBackendError) as exc:
+            failure = str(exc)
+        if failure is not None:  # raised outside the except block: its traceback pins the group
+            raise _CohortBroke(failure, abandoned)
+
+    def _next_regroup(self) -> None:
+        """Before training: wait for the controller's next membership and form it (the
+        controller announces one as soon as it knows a member is gone, or ends the job)."""
+        while True:
+            msg = self._pending.popleft() if self._pending else self.link.recv()
+            if isinstance(msg, Regroup) and msg.generation > self.generation:
+                self.regroup(msg)
+                return
+            if not isinstance(msg, Regroup):
+                self._pending.append(msg)
+
     def next_message(self) -> Any:
         return self._pending.popleft() if self._pending else self.link.recv()
 
     def start(self) -> None:
-        """Build, calibrate and tell the controller this rank is ready."""
+        """Build, meet the cohort (same weights, one nominal step) and tell the controller this
+        rank is ready. A rank lost meanwhile is survived: the controller announces the smaller
+        membership, the survivors re-form their group and meet again."""
         self.build()
-        step_ms = self.calibrate()
+        chaos.point("start", self.rank)
+        while True:
+            if not self._doomed():
+                step_ms = self._meet()
+                if step_ms is not None and not self._doomed():
+                    break
+            self._next_regroup()
         self.link.send(
             Ready(
                 rank=self.rank,
@@ -201,6 +354,7 @@ class Worker:
                 step_ms=step_ms,
                 device=str(self.device),
                 n_samples=len(self.source),
+                batch_size=self.batch_size,
             )
         )
 
@@ -238,7 +392,9 @@ class Worker:
                 else {name: write_shard(stem, tag, name, p) for name, p in payloads.items()}
             )
         except Exception as exc:
-            self.link.send(RankState(self.rank, window, tag, {}, error=str(exc)))
+            from flodl.failures import describe
+
+            self.link.send(RankState(self.rank, window, tag, {}, error=describe(exc)))
             return
         self.link.send(RankState(self.rank, window, tag, shards))
 
@@ -250,6 +406,7 @@ class Worker:
             "rng": torch.get_rng_state(),
             "cuda_rng": None,
             "extra": self.extra_state(),
+            "scaler": self.runner.state_dict(),  # 16-mixed: the GradScaler's state
         }
         if self.device.type == "cuda":
             payload["cuda_rng"] = torch.cuda.get_rng_state(self.device)
@@ -291,6 +448,7 @@ class Worker:
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self._rescale_lr(msg.lr_factor)
+        self.runner.load_state_dict(state.get("scaler"))
         torch.set_rng_state(state["rng"])
         if self.device.type == "cuda" and state.get("cuda_rng") is not None:
             torch.cuda.set_rng_state(state["cuda_rng"], self.device)
@@ -310,7 +468,7 @@ class Worker:
             self.scheduler.base_lrs = [lr * factor for lr in self.scheduler.base_lrs]
 
     def _start_epoch(self, epoch: int) -> None:
-        if self._epoch >= 0 and self.scheduler is not None:
+        if self._epoch >= 0 and self.scheduler is not None and not self.per_step:
             self.scheduler.step()
         self._epoch = epoch
 
@@ -322,8 +480,12 @@ class Worker:
         if self.is_void(window):
             return
         tally = self.begin_window(window)
-        for batch in self.source.batches(window.epoch, window.chunks):
-            tally.add(self.pacer.run(partial(self.train_batch, batch)))
+        batches = self.source.batches(window.epoch, window.chunks)
+        for batch, last in _with_last(batches):
+            tally.add(self.pacer.run(partial(self.train_batch, batch, last)))
+            self.tick(batch)
+            if tally.batches == 1:
+                chaos.point("window", self.rank)
         self.end_window(window, tally)
 
     def begin_window(self, window: Window) -> WindowTally:
@@ -334,6 +496,8 @@ class Worker:
             elapsed = (time.perf_counter() - self._sync_started) * 1000.0
             self._last_sync_ms = max(0.0, elapsed - self._eval_ms)
         self._eval_ms = 0.0
+        own = sum(size for _, size in window.chunks)
+        self._clock, self._own_done = (window.progress, window.window_samples, own), 0
         return WindowTally(time.perf_counter())
 
     def end_window(self, window: Window, tally: WindowTally) -> None:
@@ -360,31 +524,44 @@ class Worker:
                 snapshot=snapshot,
             )
         )
-        self.average(window)
+        chaos.point("report", self.rank)
+        if self.average(window) and window.settle:
+            self.link.send(Settled(self.rank, window.index))
         if window.checkpoint_after:
+            chaos.point("checkpoint", self.rank)
             self.save_shards(window.index, window.save_tag, window.write_weights)
         if window.eval_after:
             self.evaluate(window.epoch)
 
-    def train_batch(self, batch: list[torch.Tensor]) -> float:
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = self.spec.train_step(self.model, batch)
-        if not torch.isfinite(loss.detach()).all():
-            return self._skip_nonfinite(loss)
-        loss.backward()
-        if self.cfg.max_grad_norm is not None:
-            nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
-        self.optimizer.step()
-        return float(loss.detach())
+    def train_batch(self, batch: list[torch.Tensor], last: bool = False) -> float:
+        """One micro-batch: forward in the run's precision, backward, and the optimizer step once
+        ``accumulate_grad_batches`` micro-batches are in (or ``last``: the window ends)."""
+        with self.runner.autocast():
+            loss = self.spec.train_step(self.train_model, batch)
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            value = self._skip_nonfinite(f"non-finite loss ({value})")
+        else:
+            self.runner.backward(loss)
+        if self.runner.due or last:
+            self.optimizer_step()
+        return value
 
-    def _skip_nonfinite(self, loss: torch.Tensor) -> float:
-        """NaN/inf loss: skip the step (no backward, no update) with a warning, up to a limit."""
+    def optimizer_step(self) -> None:
+        """Step over the pending micro-batches; a GradScaler skip counts as a non-finite step."""
+        if not self.runner.step(self.model, self.optimizer):
+            self._skip_nonfinite(
+                "non-finite gradients (16-mixed: the GradScaler lowered its scale)"
+            )
+
+    def _skip_nonfinite(self, what: str) -> float:
+        """NaN/inf: skip the step (no backward, no update) with a warning, up to a limit."""
         self._nonfinite += 1
         limit = self.cfg.max_nonfinite
         log.warning(
-            "rank %d: non-finite loss (%s) in epoch %d; step skipped (%d of %d allowed)",
+            "rank %d: %s in epoch %d; step skipped (%d of %d allowed)",
             self.rank,
-            float(loss.detach()),
+            what,
             self._epoch,
             self._nonfinite,
             limit,
@@ -398,22 +575,26 @@ class Worker:
         return math.nan
 
     # -- averaging -----------------------------------------------------------------------------
-    def average(self, window: Window) -> None:
+    def average(self, window: Window) -> bool:
+        """Average after ``window``; False when a collective averaging of it failed (the work
+        of a rank lost in it never reached this rank's weights)."""
         if self.world == 1 or self.mode is Mode.SOLO:
-            return
+            return True
+        chaos.point("average", self.rank)
         if not self.mode.via_controller:
             # The guard reads divergence; lock-step sync modes never consult it. Without an
             # outer step it is measured inside the average (no copy of the weights kept).
             guard = not self.mode.is_sync
             before = self.state.flatten() if guard and self.outer is not None else None
             if not self._averaged(window.weight, window.buffer_weight, measure=guard):
+                self._unaveraged = window.index  # the lost rank's work there never arrived
                 self._await_regroup()
-                return
+                return False
             if self.outer is not None:
                 self.state.load(self.outer.step(self.state.flatten()))
             if before is not None:
                 self._last_divergence = self.state.divergence(before, self.state.current())
-            return
+            return True
         self._outstanding.append(window.index)
         limit = window.max_overshoot if self.mode is Mode.CPU_ASYNC else 0
         while len(self._outstanding) > limit:
@@ -424,6 +605,7 @@ class Worker:
                 self.regroup(msg)
             else:  # a plan or stop that arrived ahead of the average: keep it for the loop
                 self._pending.append(msg)
+        return True
 
     # -- membership ------------------------------------------------------------------------------
     def _averaged(self, weight: float, buffer_weight: float, measure: bool = False) -> bool:
@@ -470,15 +652,24 @@ class Worker:
         """Survivors: rebuild the process group, agree on one set of weights, go on."""
         if msg.generation <= self.generation:
             return
+        chaos.point("regroup", self.rank)
         self.generation = msg.generation
         self._void_after = msg.last_window
         self._outstanding = [w for w in self._outstanding if w <= msg.last_window]
         self.world = len(msg.members)
         if self.regroup_fn is not None:
-            self.regroup_fn(msg.members, msg.generation)
-        self.distributed = self.world > 1
-        if self._doomed():
-            return  # lost another rank meanwhile: the newer Regroup is queued, form that one
+            try:
+                self.regroup_fn(msg.members, msg.generation, self._doomed)
+            except groups.Abandoned:
+                log.warning(
+                    "rank %d: gave up forming generation %d (a newer membership was announced)",
+                    self.rank,
+                    msg.generation,
+                )
+        self.distributed = self.world > 1 and dist.is_initialized()
+        if self._doomed():  # lost another rank meanwhile: form the newer membership now, before
+            self._await_regroup()  # any window of this plan runs a collective on no group
+            return
         if self.distributed and not self.mode.via_controller:
             share = msg.weights[self.rank]
             if not self._averaged(share, share):  # a survivor died while regrouping
@@ -486,7 +677,8 @@ class Worker:
                 return
         if self.outer is not None:
             self.outer.reset(self.state.flatten())
-        self.link.send(Regrouped(self.rank, msg.generation))
+        self.link.send(Regrouped(self.rank, msg.generation, self._unaveraged))
+        self._unaveraged = -1
 
     def _apply_average(self, msg: Average) -> None:
         if msg.window in self._outstanding:
@@ -502,6 +694,7 @@ class Worker:
     @torch.no_grad()
     def evaluate(self, epoch: int) -> None:
         assert self.eval_source is not None and self.spec.eval_fn is not None
+        chaos.point("eval", self.rank)
         t0 = time.perf_counter()
         self.model.eval()
         total, count = 0.0, 0

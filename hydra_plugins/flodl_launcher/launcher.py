@@ -17,6 +17,7 @@ from hydra_plugins.flodl_launcher import config as _config  # noqa: F401
 class FlodlLauncher(Launcher):
     def __init__(self, report: bool = True) -> None:
         self.report = report
+        self.rows: dict[int, dict[str, Any]] = {}  # every job's row, over all of a sweep's batches
         self.config: DictConfig | None = None
         self.hydra_context: HydraContext | None = None
         self.task_function: TaskFunction | None = None

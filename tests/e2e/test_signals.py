@@ -113,3 +113,43 @@ def test_resume_from_a_graceful_mid_epoch_bundle_covers_the_rest(tmp_path):
     assert summary["status"] == "ok" and summary["coverage_exact"] is True
     left = sum(size for _, size in meta.coverage["uncovered"])
     assert summary["samples_seen"] == left + 1437  # the rest of the saved epoch, then one more
+
+
+def _ignore_sigint() -> None:  # what a shell does for `python run.py &` in a script
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize(
+    ("sig", "code", "ignored"),
+    [(signal.SIGINT, 130, True), (signal.SIGHUP, 129, False)],
+    ids=["sigint-inherited-ignored", "sighup"],
+)
+def test_background_sigint_and_sighup_stop_gracefully(tmp_path, sig, code, ignored):
+    """In-process (no rank process: the launcher's handling is what is tested), with a bundle."""
+    stem = tmp_path / "ckpt" / "run"
+    args = [
+        *(a for a in LONG if not a.startswith(("cluster.", "trainer.batch_size"))),
+        "cluster=auto",
+        "elche=solo",
+        "trainer.device=cpu",
+        "trainer.batch_size=128",
+        "model.hidden=16",
+        f"trainer.save_path={stem}",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "run.py", *args, f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=_ignore_sigint if ignored else None,
+    )
+    wait_for_epoch(proc)
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == code, out[-3000:]
+    _, meta = load_bundle(str(stem))
+    assert meta.save_reason == "interrupted" and 2 <= meta.epoch < 200
+    assert f"error: interrupted (exit {code})" in out
+    summary = json.loads((tmp_path / "sweep" / "0" / "summary.json").read_text())
+    assert summary["status"] == "interrupted"

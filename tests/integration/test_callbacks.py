@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from functools import partial
 
 import pytest
@@ -72,3 +73,30 @@ def test_nesterov_outer_trains_and_changes_the_trajectory(tmp_path, mode):
         for k in plain_state.params
     )
     assert diff > 1e-3
+
+
+def test_a_callback_slower_than_the_heartbeat_timeout_drops_no_rank(tmp_path):
+    """metrics_fn runs on the controller's thread; a 2.5 s one with a 1 s heartbeat timeout used
+    to get both healthy ranks dropped as stale."""
+    seen: list[EpochMetrics] = []
+
+    def slow(m: EpochMetrics) -> None:
+        seen.append(m)
+        time.sleep(2.5)
+
+    handle = (
+        _builder(tmp_path)
+        .num_epochs(2)
+        .cluster(
+            ClusterConfig(
+                kind="cpu_rig", ranks=2, speeds=[1.0, 0.5], warmup_steps=3, heartbeat_timeout_s=1.0
+            )
+        )
+        .metrics_fn(slow)
+        .run()
+    )
+    handle.join(timeout=240)
+    result = handle.result
+    assert len(seen) == 2
+    assert result.summary.lost_ranks == [] and result.summary.world_size == 2
+    assert result.coverage_exact

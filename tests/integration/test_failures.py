@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -17,7 +19,10 @@ def exploding_factory(device):
     import os
 
     if os.environ.get("FLODL_RANK") == "1":
-        raise ValueError("boom: cannot build on this rank")
+        try:  # what Hydra's instantiate does: wrap the user's error with a cut message
+            raise FileNotFoundError("pretrained/backbone.pt: no such file")
+        except FileNotFoundError as exc:
+            raise RuntimeError("Error in call to target 'recipes.models.MLP':") from exc
     return MLP(SHAPE, CLASSES, hidden=32).to(device)
 
 
@@ -28,11 +33,20 @@ def uneven_factory(device):
     return MLP(SHAPE, CLASSES, hidden=hidden).to(device)
 
 
-def test_factory_error_is_reported_with_the_rank_message(tmp_path):
-    with pytest.raises(RunFailed, match=r"rank 1 failed: ValueError: boom: cannot build"):
+def test_factory_error_is_reported_with_its_root_cause_once(tmp_path, capfd):
+    """The innermost cause, once, in RunFailed, the console and summary.json; the traceback in
+    rank_1.log only; the rank that did not fail exits quietly (no 'control channel lost')."""
+    cause = "FileNotFoundError: pretrained/backbone.pt: no such file"
+    with pytest.raises(RunFailed, match=f"^rank 1 failed: {cause}$"):
         small_run(tmp_path, "nccl_cadence", model=exploding_factory)
-    summary = (tmp_path / "nccl_cadence" / "summary.json").read_text()
-    assert '"status": "failed"' in summary and "boom" in summary
+    job = tmp_path / "nccl_cadence"
+    summary = json.loads((job / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"] == f"rank 1 failed: {cause}"
+    console = capfd.readouterr()
+    assert "control channel lost" not in console.out + console.err
+    assert "ERROR" not in (job / "rank_0.log").read_text()
+    assert "Traceback" in (job / "rank_1.log").read_text()
+    assert "Error in call to target" in (job / "rank_1.log").read_text()
 
 
 def test_different_architectures_are_refused(tmp_path):

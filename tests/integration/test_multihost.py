@@ -292,3 +292,22 @@ def test_a_localhost_worker_starts_its_ranks_without_ssh(tmp_path, monkeypatch):
     assert seen == {"mark": "from-the-cluster-file", "cwd": str(ROOT)}
     log = (tmp_path / "nccl_cadence" / "rank_1.log").read_text()
     assert "model built on rank 1" in log
+
+
+def test_a_host_whose_two_ranks_die_at_once_is_survived(tmp_path, make_test_hosts, monkeypatch):
+    """The chaos hook through ssh: ranks 0 and 1 (both on host 0) are killed at the same moment,
+    after reporting; rank 2 on host 1 regroups alone and finishes (was: it waited
+    start_timeout_s to regroup with a dead member, then failed)."""
+    hosts = make_test_hosts(2)
+    cluster = cluster_for(hosts, ranks=(2, 1), speeds=[[1.0, 0.7], [0.5]], start_timeout_s=60.0)
+    monkeypatch.setenv("FLODL_CHAOS", "0:report:2,1:report:2")
+    t0 = time.monotonic()
+    handle = run_on_hosts(tmp_path, cluster, "nccl_cadence", epochs=2)
+    handle.join(timeout=300)
+    result = handle.result
+    assert result.summary.status == "ok"
+    assert sorted(result.summary.lost_ranks) == [0, 1]
+    assert result.coverage_exact and result.summary.samples_seen == 2 * 2048
+    assert result.epochs[-1].per_rank_batch_share == [0.0, 0.0, 1.0]
+    assert result.state is not None
+    assert time.monotonic() - t0 < 60.0

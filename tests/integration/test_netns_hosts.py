@@ -48,8 +48,10 @@ def python(code: str, *args: str) -> str:
     return shlex.join([PY, "-c", code, *args])
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
-def test_unavailable_reason_is_none_here() -> None:
+@pytest.mark.skipif(not os.environ.get("CI"), reason="CI installs sshd and iproute2 (.ci/run)")
+def test_ci_can_make_test_hosts() -> None:
+    """In CI the multi-host tests must run, not skip: .ci/run installs what they need. Elsewhere
+    (a fresh machine without sshd, root or not) they skip with their reason instead."""
     assert unavailable_reason() is None
 
 

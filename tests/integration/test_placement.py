@@ -109,16 +109,30 @@ def test_torchrun_places_a_python_api_script(tmp_path, mode="cpu_cadence"):
     assert summary["samples_seen"] == 2 * 1024
 
 
-def test_srun_style_placement_trains(tmp_path):
-    """What ``srun --ntasks 2 python run.py`` gives each task: SLURM_PROCID / SLURM_NTASKS /
-    SLURM_LOCALID, plus the MASTER_ADDR / MASTER_PORT the batch script exports."""
+def _free_port_from_15000() -> int:
+    """A free port in 15000..24999: what a SLURM job id's last four digits map to."""
+    import random
     import socket
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    for port in random.sample(range(15000, 25000), 200):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no free port in 15000..24999")
+
+
+def test_srun_style_placement_trains(tmp_path):
+    """What ``srun --ntasks 2 python run.py`` gives each task (SLURM_PROCID / SLURM_NTASKS /
+    SLURM_LOCALID / SLURM_STEP_ID / SLURM_NODELIST / SLURM_JOB_ID) when the batch script exports
+    no MASTER_ADDR / MASTER_PORT: rank 0's host comes from the node list and the port from the
+    job id, as Lightning's SLURMEnvironment derives them; the two tasks train one model."""
+    port = _free_port_from_15000()
     out = tmp_path / "sweep"
-    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    unset = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    base = {k: v for k, v in os.environ.items() if k not in unset}
     procs = [
         subprocess.Popen(
             [sys.executable, str(ROOT / "run.py"), *QUICK, f"hydra.sweep.dir={out}"],
@@ -128,8 +142,10 @@ def test_srun_style_placement_trains(tmp_path):
                 "SLURM_PROCID": str(task),
                 "SLURM_NTASKS": "2",
                 "SLURM_LOCALID": str(task),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
+                "SLURM_NNODES": "1",
+                "SLURM_STEP_ID": "0",
+                "SLURM_NODELIST": "localhost",
+                "SLURM_JOB_ID": f"77{port - 15000:04d}",
             },
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -161,6 +177,30 @@ def test_srun_environment_is_read(monkeypatch):
     assert role is not None
     assert (role.launcher, role.rank, role.world_size, role.local_rank) == ("srun", 3, 4, 1)
     assert (role.master_addr, role.master_port, role.device) == ("node-a", 29500, "cpu")
+
+
+@pytest.mark.light
+def test_srun_without_master_addr_derives_it_or_fails_loudly():
+    from flodl.runtime.env import external_role
+
+    step = {"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "0"}
+    role = external_role(
+        {
+            **step,
+            "SLURM_NODELIST": "gpu[007-010],cpu1",
+            "SLURM_JOB_ID": "4321987",
+            "FLODL_DEVICE": "cpu",
+        }
+    )
+    assert role is not None and (role.launcher, role.rank, role.world_size) == ("srun", 1, 4)
+    assert (role.master_addr, role.master_port) == ("gpu007", 15000 + 1987)
+    with pytest.raises(RuntimeError, match="without MASTER_ADDR and without SLURM_NODELIST"):
+        external_role({**step, "SLURM_JOB_ID": "12"})
+    with pytest.raises(RuntimeError, match="bad range"):
+        external_role({**step, "SLURM_NODELIST": "n[3-x]", "SLURM_JOB_ID": "12"})
+    # a batch script itself (no step) or a one-task step is not a cohort
+    assert external_role({"SLURM_PROCID": "0", "SLURM_NTASKS": "4"}) is None
+    assert external_role({**step, "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}) is None
 
 
 def slurm_run_py(args: list[str], cwd: Path, out: Path) -> subprocess.CompletedProcess:

@@ -21,6 +21,7 @@ GROUPS = [
     "logger",
     "experiment",
     "scheduler",
+    "workload",
 ]
 
 
@@ -43,12 +44,33 @@ def test_option_composes_and_validates(group, option):
     overrides = [f"{group}={option}"]
     if group == "model" and option == "resnet":
         overrides += ["dataset=synthetic", "dataset.input_shape=[3,32,32]"]
+    if (group, option) in {("dataset", "shakespeare"), ("task", "language_model")}:
+        overrides += ["model=char_rnn"]  # text data has no input_shape for the default MLP
     cfg = _compose(overrides)
     run = validate_run_config(plain_config(cfg))
     if group == "elche":
         assert run.elche.mode is Mode(option)
     if group == "model" and option == "conv_ae":
         assert run.task.train_step.endswith("reconstruction_step")
+    if group == "experiment" and option == "ddp_bench":
+        assert run.cluster.speeds == [1.0, 0.4] and run.trainer.lr_scale_ratio == 0.0
+    if group == "model" and option in {"char_rnn", "gpt_nano"}:
+        assert run.task.train_step.endswith("language_model_step")
+        assert run.dataset.target == "recipes.text.shakespeare"
+
+
+def test_ddp_bench_sweeps_the_seven_workloads_and_every_mode():
+    cfg = _compose(["experiment=ddp_bench"], hydra=True)
+    params = cfg.hydra.sweeper.params
+    assert params.workload.split(",") == [p.stem for p in _bench_order()]
+    assert set(params.elche.split(",")) == {m.value for m in Mode}
+
+
+def _bench_order() -> list[Path]:
+    names = ["logistic", "mlp", "lenet", "conv_ae", "resnet", "char_rnn", "gpt_nano"]
+    paths = [CONF / "workload" / f"{n}.yaml" for n in names]
+    assert sorted(paths) == sorted((CONF / "workload").glob("*.yaml"))
+    return paths
 
 
 def test_default_job_matches_the_readme():
@@ -82,3 +104,10 @@ def test_plugin_import_is_light():
         cwd=CONF.parent,
     )
     assert out.stdout.split() == ["False", "False"]
+
+
+@pytest.mark.parametrize("cluster", [p.stem for p in sorted((CONF / "cluster").glob("*.yaml"))])
+def test_cluster_settings_the_readme_lists_override_without_plus(cluster):
+    """`cluster.heartbeat_timeout_s=5` works as written (no `+`) with every cluster option."""
+    cfg = _compose([f"cluster={cluster}", "cluster.heartbeat_timeout_s=5"])
+    assert validate_run_config(plain_config(cfg)).cluster.heartbeat_timeout_s == 5

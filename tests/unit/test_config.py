@@ -11,6 +11,8 @@ from flodl.config import (
     ElCheConfig,
     LoggerConfig,
     Mode,
+    SchedulerConfig,
+    TaskConfig,
     TrainerConfig,
     TrainerKnobs,
     validate_run_config,
@@ -20,9 +22,11 @@ from flodl.config import (
 # Changing the public surface must be a deliberate act: update this list and the README.
 SURFACE = {
     "TrainerKnobs": [
+        "accumulate_grad_batches",
         "batch_size",
         "callback_policy",
         "checkpoint_every",
+        "compile",
         "device",
         "eval_every",
         "lr_scale_ratio",
@@ -30,6 +34,7 @@ SURFACE = {
         "max_grad_norm",
         "max_nonfinite",
         "num_epochs",
+        "precision",
         "resume_fallback",
         "resume_from",
         "save_path",
@@ -55,9 +60,11 @@ SURFACE = {
         "relax_up",
     ],
     "ClusterConfig": [
+        "batch_sizes",
         "controller",
         "heartbeat_timeout_s",
         "kind",
+        "memory_fraction",
         "pace_margin",
         "ranks",
         "slurm",
@@ -68,11 +75,25 @@ SURFACE = {
         "workers",
     ],
     "LoggerConfig": ["host", "keep_serving", "level", "progress", "serve", "tensorboard"],
+    "TaskConfig": [
+        "epoch_fn",
+        "eval_fn",
+        "eval_higher_is_better",
+        "eval_metric",
+        "eval_result_fn",
+        "metrics_fn",
+        "objective",
+        "objective_direction",
+        "train_step",
+    ],
+    "SchedulerConfig": ["interval", "target"],
 }
 
 
 @pytest.mark.parametrize(
-    "model", [TrainerKnobs, ElCheConfig, ClusterConfig, LoggerConfig], ids=lambda m: m.__name__
+    "model",
+    [TrainerKnobs, ElCheConfig, ClusterConfig, LoggerConfig, TaskConfig, SchedulerConfig],
+    ids=lambda m: m.__name__,
 )
 def test_config_surface_is_pinned(model):
     assert sorted(model.model_fields) == SURFACE[model.__name__]

@@ -8,7 +8,7 @@ import torch
 from flodl.config import CallbackPolicy, ElCheConfig, TrainerConfig
 from flodl.runtime.controller import Controller, RunFailed
 from flodl.runtime.dispatch import chunk_batches
-from flodl.runtime.messages import EvalResult, Final, Plan, Ready, Report, Stop
+from flodl.runtime.messages import EvalResult, Final, Plan, Ready, Report, Settled, Stop
 
 
 class FakeLink:
@@ -61,6 +61,8 @@ def drive(ctl, links, ms_per_batch=(1.0, 2.0), bs=10):
                                 lr=1e-3,
                             ),
                         )
+                        if w.settle:  # its averaging held (real ranks say so after it)
+                            ctl._handle(rank, Settled(rank, w.index))
                         if w.eval_after:
                             ctl._handle(rank, EvalResult(rank, w.epoch, 0.5, 1.0))
                 elif isinstance(msg, Stop):
@@ -212,3 +214,26 @@ def test_graceful_stop_mid_epoch_saves_the_uncovered_rest(tmp_path):
         for _, s in w.chunks
     )
     assert sum(size for _, size in meta.coverage["uncovered"]) == 1000 - covered
+
+
+def test_an_epoch_closes_only_once_its_last_averaging_held():
+    """Collective modes: the epoch's last window is reported before it is averaged; the epoch
+    closes when every rank has said its averaging held (Settled), not on the reports alone."""
+    ctl, links = make(epochs=1, has_eval=False)
+    held, seen = [], [0] * len(links)
+    while any(seen[r] < len(link.sent) for r, link in enumerate(links)):
+        for rank, link in enumerate(links):
+            while seen[rank] < len(link.sent):
+                msg = link.sent[seen[rank]]
+                seen[rank] += 1
+                for w in msg.windows if isinstance(msg, Plan) else ():
+                    b = chunk_batches(w.chunks, 10)
+                    samples = sum(s for _, s in w.chunks)
+                    report = Report(rank, w.index, w.epoch, w.chunks, b, samples, 1.0 * b, 1.0, b)
+                    ctl._handle(rank, report)
+                    held += [(rank, w.index)] if w.settle else []
+    assert len(held) == 2 and not ctl.closed_epochs  # all reported, nothing settled: open
+    ctl._handle(*held[0][:1], Settled(*held[0]))
+    assert not ctl.closed_epochs  # one rank's averaging is still unconfirmed
+    ctl._handle(*held[1][:1], Settled(*held[1]))
+    assert len(ctl.closed_epochs) == 1

@@ -307,9 +307,14 @@ def test_dataset_config_matches_its_factory(path: Path) -> None:
     assert isinstance(cfg, dict)
     factory = get_method(cfg.pop("_target_"))
     assert "split" not in cfg  # the runner passes it: once "train", once "test"
-    assert {"input_shape", "num_classes"} <= cfg.keys()  # model configs interpolate them
+    # model configs interpolate these: shapes for images, the vocabulary and window for text
+    text = factory.__module__ == "recipes.text"
+    assert ({"block_size", "vocab"} if text else {"input_shape", "num_classes"}) <= cfg.keys()
     params = inspect.signature(factory).parameters
     assert set(cfg) <= set(params), f"{path.name}: unknown knobs {set(cfg) - set(params)}"
+    if text:  # the offline corpus: build it for real (a prefix, to stay quick)
+        x, y = factory(split="test", **{**cfg, "max_chars": 20_000}).tensors
+        assert x.shape[1] == cfg["block_size"] and int(y.max()) < len(cfg["vocab"])
     if path.stem in {"mnist5k", "digits", "synthetic"}:  # offline: build it for real
         x, y = factory(split="test", **cfg).tensors
         assert list(x.shape[1:]) == cfg["input_shape"]

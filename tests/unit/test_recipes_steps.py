@@ -129,6 +129,8 @@ TASK_KEYS = {
     "metrics_fn",
     "eval_result_fn",
     "epoch_fn",
+    "objective",
+    "objective_direction",
 }
 
 

@@ -1,0 +1,282 @@
+"""The ddp-bench grid (flodl-facts §9): seven workloads x solo, the five modes and torch DDP.
+
+    .venv/bin/python -m bench.ddp_bench                         # the whole grid (hours here)
+    .venv/bin/python -m bench.ddp_bench --workloads char_rnn gpt_nano
+    .venv/bin/python -m bench.ddp_bench --quick                 # smoke: tiny data, few epochs
+
+Every flodl run trains exactly the config ``python run.py experiment=ddp_bench workload=W
+elche=M`` composes (conf/workload/W.yaml states W's epoch scaling; the rig is [1.0, 0.4], no LR
+scaling), through the same factories as ``run.py``, each in a fresh process. Variants:
+``solo-fast`` / ``solo-slow`` (one rank paced at 1.0 / 0.4), the five modes on the 2-rank rig,
+and ``ddp``: ``DistributedDataParallel`` over gloo on the same rig (equal shards of flodl's
+per-epoch permutation, flodl's deadline pacing, the same model, optimizer, scheduler, step and
+eval built from the same config). Validation is evaluated after every epoch; its arrival time
+since the end of calibration gives the val-loss-against-wall-time curves. ``--quick`` shrinks
+the data and epochs (``QUICK``) and writes ``ddp_bench_quick.json``: a proof that the grid runs
+end to end, not a measurement. ``python -m bench.render`` turns the JSON into bench/README.md
+tables and one PNG per language model (bench/results/ddp_bench_<workload>.png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from bench.common import (
+    MODES,
+    REPO,
+    RESULTS,
+    child_main,
+    exit_on_sigterm,
+    log,
+    machine,
+    run_isolated,
+    wait_quiet,
+    write_result,
+)
+
+WORKLOADS = ("logistic", "mlp", "lenet", "conv_ae", "resnet", "char_rnn", "gpt_nano")
+LANGUAGE_MODELS = ("char_rnn", "gpt_nano")
+VARIANTS = ("solo-fast", "solo-slow", "ddp", *MODES)
+RIG = (1.0, 0.4)
+_LM_QUICK = [
+    "trainer.num_epochs=3",
+    "trainer.batch_size=16",
+    "dataset.block_size=32",
+    "dataset.max_chars=11000",
+]
+# --quick: a few steps per workload (overrides on top of the workload's own config)
+QUICK: dict[str, list[str]] = {
+    "logistic": ["trainer.num_epochs=1"],
+    "mlp": ["trainer.num_epochs=1"],
+    "lenet": ["trainer.num_epochs=1"],
+    "conv_ae": ["trainer.num_epochs=1"],
+    "resnet": ["trainer.num_epochs=1", "dataset.n_train=256", "dataset.n_test=64"],
+    # batch 16 x block 32 (not 64 x 64): a step costs ~1/8, ~10 steps per rank and epoch
+    "char_rnn": _LM_QUICK,
+    "gpt_nano": _LM_QUICK,
+}
+
+
+# --- the config a variant trains ----------------------------------------------------------------
+
+
+def compose_config(workload: str, variant: str, extra: list[str]) -> dict[str, Any]:
+    """The resolved config of ``run.py experiment=ddp_bench workload=W elche=M`` + overrides."""
+    from hydra import compose, initialize_config_dir
+
+    from flodl.app import plain_config
+
+    mode = "solo" if variant.startswith("solo") or variant == "ddp" else variant
+    overrides = ["experiment=ddp_bench", f"workload={workload}", f"elche={mode}", *extra]
+    if variant == "solo-fast":
+        overrides += [f"cluster.speeds=[{RIG[0]}]", "cluster.ranks=1"]
+    elif variant == "solo-slow":
+        overrides += [f"cluster.speeds=[{RIG[1]}]", "cluster.ranks=1"]
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return plain_config(compose(config_name="config", overrides=overrides))
+
+
+# --- one flodl run ------------------------------------------------------------------------------
+
+
+def run_flodl_config(plain: dict[str, Any]) -> dict[str, Any]:
+    """Train one composed config with flodl; the summary plus the per-epoch val curve."""
+    import tempfile
+    from functools import partial
+
+    from bench.common import _probe_calibration
+    from flodl.app import build_dataset, build_model, build_optimizer, build_scheduler
+    from flodl.config import LoggerConfig, resolve_dotted, validate_run_config
+    from flodl.trainer import Trainer
+
+    run_cfg = validate_run_config(plain)
+    task = run_cfg.task
+    quiet = LoggerConfig(progress="off", tensorboard=False, level="WARNING")
+    config = run_cfg.trainer_config().with_(logger=quiet.model_dump())
+    calibrated: list[dict[str, Any]] = []
+    _probe_calibration(calibrated)
+    evals: list[tuple[float, int, float]] = []
+
+    def on_eval(epoch: int, value: float) -> None:
+        evals.append((time.perf_counter(), epoch, float(value)))
+
+    scheduler = run_cfg.scheduler
+    with tempfile.TemporaryDirectory(prefix="flodl-ddp-bench-") as tmp:
+        t0 = time.perf_counter()
+        handle = Trainer.run(
+            partial(build_model, run_cfg.model),
+            partial(build_optimizer, run_cfg.optimizer),
+            resolve_dotted(task.train_step),
+            config,
+            dataset=partial(build_dataset, run_cfg.dataset, "train"),
+            eval_dataset=partial(build_dataset, run_cfg.dataset, "test"),
+            eval_fn=resolve_dotted(task.eval_fn) if task.eval_fn else None,
+            eval_result_fn=on_eval,
+            scheduler_factory=partial(build_scheduler, scheduler) if scheduler else None,
+            scheduler_interval=scheduler.interval if scheduler else "epoch",
+            job_dir=tmp,
+            eval_metric=task.eval_metric,
+        )
+        handle.join()
+        total_s = time.perf_counter() - t0
+        s = handle.result.summary
+    start = calibrated[-1]["wall"] if calibrated else t0
+    train_s = s.samples_seen / s.samples_per_s if s.samples_per_s else None
+    return {
+        "status": s.status,
+        "final_loss": s.final_loss,
+        "eval": s.eval_value,
+        "total_s": total_s,
+        "train_s": train_s,
+        "syncs": s.syncs if s.world_size > 1 else 0,
+        "mean_sync_ms": s.mean_sync_ms,
+        "samples": s.samples_seen,
+        "samples_per_s": s.samples_per_s,
+        "idle_fraction": list(s.idle_fraction),
+        "per_rank_batch_share": list(s.per_rank_batch_share),
+        "curve": [[t - start, epoch, value] for t, epoch, value in evals],
+    }
+
+
+# --- one torch DDP run --------------------------------------------------------------------------
+
+
+def run_ddp_config(plain: dict[str, Any], speeds: list[float]) -> dict[str, Any]:
+    """The same composed config with ``DistributedDataParallel`` on the paced rig."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    import torch.multiprocessing as mp
+
+    from bench.ddp_worker import worker
+
+    with tempfile.TemporaryDirectory(prefix="flodl-ddp-bench-ddp-") as tmp:
+        out = Path(tmp) / "rank0.json"
+        t0 = time.perf_counter()
+        mp.spawn(
+            worker,
+            args=(plain, list(speeds), f"file://{Path(tmp) / 'rendezvous'}", str(out)),
+            nprocs=len(speeds),
+            join=True,
+        )
+        result = json.loads(out.read_text())
+    result["total_s"] = time.perf_counter() - t0
+    return result
+
+
+def run_one(payload: dict[str, Any]) -> dict[str, Any]:
+    """One measured run, in its own process (``--one``)."""
+    plain = compose_config(payload["workload"], payload["variant"], payload["extra"])
+    if payload["variant"] == "ddp":
+        return run_ddp_config(plain, list(RIG))
+    return run_flodl_config(plain)
+
+
+# --- the grid -----------------------------------------------------------------------------------
+
+
+def _describe(workload: str, extra: list[str]) -> dict[str, Any]:
+    """What a workload's runs train: epochs, samples and (LMs) characters per epoch."""
+    from flodl.app import build_dataset
+    from flodl.config import validate_run_config
+
+    run_cfg = validate_run_config(compose_config(workload, "solo-fast", extra))
+    train = build_dataset(run_cfg.dataset, "train")
+    info: dict[str, Any] = {
+        "model": run_cfg.model.target,
+        "dataset": run_cfg.dataset.target,
+        "optimizer": {"target": run_cfg.optimizer.target, **run_cfg.optimizer.kwargs()},
+        "scheduler": run_cfg.scheduler.model_dump(by_alias=True) if run_cfg.scheduler else None,
+        "epochs": run_cfg.trainer.num_epochs,
+        "batch_size": run_cfg.trainer.batch_size,
+        "train_samples": len(train),
+        "eval_metric": run_cfg.task.eval_metric,
+        "higher_is_better": run_cfg.task.eval_higher_is_better,
+        "pace_margin": run_cfg.cluster.pace_margin,
+    }
+    if hasattr(train, "block_size"):
+        info["block_size"] = train.block_size
+        info["tokens_per_epoch"] = len(train) * train.block_size
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if child_main(argv, run_one):
+        return 0
+    exit_on_sigterm()
+    parser = argparse.ArgumentParser(prog="python -m bench.ddp_bench", description=__doc__)
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--quick", action="store_true", help="smoke test: tiny data (QUICK)")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
+    parser.add_argument("--quiet-cores", type=float, default=0.6)
+    parser.add_argument("--max-wait", type=float, default=10.0)
+    parser.add_argument("--out", default=None, help="results stem (ddp_bench[_quick])")
+    parser.add_argument(
+        "--merge", action="store_true", help="keep the results file's other workloads' rows"
+    )
+    args = parser.parse_args(argv)
+    out = args.out or ("ddp_bench_quick" if args.quick else "ddp_bench")
+    info = machine()
+    started = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    workloads: dict[str, Any] = {}
+    merged_from: list[dict[str, Any]] = []
+    if args.merge and (RESULTS / f"{out}.json").exists():
+        old = json.loads((RESULTS / f"{out}.json").read_text())
+        rows = [r for r in old["rows"] if r["workload"] not in args.workloads]
+        workloads = {
+            w: d for w, d in old["settings"]["workloads"].items() if w not in args.workloads
+        }
+        # where the kept rows came from: every earlier command and its machine
+        merged_from = [
+            *old["settings"].get("merged_from", []),
+            {"command": old["command"], "machine": old["machine"], "workloads": list(workloads)},
+        ]
+    for workload in args.workloads:
+        extra = QUICK[workload] if args.quick else []
+        workloads[workload] = {**_describe(workload, extra), "overrides": extra}
+        for variant in args.variants:
+            quiet = wait_quiet(args.quiet_cores, args.max_wait)
+            payload = {"workload": workload, "variant": variant, "extra": extra}
+            res = run_isolated("bench.ddp_bench", payload, args.timeout)
+            rows.append({"workload": workload, "variant": variant, **quiet, **res})
+            if res.get("status") == "ok":
+                log(
+                    f"{workload:<9} {variant:<12} loss {res['final_loss']:.4f}  "
+                    f"eval {res['eval']:.4f}  total {res['total_s']:6.1f} s  "
+                    f"syncs {res['syncs']}"
+                )
+            else:
+                log(f"{workload:<9} {variant:<12} FAILED: {res.get('error')}")
+                log(str(res.get("log", ""))[-2000:])
+        info["load_average_end"] = list(os.getloadavg())
+        data = {
+            "benchmark": "ddp_bench",
+            "machine": info,
+            "settings": {
+                "rig": list(RIG),
+                "quick": args.quick,
+                "lr_scale_ratio": 0.0,
+                "workloads": workloads,
+                "variants": list(VARIANTS) if args.merge else args.variants,
+                "bench_wall_s": time.perf_counter() - started,
+                "merged_from": merged_from,
+            },
+            "command": "python -m bench.ddp_bench " + " ".join(argv),
+            "rows": rows,
+        }
+        path = write_result(out, data)  # after every workload: a cut-short run keeps its rows
+    log(f"wrote {path}")
+    return 0 if all(r.get("status") == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

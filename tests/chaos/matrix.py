@@ -1,0 +1,168 @@
+"""The chaos matrix: moments x modes x victims x checkpoints, each a real 3-rank run.
+
+    python -m tests.chaos.matrix                 # the full matrix (about 40 min on 2 cores)
+    python -m tests.chaos.matrix --modes nccl_cadence --victims 1 --moments report,eval
+
+Each cell runs ``tests/chaos/run_one.py`` in its own process with a hard timeout and is
+classified:
+
+* ``completed`` — the run finished with the survivors: status ok, coverage exact, every struck
+  victim among the lost ranks, the final weights returned (and, with checkpoints, the last
+  bundle loads);
+* ``stopped`` — it stopped with a message that says what failed; with one survivor left and
+  ``max_failure`` unset every loss is survivable, so this counts as a failure too;
+* ``not-reached`` — the victim never came to that moment (e.g. the eval moment of a rank that is
+  never elected), so nothing was tested;
+* ``hang`` — no outcome within the timeout: the defect this harness exists to find;
+* ``broken`` — anything else (an empty message, inexact coverage, no weights, a bundle that
+  does not load).
+
+Results go to ``tests/chaos/last_result.json``; README.md quotes the pass counts per moment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+from flodl.runtime.chaos import RANK_MOMENTS
+
+MODES = ("nccl_cadence", "cpu_async", "nccl_sync")
+VICTIMS = ("0", "1", "2", "1+2")
+NTH = {"window": 2, "report": 2, "average": 2}  # not the first: the cohort is formed by then
+RESULT = Path(__file__).with_name("last_result.json")
+
+
+def faults(victim: str, moment: str) -> str:
+    """The FLODL_CHAOS value for one cell. ``regroup`` needs a regroup: a first victim dies in
+    a window and the cell's victim during the regroup that follows."""
+    nth = NTH.get(moment, 1)
+    ranks = victim.split("+")
+    if moment == "regroup":
+        first = "2" if ranks != ["2"] else "1"
+        return ",".join([f"{first}:window:2"] + [f"{r}:regroup:1" for r in ranks if r != first])
+    return ",".join(f"{r}:{moment}:{nth}" for r in ranks)
+
+
+def struck(victim: str, moment: str) -> set[int]:
+    ranks = {int(r) for r in victim.split("+")}
+    if moment == "regroup":
+        ranks |= {2 if victim != "2" else 1}
+    return ranks
+
+
+def classify(out: dict | None, victims: set[int], ckpt: bool) -> str:
+    if out is None:
+        return "hang"
+    lost = set(out.get("lost_ranks", []))
+    message = out.get("summary_error") or out.get("error") or ""
+    if out.get("status") == "ok":
+        if not victims & lost:
+            return "not-reached"
+        good = out["coverage_exact"] and out["has_state"] and victims <= lost
+        if ckpt and not str(out.get("bundle", "")).startswith("epoch"):
+            good = False
+        return "completed" if good else "broken"
+    if out.get("status") in ("failed", "interrupted") and message.strip(": ").strip():
+        return "stopped"
+    return "broken"
+
+
+def run_cell(mode: str, victim: str, moment: str, ckpt: bool, timeout_s: float) -> dict:
+    with tempfile.TemporaryDirectory(prefix="flodl-chaos-") as tmp:
+        cmd = [
+            sys.executable,
+            "-m",
+            "tests.chaos.run_one",
+            "--mode",
+            mode,
+            "--faults",
+            faults(victim, moment),
+            "--job-dir",
+            str(Path(tmp) / "job"),
+            "--timeout",
+            str(timeout_s),
+        ]
+        if ckpt:
+            cmd += ["--ckpt", str(Path(tmp) / "ckpt")]
+        t0 = time.perf_counter()
+        out = None
+        try:
+            proc = subprocess.run(
+                cmd, capture_output=True, text=True, timeout=timeout_s, start_new_session=True
+            )
+            for line in proc.stdout.splitlines():
+                if line.startswith("CHAOS-RESULT "):
+                    out = json.loads(line.removeprefix("CHAOS-RESULT "))
+            tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
+        except subprocess.TimeoutExpired:
+            tail = ["timeout"]
+        finally:
+            _kill_leftovers(tmp)
+        verdict = classify(out, struck(victim, moment), ckpt)
+        return {
+            "mode": mode,
+            "victim": victim,
+            "moment": moment,
+            "checkpoints": ckpt,
+            "verdict": verdict,
+            "wall_s": round(time.perf_counter() - t0, 1),
+            "outcome": out,
+            "tail": tail if verdict in ("hang", "broken") else [],
+        }
+
+
+def _kill_leftovers(tmp: str) -> None:
+    """A hung cell leaves its ranks behind (their session was ours): end them."""
+    import psutil
+
+    for proc in psutil.process_iter(["cmdline"]):
+        if any(tmp in part for part in proc.info["cmdline"] or []):
+            proc.kill()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--victims", default=",".join(VICTIMS))
+    parser.add_argument("--moments", default=",".join(RANK_MOMENTS))
+    parser.add_argument("--checkpoints", choices=("off", "on", "both"), default="both")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds before 'hang'")
+    parser.add_argument("--out", default=str(RESULT))
+    args = parser.parse_args(argv)
+    ckpts = {"off": [False], "on": [True], "both": [False, True]}[args.checkpoints]
+    cells = []
+    grid = itertools.product(
+        args.modes.split(","), args.moments.split(","), args.victims.split(","), ckpts
+    )
+    for mode, moment, victim, ckpt in grid:
+        if moment == "checkpoint" and not ckpt:
+            continue  # no checkpoint, no checkpoint moment
+        cell = run_cell(mode, victim, moment, ckpt, args.timeout)
+        cells.append(cell)
+        flag = "ckpt" if ckpt else "    "
+        print(
+            f"{mode:13s} {moment:10s} victim {victim:4s} {flag} {cell['verdict']:12s} "
+            f"{cell['wall_s']:6.1f} s",
+            flush=True,
+        )
+    per_moment: dict[str, Counter] = defaultdict(Counter)
+    for cell in cells:
+        per_moment[cell["moment"]][cell["verdict"]] += 1
+    summary = {m: dict(c) for m, c in per_moment.items()}
+    Path(args.out).write_text(json.dumps({"summary": summary, "cells": cells}, indent=1) + "\n")
+    print(json.dumps(summary, indent=1))
+    # Two of three ranks lost is always survivable (max_failure unset): only completed passes.
+    bad = sum(c["verdict"] not in ("completed", "not-reached") for c in cells)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

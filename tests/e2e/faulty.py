@@ -1,0 +1,38 @@
+"""Components that fail the way users' components do, for the end-to-end failure tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import fsspec
+from fsspec.implementations.memory import MemoryFileSystem
+from torch import nn
+
+
+class PretrainedBackbone(nn.Module):
+    """A model whose constructor needs a file that is not there."""
+
+    def __init__(
+        self, input_shape: list[int], num_classes: int, hidden: int = 0, path: str = "pretrained"
+    ) -> None:
+        super().__init__()
+        raise FileNotFoundError(f"{path}/backbone.pt: no such file")
+
+
+def missing_dataset(split: str = "train", root: str = "pretrained", **_: Any) -> Any:
+    """A dataset factory that fails on the ranks (the launcher never builds datasets)."""
+    raise FileNotFoundError(f"{root}/backbone.pt: no such file")
+
+
+class FullDisk(MemoryFileSystem):
+    """``fulldisk://``: accepts the launcher's write probe, then refuses every bundle write."""
+
+    protocol = "fulldisk"
+
+    def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
+        if "w" in mode and ".write-probe-" not in path:
+            raise OSError(28, "No space left on device", path)
+        return super()._open(path, mode, **kwargs)
+
+
+fsspec.register_implementation("fulldisk", FullDisk, clobber=True)

@@ -1,0 +1,55 @@
+"""Nothing trained is lost: a save that fails mid-run stops the run cleanly, and the trained
+state still reaches model.pt in the job directory (the error says so)."""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+
+import pytest
+import torch
+
+import tests.e2e.faulty  # noqa: F401  (registers fulldisk://)
+from flodl import ClusterConfig, ElCheConfig, LoggerConfig, Trainer, TrainerConfig
+from flodl.runtime.controller import RunFailed
+from flodl.trainer import TrainedState
+from recipes.models import MLP
+from recipes.steps import classification_step
+
+from .helpers import CLASSES, SHAPE, data, model_factory, optim_factory
+
+
+@pytest.mark.light  # in-process: no rank process
+def test_a_failed_save_stops_cleanly_and_keeps_the_trained_state(tmp_path, capfd):
+    config = TrainerConfig(
+        num_epochs=4,
+        batch_size=64,
+        save_path="fulldisk://ckpt/run",
+        checkpoint_every=1,
+        elche=ElCheConfig(mode="solo"),
+        cluster=ClusterConfig(kind="auto"),
+        logger=LoggerConfig(progress="off", tensorboard=False),
+        device="cpu",
+    )
+    job = tmp_path / "job"
+    handle = (
+        Trainer.builder(model_factory, optim_factory, classification_step)
+        .config(config)
+        .dataset(partial(data, "train", 512))
+        .output_dir(job)
+        .run()
+    )
+    with pytest.raises(RunFailed, match="No space left on device"):
+        handle.join(timeout=120)
+    summary = json.loads((job / "summary.json").read_text())
+    assert summary["status"] == "failed"
+    assert "saving a checkpoint to fulldisk://ckpt/run failed: OSError" in summary["error"]
+    assert str(job / "model.pt") in summary["error"]
+    assert 1 <= summary["epochs"] < 4  # stopped at the first failed save, not at the end
+    trained = TrainedState.load(job / "model.pt").load_into(MLP(SHAPE, CLASSES, hidden=32))
+    torch.manual_seed(config.seed)
+    fresh = MLP(SHAPE, CLASSES, hidden=32)
+    assert any(
+        not torch.equal(a, b) for a, b in zip(trained.parameters(), fresh.parameters(), strict=True)
+    )  # what was trained, not the initial weights
+    assert f"flodl: outputs in {job}" in capfd.readouterr().err  # the API says where

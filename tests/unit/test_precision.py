@@ -1,0 +1,97 @@
+"""The step runner: accumulation arithmetic, the GradScaler's skip and state, bundle round trip."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flodl.precision import StepRunner
+from flodl.runtime.messages import RankState
+from flodl.runtime.snapshots import Checkpointer, ResumePoint
+from flodl.shards import load_shard
+
+CPU = torch.device("cpu")
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 1, bias=False)
+
+
+def _cpu_fp16() -> bool:
+    try:
+        torch.amp.GradScaler("cpu")
+        with torch.autocast("cpu", dtype=torch.float16):
+            torch.nn.Linear(2, 2)(torch.randn(1, 2))
+    except Exception:
+        return False
+    return True
+
+
+def test_accumulated_step_uses_the_mean_gradient_of_the_micro_batches():
+    x = torch.randn(8, 4)
+    whole, parts = _model(), _model()
+    opt_whole = torch.optim.SGD(whole.parameters(), lr=0.1)
+    opt_parts = torch.optim.SGD(parts.parameters(), lr=0.1)
+    whole(x).pow(2).mean().backward()
+    opt_whole.step()
+    runner = StepRunner("32", CPU, accumulate=4)
+    for chunk in x.split(2):
+        assert not runner.due
+        runner.backward(parts(chunk).pow(2).mean())
+    assert runner.due and runner.step(parts, opt_parts)
+    torch.testing.assert_close(parts.weight, whole.weight)
+    assert parts.weight.grad is None and runner.pending == 0  # nothing left pending
+
+
+def test_a_short_last_group_is_averaged_over_what_it_has():
+    x = torch.randn(4, 4)
+    whole, parts = _model(), _model()
+    opt_whole = torch.optim.SGD(whole.parameters(), lr=0.1)
+    opt_parts = torch.optim.SGD(parts.parameters(), lr=0.1)
+    whole(x).pow(2).mean().backward()
+    opt_whole.step()
+    runner = StepRunner("32", CPU, accumulate=8)
+    for chunk in x.split(2):  # 2 of 8: the window ended early
+        runner.backward(parts(chunk).pow(2).mean())
+    runner.step(parts, opt_parts)
+    torch.testing.assert_close(parts.weight, whole.weight)
+
+
+@pytest.mark.skipif(not _cpu_fp16(), reason="this torch has no fp16 autocast/GradScaler on CPU")
+def test_scaler_skips_a_non_finite_step_and_its_state_survives_a_bundle(tmp_path):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    runner = StepRunner("16-mixed", CPU)
+    before = model.weight.detach().clone()
+    runner.backward(model(torch.full((1, 4), float("inf"))).sum())
+    assert runner.step(model, opt) is False  # inf gradients: skipped, scale lowered
+    assert torch.equal(model.weight, before)
+    with runner.autocast():
+        loss = model(0.01 * torch.randn(2, 4)).float().mean()  # no fp16 overflow at 2**15
+    runner.backward(loss)
+    assert runner.step(model, opt) is True
+    assert not torch.equal(model.weight, before)
+    state = runner.state_dict()
+    assert state is not None and state["scale"] == 2.0**15  # 2**16 halved once
+
+    saver = Checkpointer(str(tmp_path / "b"), None, "hash", 1, signature="sig")
+    params = {"weight": model.weight.detach().clone()}
+    save = saver.open(-1, "final", 1, [0], writer=0)
+    mine = {"optimizer": opt.state_dict(), "scheduler": None, "rng": torch.get_rng_state()}
+    shards = {"rank0": {**mine, "scaler": state}, "model": {"params": params, "buffers": {}}}
+    done = saver.collect(RankState(0, -1, save.tag, shards))
+    assert done is not None
+    saver.commit(
+        done,
+        extra={},
+        epoch=1,
+        global_step=2,
+        sync_round=0,
+        elche_state=None,
+        coverage={"epoch": 1, "n_samples": 4, "uncovered": []},
+    )
+    restored = StepRunner("16-mixed", CPU)
+    restore = ResumePoint.load(str(tmp_path / "b")).restore_for(0)
+    restored.load_state_dict(load_shard(restore.state)["scaler"])
+    assert restored.scaler is not None and restored.scaler.get_scale() == 2.0**15

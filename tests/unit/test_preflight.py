@@ -1,0 +1,207 @@
+"""Launcher-side checks before any rank: factory arguments, dry build, topology-bound knobs."""
+
+from __future__ import annotations
+
+import copy
+import typing
+
+import pytest
+
+from flodl import preflight
+from flodl.config import ConfigError, TrainerConfig, validate_run_config
+
+BASE = {
+    "model": {"_target_": "recipes.models.MLP", "input_shape": [1, 8, 8], "num_classes": 10},
+    "optimizer": {"_target_": "torch.optim.Adam", "lr": 1e-3},
+    "dataset": {"_target_": "recipes.datasets.digits"},
+    "task": {"train_step": "recipes.steps.classification_step"},
+}
+
+
+def refusal(**sections) -> str:
+    data = copy.deepcopy(BASE)
+    for section, values in sections.items():
+        data[section] = {**data.get(section, {}), **values}
+    with pytest.raises(ConfigError) as info:
+        preflight.check_factories(validate_run_config(data))
+    return str(info.value)
+
+
+def test_a_good_config_passes_and_yields_the_architecture_signature():
+    first = preflight.check_factories(validate_run_config(BASE))
+    wider = copy.deepcopy(BASE)
+    wider["model"]["hidden"] = 64
+    assert first and first != preflight.check_factories(validate_run_config(wider))
+
+
+@pytest.mark.parametrize(
+    ("sections", "expected"),
+    [
+        ({"optimizer": {"lr": "abc"}}, "optimizer.lr=abc: torch.optim.Adam expects float"),
+        ({"model": {"hiden": 3}}, "model.hiden: unknown argument of recipes.models.MLP (did you "),
+        ({"model": {"hidden": "wide"}}, "model.hidden=wide: recipes.models.MLP expects int"),
+        ({"model": {"hidden": -1}}, "ValueError: MLP: hidden=-1: must be >= 1"),
+        ({"optimizer": {"betas": [0.9, 2.0]}}, "Invalid beta parameter at index 1: 2.0"),
+        ({"dataset": {"test_sise": 3}}, "dataset.test_sise: unknown argument"),
+        (
+            {"scheduler": {"_target_": "torch.optim.lr_scheduler.StepLR", "step_sze": 2}},
+            "scheduler.step_sze: unknown argument of torch.optim.lr_scheduler.StepLR (did you "
+            "mean scheduler.step_size?)",
+        ),
+        (
+            {"model": {"_target_": "tests.e2e.faulty.PretrainedBackbone"}},
+            "FileNotFoundError: pretrained/backbone.pt: no such file",
+        ),
+        ({"trainer": {"batch_size": 1500}}, "trainer.batch_size=1500: larger than the dataset"),
+    ],
+)
+def test_bad_factory_input_is_refused_naming_key_and_value(sections, expected):
+    assert expected in refusal(**sections)
+
+
+def test_the_dry_build_never_touches_cuda(monkeypatch):
+    import torch
+
+    def no_cuda(*args, **kwargs):
+        raise AssertionError("the launcher initialised CUDA")
+
+    monkeypatch.setattr(torch.cuda, "init", no_cuda)
+    monkeypatch.setattr(torch.cuda, "_lazy_init", no_cuda)
+    preflight.check_factories(validate_run_config(BASE))
+
+
+def test_topology_bound_knobs_are_checked(tmp_path):
+    (tmp_path / "a_file").write_text("x")
+    cases = {
+        "trainer.callback_policy.rank=2: this run has 2 rank(s)": TrainerConfig(
+            callback_policy={"kind": "rank", "rank": 2}
+        ),
+        f"trainer.save_path={tmp_path}/a_file/run: cannot write": TrainerConfig(
+            save_path=f"{tmp_path}/a_file/run"
+        ),
+        f"trainer.resume_from={tmp_path}/none: no checkpoint": TrainerConfig(
+            resume_from=f"{tmp_path}/none"
+        ),
+    }
+    for expected, config in cases.items():
+        with pytest.raises(
+            ConfigError, match="^" + expected.replace("(", r"\(").replace(")", r"\)")
+        ):
+            preflight.check_run(config, world_size=2)
+    probe_dir = tmp_path / "fresh" / "dir"
+    preflight.check_run(TrainerConfig(save_path=str(probe_dir / "run")), world_size=2)
+    assert probe_dir.is_dir() and not list(probe_dir.iterdir())  # created, probe removed
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        ({"save_path": ""}, "save_path=: empty"),
+        ({"resume_from": " "}, "resume_from= : empty"),
+        ({"cluster": {"controller": {"port": 65535}}}, "store listens on port+1"),
+    ],
+)
+def test_schema_refuses_empty_stems_and_a_port_without_room_for_the_store(data, expected):
+    from flodl.config import validate_trainer_config
+
+    with pytest.raises(ConfigError, match=expected.replace("+", r"\+")):
+        validate_trainer_config(data)
+
+
+def test_objective_follows_task_settings():
+    from flodl.app import objective, objective_maximized
+    from flodl.config import TaskConfig
+
+    row = {"status": "ok", "eval_value": 0.9, "final_loss": 0.3, "metrics": {"f1": 0.7}}
+    step = "recipes.steps.classification_step"
+    with_eval = TaskConfig(train_step=step, eval_fn="recipes.steps.accuracy")
+    assert objective(row, with_eval) == 0.9 and objective_maximized(with_eval)
+    no_eval = {**row, "eval_value": None}
+    assert objective(no_eval, TaskConfig(train_step=step)) == 0.3
+    assert not objective_maximized(TaskConfig(train_step=step))
+    loss = TaskConfig(train_step=step, eval_fn="recipes.steps.accuracy", objective="loss")
+    assert objective(row, loss) == 0.3 and not objective_maximized(loss)
+    nested = TaskConfig(train_step=step, objective="metrics.f1", objective_direction="maximize")
+    assert objective(row, nested) == 0.7 and objective_maximized(nested)
+    failed = objective({"status": "failed", "error": "x"}, with_eval)
+    assert failed != failed  # NaN: an optimizing sweeper records a failed trial
+
+
+def test_a_sweeper_direction_against_the_objective_is_warned(caplog):
+    from omegaconf import OmegaConf
+
+    from flodl.config import TaskConfig
+    from flodl.sweep import _check_direction
+
+    task = TaskConfig(
+        train_step="recipes.steps.classification_step", eval_fn="recipes.steps.accuracy"
+    )
+    for sweeper, warned in [
+        ({"direction": "minimize"}, True),
+        ({"direction": "maximize"}, False),
+        ({"optim": {"maximize": False}}, True),
+        ({"max_batch_size": None}, False),  # the basic sweeper does not optimize
+    ]:
+        caplog.clear()
+        _check_direction(OmegaConf.create({"hydra": {"sweeper": sweeper}}), task)
+        assert ("is better when larger" in caplog.text) is warned, sweeper
+
+
+def test_the_dry_build_stays_cheap_no_dynamo_import():
+    """torch.optim imports torch._dynamo on the first optimizer (seconds); the launcher's dry
+    build avoids it, and a real optimizer built afterwards still gets it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from flodl import preflight\n"
+        "from flodl.config import validate_run_config\n"
+        f"preflight.check_factories(validate_run_config({BASE!r}))\n"
+        "assert 'torch._dynamo' not in sys.modules, 'dry build imported torch._dynamo'\n"
+        "torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)\n"
+        "assert 'torch._dynamo' in sys.modules\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_failed_jobs_are_counted_from_summaries_under_any_launcher(tmp_path, monkeypatch):
+    """A launcher that runs jobs elsewhere (joblib, submitit) leaves only summary.json files:
+    the callback counts this sweep's failed ones, so the command exits 1."""
+    import json
+    import os
+    import time
+
+    from omegaconf import OmegaConf
+
+    from flodl import app
+    from flodl.sweep import FailedJobs
+
+    monkeypatch.setitem(app.STATE, "failed", 0)
+    old = tmp_path / "0" / "summary.json"
+    old.parent.mkdir()
+    old.write_text(json.dumps({"status": "failed"}))
+    os.utime(old, (time.time() - 3600, time.time() - 3600))  # an earlier sweep, same directory
+    callback = FailedJobs()
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}})
+    callback.on_multirun_start(config)
+    for job, status in [("1", "ok"), ("2", "failed"), ("3", "interrupted")]:
+        (tmp_path / job).mkdir()
+        (tmp_path / job / "summary.json").write_text(json.dumps({"status": status}))
+    callback.on_multirun_end(config)
+    assert app.STATE["failed"] == 2
+
+
+def test_hydra_nodes_bind_as_hydra_passes_them():
+    """`_args_` are positional arguments; `activation: {_target_: torch.nn.ReLU}` reaches the
+    constructor built, not as a dict."""
+    data = copy.deepcopy(BASE)
+    data["model"] = {
+        "_target_": "torch.nn.Sequential",
+        "_args_": [{"_target_": "torch.nn.Linear", "in_features": 64, "out_features": 10}],
+    }
+    preflight.bind("model", validate_run_config(data).model, positional=0)
+    data["model"] = {"_target_": "torch.nn.Linear", "_args_": [64, 10]}
+    preflight.check_factories(validate_run_config(data))  # positional `_args_` count as bound
+    preflight._check_type("model", "act", {"_target_": "torch.nn.ReLU"}, typing.Callable, "x")
