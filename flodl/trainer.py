@@ -115,7 +115,7 @@ class RunHandle:
                     self._done.wait(timeout=0.2 if left is None else min(0.2, left))
         except KeyboardInterrupt:
             self._job.request_stop()  # graceful: in-flight windows, a bundle, then teardown
-            self._done.wait(timeout=30)
+            self._wait_for_cleanup()
             if self._error is not None and not isinstance(self._error, KeyboardInterrupt):
                 log.error("while stopping: %s", self._error)
             raise
@@ -123,6 +123,26 @@ class RunHandle:
             raise self._error
         assert self._result is not None and self._result.state is not None
         return self._result.state
+
+    def _wait_for_cleanup(self, timeout_s: float = 60.0) -> None:
+        """After a stop signal: wait for the graceful stop (in-flight windows, the bundle,
+        summary.json, model.pt). A second signal does not cut the cleanup short (torchrun's
+        convention); a third aborts at once, without it."""
+        deadline = time.monotonic() + timeout_s
+        signals = 1
+        while not self._done.is_set() and time.monotonic() < deadline:
+            try:
+                with sigterm_as_interrupt():
+                    self._done.wait(timeout=0.2)
+            except KeyboardInterrupt:
+                signals += 1
+                if signals >= 3:
+                    log.error("third stop signal: aborting without waiting for the save")
+                    raise
+                log.warning(
+                    "stopping already: saving what is trained and ending every rank "
+                    "(one more stop signal aborts without saving)"
+                )
 
     @property
     def result(self) -> RunResult:

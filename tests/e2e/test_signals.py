@@ -82,6 +82,25 @@ def test_signal_saves_a_graceful_bundle_and_ends_every_rank(tmp_path, sig, code)
     assert summary["status"] == "interrupted"
 
 
+def test_a_second_sigint_does_not_cut_the_save_short(tmp_path):
+    """Ctrl-C twice, 50 ms apart (was: exit 130 with no bundle, no summary.json, no model.pt)."""
+    stem = tmp_path / "ckpt" / "run"
+    proc = start([*LONG, f"trainer.save_path={stem}"], tmp_path / "sweep")
+    wait_for_epoch(proc)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out[-3000:]
+    assert "stopping already" in out
+    _, meta = load_bundle(str(stem))
+    assert meta.save_reason == "interrupted"
+    job = tmp_path / "sweep" / "0"
+    assert json.loads((job / "summary.json").read_text())["status"] == "interrupted"
+    assert (job / "model.pt").stat().st_size > 0
+    assert (job / "elche_trace.jsonl").stat().st_size > 0
+
+
 def test_killed_launcher_takes_its_ranks_with_it(tmp_path):
     proc = start(LONG, tmp_path / "sweep")
     wait_for_epoch(proc)
