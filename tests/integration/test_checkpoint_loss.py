@@ -100,3 +100,28 @@ def test_post_loss_bundle_resumes_on_fewer_and_more_ranks(tmp_path):
         assert [m.epoch for m in result.epochs] == [2]  # the saved epochs are not trained again
         assert result.coverage_exact and result.summary.samples_seen == N_TRAIN
         assert all(torch.isfinite(v).all() for v in state.params.values())
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_rank_lost_while_writing_its_shard(tmp_path, monkeypatch, caplog, victim):
+    """Killed at its first checkpoint, before its shard is written (chaos point): rank 0 was
+    writing the weights, so that save is discarded; rank 1's save commits without its state.
+    Either way nothing waits, and the later saves and the final bundle work."""
+    monkeypatch.setenv("FLODL_CHAOS", f"{victim}:checkpoint")
+    stem = str(tmp_path / "ckpt" / "run")
+    with caplog.at_level("WARNING", logger="flodl.runtime.snapshots"):
+        handle, last_epoch = run(tmp_path, "chaos", 3, 3, save_path=stem, checkpoint_every=1)
+    tail_s = time.perf_counter() - last_epoch
+    result = handle.result
+    assert result.summary.status == "ok", result.summary.error
+    assert result.summary.lost_ranks == [victim] and result.coverage_exact
+    assert tail_s < 15.0, f"the run took {tail_s:.1f} s to end after its last epoch"
+    discarded = "which was writing the weights, was lost" in caplog.text
+    assert discarded == (victim == 0), caplog.text
+    payload, meta = load_bundle(stem)
+    assert (meta.save_reason, meta.epoch, meta.extra["ranks"]) == (
+        "final",
+        3,
+        [r for r in range(3) if r != victim],
+    )
+    assert all(torch.equal(payload["params"][k], v) for k, v in result.state.params.items())
