@@ -1,5 +1,9 @@
 """Checkpoint bundles: ``<stem>.pt`` + ``<stem>.meta.json`` on any fsspec filesystem, atomically.
 
+This module holds the meta (:class:`BundleMeta`), the single-file bundle (schema 1,
+:func:`save_bundle`) and :func:`load_bundle`, which also reads the sharded bundles (schema 2)
+that training runs write: each rank its own shard, the meta last (:mod:`flodl.shards`).
+
 A *stem* is a local path or any fsspec URL without extension (``ckpt/run1``, ``file:///x/run1``,
 ``memory://ck/run1``, ``s3://bucket/run1`` when s3fs is installed); a trailing ``.pt`` or
 ``.meta.json`` is tolerated and dropped. A bundle is two files:
@@ -52,6 +56,9 @@ from fsspec.implementations.local import LocalFileSystem
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
+#: Schema versions this flodl reads: 1 (one ``.pt``, :func:`save_bundle`), 2 (sharded bundles
+#: written by the runtime, :mod:`flodl.shards`).
+READABLE_SCHEMAS = (1, 2)
 
 #: A meta.json larger than this is not a meta.json (guards against reading a huge wrong file).
 MAX_META_BYTES = 64 << 20
@@ -92,6 +99,7 @@ class BundleMeta:
     pt_bytes: int = 0  # filled by save_bundle
     flodl_version: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    shards: dict[str, Any] = field(default_factory=dict)  # schema 2: name -> {file, bytes, sha256}
     source: str = field(default="", compare=False, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -110,9 +118,9 @@ class BundleMeta:
         version = d.get("schema_version")
         if not _is_int(version):
             raise CheckpointError(f"{where} has no integer schema_version (got {version!r})")
-        if version != SCHEMA_VERSION:
+        if version not in READABLE_SCHEMAS:
             raise CheckpointError(
-                f"{where} has schema_version {version}, this flodl reads {SCHEMA_VERSION}: "
+                f"{where} has schema_version {version}, this flodl reads 1 or 2: "
                 "resume with the flodl version that wrote it, or start fresh"
             )
         missing = [k for k in _REQUIRED if k not in d]
@@ -204,12 +212,14 @@ _FIELD_CHECKS: dict[str, Callable[[str, str, Any], Any]] = {
     "pt_bytes": _count,
     "flodl_version": _text,
     "extra": _obj,
+    "shards": _obj,
 }
 _SERIALISED = tuple(_FIELD_CHECKS)
 _REQUIRED = tuple(
     f.name
     for f in fields(BundleMeta)
-    if f.name in _FIELD_CHECKS and f.name not in {"pt_sha256", "pt_bytes", "flodl_version", "extra"}
+    if f.name in _FIELD_CHECKS
+    and f.name not in {"pt_sha256", "pt_bytes", "flodl_version", "extra", "shards"}
 )
 
 
@@ -639,13 +649,18 @@ def _load_candidate(
     return None, problems
 
 
-def load_bundle(stem: str, map_location: Any = "cpu") -> tuple[dict[str, Any], BundleMeta]:
+def load_bundle(
+    stem: str, map_location: Any = "cpu", *, fallback: bool = False
+) -> tuple[dict[str, Any], BundleMeta]:
     """Load the newest complete bundle at ``stem``: ``(payload, meta)``.
 
-    Verifies the ``.pt`` against the size and sha256 recorded in its meta, then loads it with
-    ``torch.load(weights_only=True)``. A damaged newest bundle falls back, with a warning, to
-    an older complete one when there is one (a ``.prev`` pair, or the pair an interrupted save
-    left); otherwise :class:`CheckpointError` names the file and the problem.
+    Verifies every file against the size and sha256 recorded in its meta, then loads it with
+    ``torch.load(weights_only=True)``. A sharded bundle (schema 2) is assembled into the same
+    payload shape (``params``, ``buffers``, ``optimizer``/``scheduler``/``rng``/``extra`` by
+    rank, ``outer``, ``controller``). A damaged newest bundle is an error that names the older
+    complete one (a ``.prev`` bundle, or the pair an interrupted save left) and both epochs;
+    ``fallback=True`` loads the older one instead, with a warning. With nothing complete,
+    :class:`CheckpointError` names the file and the problem.
     """
     stem = _normalize(stem)
     store = _Store(stem)
@@ -669,26 +684,57 @@ def load_bundle(stem: str, map_location: Any = "cpu") -> tuple[dict[str, Any], B
     metas.sort(key=_Candidate.key, reverse=True)
     blobs: dict[str, bytes] = {}
     hashes: dict[str, str] = {}
+    failed: list[_Candidate] = []
     for cand in metas:
-        loaded, trouble = _load_candidate(store, files, cand, blobs, hashes, map_location)
+        if cand.meta.shards:
+            loaded, trouble = _load_sharded(store, files, cand)
+        else:
+            loaded, trouble = _load_candidate(store, files, cand, blobs, hashes, map_location)
         if loaded is None:
-            problems.extend(trouble)
+            if not cand.group.startswith("tmp-"):  # an uncommitted save is no loss
+                problems.extend(trouble)
+                failed.append(cand)
             continue
         shown, payload = loaded
         if problems:
-            log.warning(
-                "%s; the last good bundle was %s (epoch %d, step %d), loading that",
-                "; ".join(problems),
-                shown,
-                cand.meta.epoch,
-                cand.meta.global_step,
-            )
+            _fall_back(problems, failed, shown, cand.meta, fallback)
         return payload, cand.meta
     raise CheckpointError(
         f"{problems[0]}; no complete bundle was found at {stem}: {_RESUME_HINT}"
         if problems
         else f"no complete checkpoint at {stem}: no .pt matches its meta.json; {_RESUME_HINT}"
     )
+
+
+def _fall_back(
+    problems: list[str], failed: list[_Candidate], shown: str, older: BundleMeta, fallback: bool
+) -> None:
+    """The newest bundle is damaged and an older one is complete: an error unless asked for."""
+    newest = f"epoch {failed[0].meta.epoch}" if failed else "unreadable"
+    text = (
+        f"{'; '.join(problems)}; the newest bundle ({newest}) is damaged, the last good one is "
+        f"{shown} (epoch {older.epoch}, step {older.global_step})"
+    )
+    if not fallback:
+        raise CheckpointError(
+            f"{text}: restore the newest from a backup, or resume from the older one on purpose "
+            "(trainer.resume_fallback=true)"
+        )
+    log.warning("%s; loading that (trainer.resume_fallback=true)", text)
+
+
+def _load_sharded(
+    store: _Store, files: dict[str, int], cand: _Candidate
+) -> tuple[tuple[str, dict[str, Any]] | None, list[str]]:
+    from flodl import shards
+
+    try:
+        problems = shards.shard_problems(store, cand.meta, files)
+        if problems:
+            return None, problems
+        return (store.shown(cand.name), shards.assemble(store.stem, cand.meta)), []
+    except CheckpointError as exc:
+        return None, [str(exc)]
 
 
 def bundle_exists(stem: str) -> bool:
@@ -700,7 +746,16 @@ def bundle_exists(stem: str) -> bool:
     except Exception:
         return False
     metas, _ = _read_metas(store, files)
-    return any(files.get(n) == c.meta.pt_bytes for c in metas for n in _pt_names(store, files, c))
+    return any(_present(store, files, c) for c in metas)
+
+
+def _present(store: _Store, files: dict[str, int], cand: _Candidate) -> bool:
+    if cand.meta.shards:
+        return all(
+            isinstance(s, dict) and files.get(s.get("file", "")) == s.get("bytes")
+            for s in cand.meta.shards.values()
+        )
+    return any(files.get(n) == cand.meta.pt_bytes for n in _pt_names(store, files, cand))
 
 
 # -- compatibility ---------------------------------------------------------------------------------

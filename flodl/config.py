@@ -460,9 +460,12 @@ class TrainerKnobs(_Schema):
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="in-process device")
     save_path: str | None = Field(
-        None, description="bundle stem (path or fsspec URL): <stem>.pt + <stem>.meta.json"
+        None, description="bundle stem (path or fsspec URL): <stem>.meta.json + shard files"
     )
     resume_from: str | None = Field(None, description="bundle stem to resume from")
+    resume_fallback: bool = Field(
+        False, description="resume from an older bundle when the newest is damaged (else: error)"
+    )
     checkpoint_every: int | None = Field(None, ge=1, description="save every N epochs")
 
     @field_validator("save_path", "resume_from", check_fields=False)

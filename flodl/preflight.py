@@ -285,14 +285,13 @@ def _resume(cfg: TrainerConfig, world_size: int, signature: str | None) -> Any:
     assert stem is not None
     key = f"trainer.resume_from={stem}"
     try:
-        point = ResumePoint.load(stem)
+        point = ResumePoint.load(stem, fallback=cfg.resume_fallback)
     except CheckpointError as exc:
         raise ConfigError(f"{key}: {exc}") from None
     meta = point.meta
-    if meta.world_size != world_size:
-        raise ConfigError(
-            f"{key}: saved by {meta.world_size} ranks, this run has {world_size}; resume with "
-            f"the same cluster size (cluster.ranks={meta.world_size}) or start fresh"
+    if meta.world_size != world_size:  # any world size resumes (README: Checkpoints)
+        logging.getLogger(__name__).info(
+            "%s: saved by %d ranks, resuming on %d", key, meta.world_size, world_size
         )
     if signature is not None and meta.signature and meta.signature != signature:
         raise ConfigError(

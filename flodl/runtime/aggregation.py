@@ -99,10 +99,13 @@ class Aggregation(Outbound):
         weights = averaging_weights([r.samples for r in reports], self.cfg.elche.gamma)
         bweights = buffer_weights(batches)
         n_params = self.ready[reports[0].rank].n_params
-        mean = weighted_mean([r.snapshot for r in reports], weights, bweights, n_params)
         alpha = self.cfg.elche.effective_easgd_alpha
+        # The snapshots are consumed: the first becomes the mean (memory: one round's snapshots)
+        mean = weighted_mean(
+            [r.snapshot for r in reports], weights, bweights, n_params, in_place=True
+        )
         if alpha is not None and self.center is not None:
-            self.center = (1 - alpha) * self.center + alpha * mean
+            self.center.mul_(1 - alpha).add_(mean, alpha=alpha)
         elif self.cfg.elche.outer is Outer.NESTEROV:
             if self.outer is None:
                 from flodl.runtime.outer import make_outer
@@ -111,8 +114,10 @@ class Aggregation(Outbound):
             self.center = self.outer.step(mean)
         else:
             self.center = mean
-        for report in reports:
-            self._send(report.rank, Average(track.index, self.center))
+        self._send_each([r.rank for r in reports], Average(track.index, self.center))
+        if alpha is None and self.cfg.elche.outer is not Outer.NESTEROV:
+            # A plain average is not state: holding it would overlap the next round's snapshots
+            self.center = None
 
     def _progress(self, epoch: EpochTrack) -> None:
         cursor = self.cursors.get(epoch.epoch)

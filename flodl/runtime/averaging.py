@@ -66,6 +66,11 @@ class FlatState:
             return torch.zeros(0)
         return torch.cat([t.to(torch.float32) for t in tensors])
 
+    def current(self) -> torch.Tensor:
+        """The state as one vector to read: the shared storage itself, else a copy."""
+        storage = self.shared()
+        return storage if storage is not None else self.flatten()
+
     @torch.no_grad()
     def load(self, flat: torch.Tensor) -> None:
         storage = self.shared()
@@ -91,11 +96,14 @@ def collective_average(
     buffer_weight: float,
     group: dist.ProcessGroup | None = None,
     doomed: Callable[[], bool] | None = None,
-) -> None:
+    measure: bool = False,
+) -> float | None:
     """Weighted all-reduce of the flat state: one collective whatever the model. The reduction
     runs on a scaled copy and lands only when it succeeded: a collective that fails half way
     (a peer died) leaves the rank's weights as they were, not scaled or partly summed. With
-    ``doomed``, a gloo collective is given up (:class:`groups.Abandoned`) once it says so."""
+    ``doomed``, a gloo collective is given up (:class:`groups.Abandoned`) once it says so.
+    ``measure``: return the divergence of the rank's weights from the average, taken before the
+    average lands (so no pre-average copy of the weights is needed for the guard)."""
     with torch.no_grad():
         scaled = state.flatten()
         scaled[: state.n_params] *= weight
@@ -106,7 +114,9 @@ def collective_average(
         )
     else:
         dist.all_reduce(scaled, op=dist.ReduceOp.SUM, group=group)
+    divergence = state.divergence(state.current(), scaled) if measure else None
     state.load(scaled)
+    return divergence
 
 
 def weighted_mean(
@@ -114,10 +124,20 @@ def weighted_mean(
     weights: Sequence[float],
     buffer_weights: Sequence[float],
     n_params: int,
+    in_place: bool = False,
 ) -> torch.Tensor:
-    """The controller's CPU average of rank snapshots (``cpu_*`` modes)."""
-    out = torch.zeros_like(flats[0], dtype=torch.float32)
-    for flat, w, bw in zip(flats, weights, buffer_weights, strict=True):
+    """The controller's CPU average of rank snapshots (``cpu_*`` modes). ``in_place``: the
+    snapshots are the caller's to consume, and the first becomes the average (no new vector:
+    the controller holds the snapshots of one round and nothing else)."""
+    if in_place and flats[0].dtype == torch.float32:
+        out = flats[0]
+        out[:n_params].mul_(weights[0])
+        out[n_params:].mul_(buffer_weights[0])
+        rest = zip(flats[1:], weights[1:], buffer_weights[1:], strict=True)
+    else:
+        out = torch.zeros_like(flats[0], dtype=torch.float32)
+        rest = zip(flats, weights, buffer_weights, strict=True)
+    for flat, w, bw in rest:
         if w:
             out[:n_params].add_(flat[:n_params], alpha=w)
         if bw:

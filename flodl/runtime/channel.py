@@ -3,8 +3,10 @@
 Handshake (HMAC-SHA256 challenge/response, both directions) happens before a single byte is
 unpickled: an unauthenticated peer can only ever make us read a bounded, fixed-size frame, and
 is dropped on the first wrong byte. After the handshake, frames carry pickled messages, bounded by
-``max_frame`` so a confused peer cannot make us allocate without limit. The secret travels to
-ranks on stdin, never on a command line.
+``max_frame`` so a confused peer cannot make us allocate without limit. A message holding tensors
+travels as its pickle without them, then their bytes, every part in frames under the bound
+(:mod:`flodl.runtime.streaming`): no message size limits the model. The secret travels to ranks
+on stdin, never on a command line.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ import struct
 import threading
 from typing import Any
 
-import cloudpickle
+from flodl.runtime import streaming
 
 _HEADER = struct.Struct("!4sQ")
 _MAGIC = b"FDL1"
+_STREAMED = b"FDL2"  # a message whose skeleton and tensors follow in frames
 _CHALLENGE_BYTES = 32
 _HANDSHAKE_FRAME = 256
 HANDSHAKE_TIMEOUT_S = 5.0
@@ -68,31 +71,83 @@ class Channel:
             got += k
         return bytes(buf)
 
-    def send_bytes(self, payload: bytes) -> None:
-        if len(payload) > self.max_frame:
-            raise FrameError(f"frame of {len(payload)} bytes exceeds the {self.max_frame} bound")
-        with self._send_lock:
-            self.sock.sendall(_HEADER.pack(_MAGIC, len(payload)) + payload)
+    def _recv_into(self, view: memoryview) -> None:
+        got = 0
+        while got < len(view):
+            k = self.sock.recv_into(view[got:], len(view) - got)
+            if k == 0:
+                raise ConnectionResetError("peer closed the control channel")
+            got += k
 
-    def recv_bytes(self, limit: int | None = None) -> bytes:
+    def _frame(self, magic: bytes, data: bytes | memoryview) -> None:
+        if len(data) > self.max_frame:
+            raise FrameError(f"frame of {len(data)} bytes exceeds the {self.max_frame} bound")
+        self.sock.sendall(_HEADER.pack(magic, len(data)))
+        self.sock.sendall(data)
+
+    def send_bytes(self, payload: bytes) -> None:
+        with self._send_lock:
+            self._frame(_MAGIC, payload)
+
+    def _header(self, bound: int) -> tuple[bytes, int]:
         magic, size = _HEADER.unpack(self._recv_exact(_HEADER.size))
-        if magic != _MAGIC:
+        if magic not in (_MAGIC, _STREAMED):
             raise FrameError("bad frame magic (not a flodl peer)")
-        bound = self.max_frame if limit is None else limit
         if size > bound:
             raise FrameError(f"frame of {size} bytes exceeds the {bound} bound")
+        return magic, size
+
+    def recv_bytes(self, limit: int | None = None) -> bytes:
+        magic, size = self._header(self.max_frame if limit is None else limit)
+        if magic != _MAGIC:
+            raise FrameError("unexpected streamed frame")
         return self._recv_exact(size)
 
+    def _recv_region(self, view: memoryview) -> None:
+        """Fill ``view`` from consecutive plain frames (a streamed part, at most the bound each)."""
+        pos = 0
+        while pos < len(view):
+            magic, size = self._header(min(self.max_frame, len(view) - pos))
+            if magic != _MAGIC or size == 0:
+                raise FrameError("a streamed message was interrupted by another frame")
+            self._recv_into(view[pos : pos + size])
+            pos += size
+
     # -- messages (only after authentication) -----------------------------------------------
-    def send(self, msg: Any) -> None:
-        self.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+    def send(self, msg: Any, code: bool = False) -> None:
+        """Send a message; its tensors (any size) travel out of band in bounded frames."""
+        skeleton, tensors = streaming.split(msg, code)
+        if not tensors and len(skeleton) <= self.max_frame:
+            self.send_bytes(skeleton)
+            return
+        head = pickle.dumps((len(skeleton), streaming.describe(tensors)))
+        size = min(streaming.CHUNK_BYTES, self.max_frame)
+        with self._send_lock:
+            self._frame(_STREAMED, head)
+            for part in streaming.chunks(memoryview(skeleton), size):
+                self._frame(_MAGIC, part)
+            for t in tensors:
+                for part in streaming.chunks(streaming.tensor_bytes(t), size):
+                    self._frame(_MAGIC, part)
 
     def send_code(self, obj: Any) -> None:
         """Send an object that may hold closures or ``__main__`` functions (cloudpickle)."""
-        self.send_bytes(cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+        self.send(obj, code=True)
 
     def recv(self) -> Any:
-        return pickle.loads(self.recv_bytes())
+        magic, size = self._header(self.max_frame)
+        if magic == _MAGIC:
+            return pickle.loads(self._recv_exact(size))
+        n_skeleton, descriptors = pickle.loads(self._recv_exact(size))
+        skeleton = bytearray(n_skeleton)
+        self._recv_region(memoryview(skeleton))
+        try:
+            tensors = streaming.allocate(descriptors)
+        except (TypeError, ValueError) as exc:
+            raise FrameError(f"bad streamed message: {exc}") from None
+        for t in tensors:
+            self._recv_region(streaming.tensor_bytes(t))
+        return streaming.join(bytes(skeleton), tensors)
 
     def close(self) -> None:
         if self._closed:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from flodl import shards
 from flodl.callbacks import EarlyStopping, Watch
 from flodl.config import TrainerConfig
 from flodl.elche import (
@@ -43,7 +44,7 @@ from flodl.runtime.messages import (
     Stop,
 )
 from flodl.runtime.planning import Planning
-from flodl.runtime.snapshots import Checkpointer, ResumePoint
+from flodl.runtime.snapshots import Checkpointer, PendingSave, ResumePoint, ShardWriteFailed
 from flodl.runtime.tracking import ControllerResult, EpochTrack, WindowTrack
 
 log = logging.getLogger(__name__)
@@ -134,8 +135,6 @@ class Controller(Planning, Aggregation):
         self.regrouping: dict[int, bool] = {}
         self._stop_sent = False
         self._stop_deadline = 0.0
-        self._checkpoints_open = 0
-        self._checkpoint_epochs: dict[int, int] = {}
         self._failure: tuple[float, str, int | None] | None = None
         self._told: dict[int, int] = {}  # the membership generation each rank was told
         self._recent: dict[int, WindowTrack] = {}  # completed windows, averaging in flight
@@ -145,13 +144,29 @@ class Controller(Planning, Aggregation):
         stopping, best = config.early_stopping, config.save_best
         self.early_stopping = EarlyStopping(stopping) if stopping is not None else None
         self.best = Watch(best, "trainer.save_best") if best is not None else None
-        self._best_states: dict[int, dict] = {}  # epoch -> rank states, until its verdict
         self._best_verdicts: dict[int, bool] = {}  # epoch -> improved?
+        self._committed_epoch: int | None = None  # epochs done in the bundle at save_path
         self.stopped_early: dict[str, Any] | None = None
         self._t_start = time.perf_counter()
         self._last_check = time.monotonic()
         self._t_train = 0.0
         self._t_end = 0.0
+        self._restore_controller_state()
+
+    def _restore_controller_state(self) -> None:
+        """cpu_* modes: the EASGD centre and the outer momentum the bundle holds."""
+        saved = self.resume.controller_state() if self.resume is not None else None
+        if not saved:
+            return
+        self.center = saved.get("center")
+        if saved.get("outer_previous") is not None:
+            from flodl.runtime.outer import make_outer
+
+            self.outer = make_outer(self.cfg.elche, int(saved["outer_previous"].numel()))
+            if self.outer is not None:
+                self.outer.previous = saved["outer_previous"].clone()
+                buffer = saved.get("outer_buffer")
+                self.outer.buffer = buffer.clone() if buffer is not None else None
 
     def _make_elche(self, speeds: list[float]) -> ElChe | None:
         if self.world < 2:
@@ -159,6 +174,14 @@ class Controller(Planning, Aggregation):
         hint = speeds if len(set(speeds)) > 1 else None
         saved = self.resume.meta.elche_state if self.resume is not None else None
         state = ElCheState.from_dict(saved) if saved else None
+        if state is not None and state.world_size != self.world:
+            log.warning(
+                "checkpoint %s: ElChe state of %d ranks, this run has %d: re-calibrating",
+                self.resume.stem if self.resume is not None else "",
+                state.world_size,
+                self.world,
+            )
+            state = None
         return ElChe(self.cfg.elche, self.world, speed_hint=hint, state=state)
 
     # -- wiring --------------------------------------------------------------------------------
@@ -202,7 +225,8 @@ class Controller(Planning, Aggregation):
             )
 
     def _finished(self) -> bool:
-        if self.final is None or self.windows or self._checkpoints_open or self.regrouping:
+        saving = self.checkpointer is not None and self.checkpointer.pending
+        if self.final is None or self.windows or saving or self.regrouping:
             return False
         return self.stop_reason is not None or not self._open()
 
@@ -319,6 +343,8 @@ class Controller(Planning, Aggregation):
         self._on_failure(rank, f"rank {rank} exited with code {msg.code}{detail}")
 
     def _on_failure(self, rank: int, message: str, immediate: bool = False) -> None:
+        if self._stop_sent and self._formed() and self._lose_while_stopping(rank, message):
+            return
         if not self._formed() or self._stop_sent:
             # A rank's own error before the cohort forms (the same on every rank, typically)
             # fails the job fast; a rank that just went away is a loss (see _deferred_failure_due).
@@ -336,6 +362,16 @@ class Controller(Planning, Aggregation):
         if self._failure is None:
             self._failure = (time.perf_counter() + grace_s, message, rank)
 
+    def _lose_while_stopping(self, rank: int, why: str) -> bool:
+        """A rank lost after Stop: fine unless it owed the final weights (True: handled)."""
+        if self.final is None and rank == self._head():
+            return False  # the final weights are gone with it: fail with its message
+        if not self.members.lose(rank):
+            return True
+        log.warning("lost rank %d while stopping (%s)", rank, why)
+        self._saves_after_loss(rank)
+        return True
+
     def _lose(self, rank: int, why: str) -> None:
         if not self.members.lose(rank):
             return
@@ -349,6 +385,7 @@ class Controller(Planning, Aggregation):
         self.regrouping = {r: False for r in members}  # no planning until survivors regroup
         self._lose_eval(rank, first_open)
         self._void_windows(rank, first_open)
+        self._saves_after_loss(rank)
         self._close_epochs()
         weights = {r: 1.0 / len(members) for r in members}
         for r in members:
@@ -377,6 +414,8 @@ class Controller(Planning, Aggregation):
         assert self.coverage is not None
         for index in sorted(self.windows):
             track = self.windows[index]
+            if self.checkpointer is not None and (index != first_open or track.chunks[dead]):
+                self.checkpointer.void(index)  # its epoch is not complete any more: re-planned
             for r in sorted(track.expected):
                 if r == dead or (index != first_open and r not in track.reports):
                     self._give_back(track, r)
@@ -466,37 +505,38 @@ class Controller(Planning, Aggregation):
         if self.stop_reason is None and not self.all_planned:
             return
         self._stop_sent = True
-        save = (
-            self.checkpointer is not None and self.checkpointer.enabled and self.save_error is None
-        )
-        if save:
-            self._checkpoints_open += 1
-        head = self._head()
+        head, tag = self._head(), ""
+        if self.checkpointer is not None and self.checkpointer.enabled and self.save_error is None:
+            reason = self.stop_reason or "final"
+            tag = self.checkpointer.open(-1, reason, None, self.alive, writer=head).tag
         for rank in self.alive:
-            stop = Stop(self.stop_reason or "done", send_state=rank == head, checkpoint=save)
+            stop = Stop(
+                self.stop_reason or "done",
+                send_state=rank == head,
+                checkpoint=bool(tag),
+                save_tag=tag,
+                write_weights=rank == head,
+            )
             self._send(rank, stop)
 
     # -- checkpoints -----------------------------------------------------------------------------
     def _on_rank_state(self, msg: RankState) -> None:
         assert self.checkpointer is not None
-        states = self.checkpointer.collect(msg, len(self.alive))
-        if states is None:
-            return
         try:
-            if msg.window >= 0:  # an epoch-boundary checkpoint: the epoch is complete
-                epoch = self._checkpoint_epochs.pop(msg.window)
-                if self.checkpointer.due(epoch, self.cfg.num_epochs):
-                    self._write(states, "checkpoint", epoch + 1, [])
-                if self.best is not None:
-                    self._best_states[epoch] = states
-                    self._write_best(epoch)
-            else:  # the end of the run, or a stop: the lowest unfinished epoch is the resume point
-                epoch, uncovered = self._resume_point()
-                self._write(states, self.stop_reason or "final", epoch, uncovered)
+            save = self.checkpointer.collect(msg)
+            if save is not None:
+                self._commit(save)
         except Exception as exc:
             self._save_failed(exc, mid_run=msg.window >= 0)
-        finally:
-            self._checkpoints_open -= 1
+
+    def _saves_after_loss(self, rank: int) -> None:
+        if self.checkpointer is None:
+            return
+        try:
+            for save in self.checkpointer.lose(rank):
+                self._commit(save)
+        except Exception as exc:
+            self._save_failed(exc, mid_run=not self._stop_sent)
 
     def _save_failed(self, exc: Exception, mid_run: bool) -> None:
         """A bundle could not be written: never lose what was trained. Stop cleanly; the trained
@@ -504,7 +544,8 @@ class Controller(Planning, Aggregation):
         from flodl.failures import describe
 
         assert self.checkpointer is not None
-        self.save_error = f"saving a checkpoint to {self.checkpointer.stem} failed: {describe(exc)}"
+        detail = str(exc) if isinstance(exc, ShardWriteFailed) else describe(exc)
+        self.save_error = f"saving a checkpoint to {self.checkpointer.stem} failed: {detail}"
         log.error("%s; stopping", self.save_error)
         if mid_run and self.stop_reason is None:
             self.begin_stop("checkpoint save failed")
@@ -516,30 +557,61 @@ class Controller(Planning, Aggregation):
         return max(self.cursors, default=-1) + 1, []
 
     def _write_best(self, epoch: int) -> None:
-        """Once an evaluated epoch has both its states and its verdict: keep it if best."""
-        if epoch not in self._best_states or epoch not in self._best_verdicts:
+        """Once an evaluated epoch has both its verdict and its committed bundle: if it was the
+        best so far, copy that bundle to ``<save_path>_best``."""
+        if epoch not in self._best_verdicts:
             return
-        states = self._best_states.pop(epoch)
-        if self._best_verdicts.pop(epoch):
-            assert self.checkpointer is not None and self.checkpointer.stem is not None
-            self._write(states, "best", epoch + 1, [], stem=self.checkpointer.stem + "_best")
+        if self._committed_epoch is None or self._committed_epoch < epoch + 1:
+            return  # its bundle is still being written; _commit calls again
+        improved = self._best_verdicts.pop(epoch)
+        if not improved:
+            return
+        assert self.checkpointer is not None and self.checkpointer.stem is not None
+        if self._committed_epoch != epoch + 1:
+            log.warning("epoch %d was the best, but its bundle was replaced before", epoch + 1)
+            return
+        best = self.checkpointer.stem + "_best"
+        shards.copy_bundle(self.checkpointer.stem, best, "best")
+        log.info("kept the best bundle %s (epoch %d)", best, epoch + 1)
 
-    def _write(
-        self, states: dict, reason: str, epoch: int, uncovered: list, stem: str | None = None
-    ) -> None:
+    def _commit(self, save: PendingSave) -> None:
+        """Every expected shard is written: add the controller's own, then the meta."""
         assert self.checkpointer is not None and self.coverage is not None
         chaos.point("checkpoint_write")
-        self.checkpointer.write(
-            states,
-            reason,
-            stem=stem,
+        uncovered: list = []
+        if save.epoch is not None:  # an epoch-boundary checkpoint: the epoch is complete
+            epoch = save.epoch
+        else:  # the end of the run, or a stop: the lowest unfinished epoch is the resume point
+            epoch, uncovered = self._resume_point()
+        controller = self._controller_state()
+        if controller is not None:
+            assert self.checkpointer.stem is not None
+            save.written[shards.CONTROLLER] = shards.write_shard(
+                self.checkpointer.stem, save.tag, shards.CONTROLLER, controller
+            )
+        self.checkpointer.commit(
+            save,
+            extra={"lost_ranks": list(self.members.lost), "launch_world": self.world},
             epoch=epoch,
             global_step=self.global_step,
             sync_round=self.rounds_before + self.completed,
             elche_state=self.elche.state().to_dict() if self.elche is not None else None,
             coverage={"epoch": epoch, "n_samples": self.coverage.n_samples, "uncovered": uncovered},
-            extra={"lost_ranks": list(self.members.lost)},
         )
+        self._committed_epoch = epoch
+        if self.best is not None and save.epoch is not None:
+            self._write_best(epoch - 1)
+
+    def _controller_state(self) -> dict[str, Any] | None:
+        """cpu_* modes: what only the controller holds (EASGD centre, outer momentum)."""
+        if self.center is None and self.outer is None:
+            return None
+        outer = self.outer
+        return {
+            "center": self.center,
+            "outer_previous": outer.previous if outer is not None else None,
+            "outer_buffer": outer.buffer if outer is not None else None,
+        }
 
     # -- start -----------------------------------------------------------------------------------
     def _on_ready(self, msg: Ready) -> None:
@@ -593,9 +665,14 @@ class Controller(Planning, Aggregation):
             raise RunFailed(
                 f"checkpoint saw {saved_n} samples per epoch, the dataset has {n_samples}"
             )
+        saved_world = int(meta.extra.get("launch_world", meta.world_size))
+        factor = self._lr_factor(self.world) / self._lr_factor(saved_world)
         for rank in self.alive:
-            self._send(rank, self.resume.restore_for(rank))
+            self._send(rank, self.resume.restore_for(rank, lr_factor=factor))
         return meta.epoch, self.resume.uncovered()
+
+    def _lr_factor(self, world: int) -> float:
+        return 1.0 + (world - 1) * self.cfg.lr_scale_ratio
 
     # -- reports -----------------------------------------------------------------------------------
     def _on_report(self, report: Report) -> None:

@@ -69,6 +69,19 @@ class Outbound:
         except OSError as exc:  # the rank is going away; its exit is handled as a loss
             log.debug("send to rank %d failed: %s", rank, exc)
 
+    def _send_each(self, ranks: list[int], msg: Any) -> None:
+        """The same (bulk) message to several ranks at once: one thread per rank, so the
+        transfers overlap instead of queueing behind each other on one thread."""
+        if len(ranks) < 2:
+            for rank in ranks:
+                self._send(rank, msg)
+            return
+        senders = [threading.Thread(target=self._send, args=(r, msg)) for r in ranks]
+        for t in senders:
+            t.start()
+        for t in senders:
+            t.join()
+
 
 class _Posting:
     """Quacks like a queue; puts ``(rank, msg)`` into the controller's inbox."""

@@ -40,9 +40,10 @@ class Window:
     eval_after: bool = False  # evaluate after this window's average (the eval ranks only)
     eval_shard: tuple[int, int] = (0, 1)  # (shard, shards) of the eval set this rank evaluates
     max_overshoot: int = 0  # cpu_async: averages this rank may leave in flight
-    checkpoint_after: bool = False  # send RankState after this window's average
-    checkpoint_weights: bool = False  # ... with the consensus weights (one rank: the head)
+    checkpoint_after: bool = False  # write this rank's shard(s) after this window's average
     generation: int = 0  # membership generation it was planned for
+    save_tag: str = ""  # names the shard files of that checkpoint
+    write_weights: bool = False  # this rank also writes the consensus weights (one rank does)
     settle: bool = False  # the epoch's last window: acknowledge its averaging (Settled)
     progress: int = 0  # global progress clock: samples of the run dispatched before this window
     window_samples: int = 0  # samples of this window over all ranks
@@ -107,36 +108,35 @@ class EvalResult:
 @dataclass(frozen=True)
 class Stop:
     reason: str
-    send_state: bool = False  # send Final (rank 0 for the trained state)
-    checkpoint: bool = False  # every rank sends RankState first (graceful save)
+    send_state: bool = False  # send Final (the first survivor, for the trained state)
+    checkpoint: bool = False  # every rank writes its shard first (final or graceful save)
+    save_tag: str = ""
+    write_weights: bool = False
 
 
 @dataclass(frozen=True)
 class RankState:
-    """A rank's resumable state after an average: its optimizer, scheduler and RNG (and, from
-    the rank that is asked, the consensus parameters and buffers)."""
+    """A rank wrote its checkpoint shards (``rank<r>``: optimizer, scheduler, RNG, extra; and
+    ``model`` from the one rank asked for the consensus weights). Each value is the written
+    file's :class:`flodl.shards.ShardInfo`, or, for a store only the launcher can see
+    (``memory://``), the shard's payload itself, streamed for the controller to write."""
 
     rank: int
-    window: int
-    optimizer: dict[str, Any]
-    scheduler: dict[str, Any] | None
-    rng: Any
-    params: dict[str, Any] | None = None
-    buffers: dict[str, Any] | None = None
-    scaler: dict[str, Any] | None = None  # 16-mixed: the GradScaler's state
+    window: int  # the checkpoint's window (-1: the save at Stop)
+    tag: str
+    shards: dict[str, Any]
+    error: str = ""  # the write failed: what went wrong (the controller fails the save)
 
 
 @dataclass(frozen=True)
 class Restore:
-    """Sent before the first plan of a resumed run."""
+    """Sent before the first plan of a resumed run: where the rank finds its state (a shard
+    location it loads itself, or the shard's payload when the store is the launcher's own)."""
 
-    params: dict[str, Any]
-    buffers: dict[str, Any]
-    optimizer: dict[str, Any]
-    scheduler: dict[str, Any] | None
-    rng: Any
+    model: Any  # the consensus weights shard
+    state: Any  # the optimizer/scheduler/RNG shard this rank takes over
     epoch: int
-    scaler: dict[str, Any] | None = None
+    lr_factor: float = 1.0  # lr scaling of this world over the saving world's (lr_scale_ratio)
 
 
 @dataclass(frozen=True)

@@ -51,8 +51,6 @@ class Planning(Outbound):
     regrouping: dict[int, bool]
     overshoot: tuple[int, int, int]
     batch_sizes: list[int]  # per rank, from their Ready messages
-    _checkpoints_open: int
-    _checkpoint_epochs: dict[int, int]
     _settle_windows: dict[int, int]
 
     @property
@@ -169,7 +167,7 @@ class Planning(Outbound):
         index = self.next_window
         self.next_window += 1
         shards: dict[int, tuple[int, int]] = {}
-        checkpoint = False
+        save = None
         settle = False
         if cursor.done:
             track.all_planned = True
@@ -179,13 +177,14 @@ class Planning(Outbound):
                 self._settle_windows[index] = cursor.epoch
             shards = self._eval_shards(cursor.epoch)
             track.plan_eval(index, set(shards))
-            if self.checkpointer is not None:
-                checkpoint = self.checkpointer.due(cursor.epoch, self.cfg.num_epochs)
-                # save_best: every evaluated epoch's state is kept until its metrics decide.
-                checkpoint = checkpoint or (bool(shards) and self.cfg.save_best is not None)
-            if checkpoint:
-                self._checkpoint_epochs[index] = cursor.epoch
-                self._checkpoints_open += 1
+            # save_best: every evaluated epoch is saved too, so the best one can be kept.
+            best = bool(shards) and self.cfg.save_best is not None
+            if self.checkpointer is not None and (
+                self.checkpointer.due(cursor.epoch, self.cfg.num_epochs) or best
+            ):
+                save = self.checkpointer.open(
+                    index, "checkpoint", cursor.epoch + 1, self.alive, writer=self._head()
+                )
         self.windows[index] = WindowTrack(
             index, cursor.epoch, batches, list(chunks), set(self.alive)
         )
@@ -199,9 +198,10 @@ class Planning(Outbound):
                 eval_after=r in shards,
                 eval_shard=shards.get(r, (0, 1)),
                 max_overshoot=self.overshoot[0],
-                checkpoint_after=checkpoint,
-                checkpoint_weights=checkpoint and r == self._head(),
+                checkpoint_after=save is not None,
                 generation=self.members.generation,
+                save_tag=save.tag if save is not None else "",
+                write_weights=save is not None and r == save.writer,
                 settle=settle,
                 progress=progress,
                 window_samples=remaining - cursor.remaining_samples,

@@ -1,8 +1,14 @@
-"""The controller's side of checkpoints: collect every rank's state, write one bundle; resume.
+"""The controller's side of checkpoints: open a save, collect what the ranks wrote, commit the
+meta last; and resume, on any world size.
 
-A bundle holds the consensus parameters and buffers (identical on every rank right after an
-average), each rank's optimizer, scheduler and RNG state, and the metadata a resumed run needs:
-the epoch, the steps and rounds so far, ElChe's calibration and the epoch's uncovered ranges.
+Ranks write their own shards (:mod:`flodl.shards`): the launcher sees only their names, sizes
+and hashes, except on a store only it can reach (``memory://``), where ranks stream the shard
+payloads to it in bounded frames and it writes them one at a time. A save is *pending* from the
+moment it is planned until every expected rank reported; a rank lost meanwhile is dropped from
+it (the bundle then lacks that rank's optimizer state, recorded in ``extra.missing_ranks``),
+unless it was the one writing the weights: then the save is discarded and the next one (the
+next ``checkpoint_every`` epoch, or the save at the end) goes ahead as usual. Nothing waits on
+a lost rank.
 """
 
 from __future__ import annotations
@@ -12,22 +18,46 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from flodl.checkpoint import SCHEMA_VERSION, BundleMeta, load_bundle, save_bundle
+from flodl import shards
+from flodl.checkpoint import BundleMeta, CheckpointError, load_bundle
 from flodl.runtime.messages import RankState, Restore
 
 log = logging.getLogger(__name__)
 
 
+class ShardWriteFailed(CheckpointError):
+    """A rank could not write its shard; the message is the rank's own ``Type: message``."""
+
+
+@dataclass
+class PendingSave:
+    """One save in progress: who must still report, and what was written."""
+
+    key: int  # the checkpoint's window index, or -1 for the save at Stop
+    tag: str
+    reason: str
+    epoch: int | None  # completed epochs (None: the resume point, decided at commit)
+    writer: int  # the rank writing the weights
+    expected: set[int]
+    written: dict[str, shards.ShardInfo] = field(default_factory=dict)
+    reported: set[int] = field(default_factory=set)
+    missing: list[int] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        return self.expected <= self.reported
+
+
 @dataclass
 class Checkpointer:
-    """Decides when to save and assembles the bundle from the ranks' ``RankState`` messages."""
+    """Decides when to save, tracks saves in flight, and commits each one's meta last."""
 
     stem: str | None
     every: int | None
     config_hash: str
     world_size: int
     signature: str = ""
-    pending: dict[int, dict[int, RankState]] = field(default_factory=dict)
+    pending: dict[int, PendingSave] = field(default_factory=dict)
     saved: list[str] = field(default_factory=list)
 
     @property
@@ -43,69 +73,144 @@ class Checkpointer:
             and (epoch + 1) % self.every == 0
         )
 
-    def collect(self, msg: RankState, expected: int) -> dict[int, RankState] | None:
-        """Keep a rank's state; return all of them once ``expected`` ranks have sent theirs."""
-        states = self.pending.setdefault(msg.window, {})
-        states[msg.rank] = msg
-        if len(states) < expected:
-            return None
-        return self.pending.pop(msg.window)
+    def open(
+        self, key: int, reason: str, epoch: int | None, members: list[int], writer: int
+    ) -> PendingSave:
+        save = PendingSave(key, shards.new_tag(), reason, epoch, writer, set(members))
+        self.pending[key] = save
+        return save
 
-    def write(
-        self, states: dict[int, RankState], reason: str, stem: str | None = None, **fields: Any
-    ) -> str:
-        """Write the bundle (at ``stem``, default the run's); the weights come from whichever
-        rank sent them."""
-        stem = stem or self.stem
-        assert stem is not None
-        source = next(s for s in states.values() if s.params is not None)
-        payload = {
-            "params": source.params,
-            "buffers": source.buffers,
-            "optimizer": {r: s.optimizer for r, s in states.items()},
-            "scheduler": {r: s.scheduler for r, s in states.items()},
-            "scaler": {r: s.scaler for r, s in states.items()},
-            "rng": {r: s.rng for r, s in states.items()},
-        }
+    def collect(self, msg: RankState) -> PendingSave | None:
+        """Record a rank's shards (writing relayed payloads); the save once it is complete."""
+        save = self.pending.get(msg.window)
+        if save is None or save.tag != msg.tag or msg.rank not in save.expected:
+            return None  # a discarded save's late report
+        if msg.error:
+            del self.pending[save.key]
+            self.discard(save, f"rank {msg.rank} could not write its shard: {msg.error}")
+            raise ShardWriteFailed(msg.error)
+        assert self.stem is not None
+        for name, shard in msg.shards.items():
+            if not isinstance(shard, shards.ShardInfo):  # relayed: the launcher writes it
+                shard = shards.write_shard(self.stem, save.tag, name, shard)
+            save.written[name] = shard
+        save.reported.add(msg.rank)
+        return self._take(save)
+
+    def _take(self, save: PendingSave) -> PendingSave | None:
+        if not save.complete:
+            return None
+        del self.pending[save.key]
+        if shards.MODEL not in save.written:
+            self.discard(save, f"the weights were not written (rank {save.writer} was lost)")
+            return None
+        return save
+
+    def lose(self, rank: int) -> list[PendingSave]:
+        """A rank is gone: drop it from every pending save; the saves that are now complete."""
+        done = []
+        for save in list(self.pending.values()):
+            if rank not in save.expected or rank in save.reported:
+                continue
+            save.expected.discard(rank)
+            save.missing.append(rank)
+            if rank == save.writer:
+                del self.pending[save.key]
+                self.discard(save, f"rank {rank}, which was writing the weights, was lost")
+                continue
+            complete = self._take(save)
+            if complete is not None:
+                done.append(complete)
+        return done
+
+    def void(self, key: int) -> None:
+        """The window carrying a save was voided (a loss): that save will not happen."""
+        save = self.pending.pop(key, None)
+        if save is not None:
+            self.discard(save, "its window was voided by a rank loss; it is planned again")
+
+    def discard(self, save: PendingSave, why: str) -> None:
+        log.warning("checkpoint %s (%s) discarded: %s", self.stem, save.reason, why)
+        if self.stem is not None:
+            shards.discard(self.stem, save.tag)
+
+    def commit(self, save: PendingSave, extra: dict[str, Any], **fields: Any) -> str:
+        """Write the meta naming every shard: the bundle exists from here on."""
+        assert self.stem is not None
+        ranks = sorted(int(n.removeprefix("rank")) for n in save.written if n.startswith("rank"))
         meta = BundleMeta(
-            schema_version=SCHEMA_VERSION,
-            world_size=len(states),
-            save_reason=reason,
+            schema_version=shards.SHARDED_SCHEMA,
+            world_size=len(ranks),
+            save_reason=save.reason,
             config_hash=self.config_hash,
             signature=self.signature,
             saved_at=time.time(),
+            extra={**extra, "ranks": ranks, "missing_ranks": sorted(save.missing)},
             **fields,
         )
-        save_bundle(stem, payload, meta)
-        self.saved.append(reason)
-        log.info("saved %s bundle %s (epoch %d)", reason, stem, meta.epoch)
-        return stem
+        in_flight = {s.tag for s in self.pending.values()}
+        shards.commit(self.stem, meta, save.written, in_flight=in_flight)
+        self.saved.append(save.reason)
+        log.info("saved %s bundle %s (epoch %d)", save.reason, self.stem, meta.epoch)
+        return self.stem
 
 
 @dataclass
 class ResumePoint:
-    """A loaded bundle, ready to hand each rank its state."""
+    """A verified bundle, ready to hand each rank the shards it resumes from."""
 
     stem: str
     meta: BundleMeta
-    payload: dict[str, Any]
+    payload: dict[str, Any] | None = None  # loaded in the launcher: schema 1, or memory://
 
     @classmethod
-    def load(cls, stem: str) -> ResumePoint:
-        payload, meta = load_bundle(stem)
+    def load(cls, stem: str, fallback: bool = False) -> ResumePoint:
+        """Verify every shard's size and sha256 (streamed: nothing is loaded into memory)."""
+        payload, meta = _open(stem, fallback)
         return cls(stem, meta, payload)
 
-    def restore_for(self, rank: int) -> Restore:
-        p = self.payload
+    @property
+    def ranks(self) -> list[int]:
+        """The ranks whose optimizer state the bundle holds."""
+        if self.payload is not None:
+            return sorted(self.payload["optimizer"])
+        return sorted(int(n.removeprefix("rank")) for n in self.meta.shards if n.startswith("rank"))
+
+    def source_rank(self, rank: int) -> int:
+        """Whose optimizer state ``rank`` takes over: its own if saved, else one by modulo."""
+        saved = self.ranks
+        return rank if rank in saved else saved[rank % len(saved)]
+
+    def restore_for(self, rank: int, lr_factor: float = 1.0) -> Restore:
+        src = self.source_rank(rank)
+        if self.payload is not None:
+            p = self.payload
+            model = {"params": p["params"], "buffers": p["buffers"], "outer": p.get("outer")}
+            state = {
+                "optimizer": p["optimizer"][src],
+                "scheduler": p["scheduler"].get(src),
+                "rng": p["rng"][src],
+                "extra": (p.get("extra") or {}).get(src),
+                "scaler": (p.get("scaler") or {}).get(src),  # bundles before 16-mixed have none
+            }
+            return Restore(model, state, self.meta.epoch, lr_factor)
         return Restore(
-            params=p["params"],
-            buffers=p["buffers"],
-            optimizer=p["optimizer"][rank],
-            scheduler=p["scheduler"].get(rank),
-            rng=p["rng"][rank],
-            epoch=self.meta.epoch,
-            scaler=p.get("scaler", {}).get(rank),  # bundles before 16-mixed have none
+            self._location(shards.MODEL),
+            self._location(shards.rank_shard(src)),
+            self.meta.epoch,
+            lr_factor,
         )
+
+    def _location(self, name: str) -> str:
+        return shards.shard_location(self.stem, self.meta.shards[name]["file"])
+
+    def controller_state(self) -> dict[str, Any] | None:
+        """The cpu_* modes' controller-side state (EASGD centre, outer momentum), if saved."""
+        if self.payload is not None:
+            return self.payload.get("controller")
+        if shards.CONTROLLER not in self.meta.shards:
+            return None
+        return shards.load_shard(self._location(shards.CONTROLLER))
 
     def uncovered(self) -> list[tuple[int, int]]:
         """The saved epoch's ranges not trained yet (empty at an epoch boundary)."""
@@ -113,3 +218,20 @@ class ResumePoint:
         if cov.get("epoch") != self.meta.epoch:
             return []
         return [(int(o), int(s)) for o, s in cov.get("uncovered", [])]
+
+
+def _open(stem: str, fallback: bool) -> tuple[dict[str, Any] | None, BundleMeta]:
+    """Schema 2 on a shared store: verified, not loaded. Otherwise loaded here."""
+    from flodl.checkpoint import _normalize, _read_metas, _Store
+
+    store = _Store(_normalize(stem))
+    files = store.listing()
+    metas, _ = _read_metas(store, files)
+    current = [c for c in metas if c.group == ""]
+    if current and current[0].meta.shards and not shards.process_local(stem):
+        meta = current[0].meta
+        problems = shards.shard_problems(store, meta, files)
+        if not problems:
+            return None, meta
+    payload, meta = load_bundle(stem, fallback=fallback)  # names every problem, or falls back
+    return payload, meta

@@ -49,6 +49,7 @@ from flodl.runtime.messages import (
 from flodl.runtime.outer import make_outer
 from flodl.runtime.pacing import Pacer, measure_step_s
 from flodl.runtime.spec import JobSpec, state_signature
+from flodl.shards import MODEL, load_shard, process_local, rank_shard, write_shard
 
 log = logging.getLogger(__name__)
 
@@ -373,7 +374,7 @@ class Worker:
             if isinstance(reply, Average):
                 self._apply_average(reply)
         if msg.checkpoint:
-            self.link.send(self.rank_state(-1, with_weights=True))
+            self.save_shards(-1, msg.save_tag, msg.write_weights)
         if msg.send_state:
             params, buffers = self.weights()
             self.link.send(Final(rank=self.rank, params=params, buffers=buffers))
@@ -385,29 +386,96 @@ class Worker:
         params = {k: v for k, v in state.items() if k not in buffer_names}
         return params, {k: v for k, v in state.items() if k in buffer_names}
 
-    def rank_state(self, window: int, with_weights: bool) -> RankState:
-        params, buffers = self.weights() if with_weights else (None, None)
-        return RankState(
-            rank=self.rank,
-            window=window,
-            optimizer=self.optimizer.state_dict(),
-            scheduler=self.scheduler.state_dict() if self.scheduler is not None else None,
-            scaler=self.runner.state_dict(),
-            rng=torch.get_rng_state(),
-            params=params,
-            buffers=buffers,
-        )
+    # -- checkpoints ---------------------------------------------------------------------------
+    def save_shards(self, window: int, tag: str, write_weights: bool) -> None:
+        """Write this rank's shard (and the weights, if asked) and tell the controller."""
+        stem = self.cfg.save_path
+        assert stem is not None
+        relay = process_local(stem)  # the launcher's own store: stream the payloads there
+        payloads = {rank_shard(self.rank): self.rank_payload()}
+        if write_weights:
+            payloads[MODEL] = self.model_payload(copy=relay)
+        try:
+            shards: dict[str, Any] = (
+                payloads
+                if relay
+                else {name: write_shard(stem, tag, name, p) for name, p in payloads.items()}
+            )
+        except Exception as exc:
+            from flodl.failures import describe
+
+            self.link.send(RankState(self.rank, window, tag, {}, error=describe(exc)))
+            return
+        self.link.send(RankState(self.rank, window, tag, shards))
+
+    def rank_payload(self) -> dict[str, Any]:
+        """This rank's own resumable state: optimizer, scheduler, RNG (CUDA too) and ``extra``."""
+        payload: dict[str, Any] = {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "rng": torch.get_rng_state(),
+            "cuda_rng": None,
+            "extra": self.extra_state(),
+            "scaler": self.runner.state_dict(),  # 16-mixed: the GradScaler's state
+        }
+        if self.device.type == "cuda":
+            payload["cuda_rng"] = torch.cuda.get_rng_state(self.device)
+        return payload
+
+    def extra_state(self) -> dict[str, Any]:
+        """Per-rank state of other features (e.g. a GradScaler) for the shard; see restore."""
+        return {}
+
+    def load_extra_state(self, extra: dict[str, Any]) -> None:
+        """Counterpart of :meth:`extra_state`."""
+
+    def model_payload(self, copy: bool) -> dict[str, Any]:
+        """The consensus weights and the collective outer momentum (identical on every rank)."""
+        buffer_names = {n for n, _ in self.model.named_buffers()}
+        state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        if copy:
+            state = {k: v.clone() for k, v in state.items()}
+        outer = None
+        if self.outer is not None and self.outer.buffer is not None:
+            outer = {"buffer": self.outer.buffer.detach().cpu().clone()}
+        return {
+            "params": {k: v for k, v in state.items() if k not in buffer_names},
+            "buffers": {k: v for k, v in state.items() if k in buffer_names},
+            "outer": outer,
+        }
 
     def restore(self, msg: Restore) -> None:
-        """Continue a saved run: weights, this rank's optimizer/scheduler/RNG, the epoch."""
-        self.model.load_state_dict({**msg.params, **msg.buffers})
-        self.optimizer.load_state_dict(msg.optimizer)
-        if self.scheduler is not None and msg.scheduler is not None:
-            self.scheduler.load_state_dict(msg.scheduler)
-        self.runner.load_state_dict(msg.scaler)
-        torch.set_rng_state(msg.rng)
+        """Continue a saved run: weights, outer momentum, this rank's optimizer/scheduler/RNG."""
+        model = load_shard(msg.model) if isinstance(msg.model, str) else msg.model
+        state = load_shard(msg.state) if isinstance(msg.state, str) else msg.state
+        self.model.load_state_dict({**model["params"], **model["buffers"]})
+        if self.outer is not None:
+            self.outer.reset(self.state.flatten())
+            saved = model.get("outer") or {}
+            if saved.get("buffer") is not None:
+                self.outer.buffer = saved["buffer"].to(self.device).clone()
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self._rescale_lr(msg.lr_factor)
+        self.runner.load_state_dict(state.get("scaler"))
+        torch.set_rng_state(state["rng"])
+        if self.device.type == "cuda" and state.get("cuda_rng") is not None:
+            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
+        self.load_extra_state(state.get("extra") or {})
         # The scheduler steps when a new epoch begins; the saved one had not stepped yet.
         self._epoch = msg.epoch - 1
+
+    def _rescale_lr(self, factor: float) -> None:
+        """Resumed on another world size: the saved lr carries the old world's scaling."""
+        if factor == 1.0:
+            return
+        for group in self.optimizer.param_groups:
+            group["lr"] *= factor
+            if "initial_lr" in group:
+                group["initial_lr"] *= factor
+        if self.scheduler is not None and hasattr(self.scheduler, "base_lrs"):
+            self.scheduler.base_lrs = [lr * factor for lr in self.scheduler.base_lrs]
 
     def _start_epoch(self, epoch: int) -> None:
         if self._epoch >= 0 and self.scheduler is not None and not self.per_step:
@@ -494,8 +562,7 @@ class Worker:
             self.link.send(Settled(self.rank, window.index))
         if window.checkpoint_after:
             chaos.point("checkpoint", self.rank)
-            # The head (first survivor) sends the weights: rank 0 may have been lost.
-            self.link.send(self.rank_state(window.index, with_weights=window.checkpoint_weights))
+            self.save_shards(window.index, window.save_tag, window.write_weights)
         if window.eval_after:
             self.evaluate(window)
 
@@ -554,16 +621,18 @@ class Worker:
             return True
         chaos.point("average", self.rank)
         if not self.mode.via_controller:
-            # The guard reads divergence; lock-step sync modes never consult it: skip the copy.
-            before = None if self.mode.is_sync else self.state.flatten()
-            if not self._averaged(window.weight, window.buffer_weight):
+            # The guard reads divergence; lock-step sync modes never consult it. Without an
+            # outer step it is measured inside the average (no copy of the weights kept).
+            guard = not self.mode.is_sync
+            before = self.state.flatten() if guard and self.outer is not None else None
+            if not self._averaged(window.weight, window.buffer_weight, measure=guard):
                 self._unaveraged = window.index  # the lost rank's work there never arrived
                 self._await_regroup()
                 return False
             if self.outer is not None:
                 self.state.load(self.outer.step(self.state.flatten()))
             if before is not None:
-                self._last_divergence = self.state.divergence(before, self.state.flatten())
+                self._last_divergence = self.state.divergence(before, self.state.current())
             return True
         self._outstanding.append(window.index)
         limit = window.max_overshoot if self.mode is Mode.CPU_ASYNC else 0
@@ -578,12 +647,17 @@ class Worker:
         return True
 
     # -- membership ------------------------------------------------------------------------------
-    def _averaged(self, weight: float, buffer_weight: float) -> bool:
+    def _averaged(self, weight: float, buffer_weight: float, measure: bool = False) -> bool:
         """The collective average; False when a peer is gone (the group is then released) or
-        the controller announced a new membership while it was in flight (abandoned)."""
+        the controller announced a new membership while it was in flight (abandoned).
+        ``measure``: record the divergence from the average (the guard's signal)."""
         failure, abandoned = None, False
         try:
-            collective_average(self.state, weight, buffer_weight, doomed=self._doomed)
+            divergence = collective_average(
+                self.state, weight, buffer_weight, doomed=self._doomed, measure=measure
+            )
+            if divergence is not None:
+                self._last_divergence = divergence
         except groups.Abandoned as exc:
             failure, abandoned = str(exc), not exc.settled
         except (RuntimeError, dist.DistBackendError) as exc:  # a peer is gone
@@ -649,11 +723,11 @@ class Worker:
         if msg.window in self._outstanding:
             self._outstanding.remove(msg.window)
         center = msg.flat.to(self.device)
-        before = self.state.flatten()
+        before = self.state.current()  # read before the load: no copy of the weights
         alpha = self.cfg.elche.effective_easgd_alpha
-        after = center if alpha is None else (1 - alpha) * before + alpha * center
-        self.state.load(after)
+        after = center if alpha is None else center.mul_(alpha).add_(before, alpha=1 - alpha)
         self._last_divergence = self.state.divergence(before, after)
+        self.state.load(after)
 
     # -- evaluation ----------------------------------------------------------------------------
     def evaluate(self, window: Window) -> None:

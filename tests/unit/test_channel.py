@@ -87,3 +87,75 @@ def test_silent_peer_times_out_of_the_handshake(monkeypatch):
         Channel(a).authenticate_as_server(new_secret())
     a.close()
     b.close()
+
+
+def _pair(max_frame: int) -> tuple[Channel, Channel]:
+    a, b = socket.socketpair()
+    return Channel(a, max_frame=max_frame), Channel(b, max_frame=max_frame)
+
+
+def test_tensors_larger_than_the_frame_bound_stream_through(monkeypatch):
+    import torch
+
+    from flodl.runtime import streaming
+
+    monkeypatch.setattr(streaming, "CHUNK_BYTES", 4096)
+    sender, receiver = _pair(max_frame=8192)
+    frames: list[int] = []
+    real = sender._frame
+    monkeypatch.setattr(sender, "_frame", lambda m, d: (frames.append(len(d)), real(m, d)))
+    big = torch.randn(50_000)  # 200 kB: 25x the frame bound
+    msg = {
+        "w": big,
+        "view": big[7:19],
+        "p": torch.nn.Parameter(torch.ones(3)),
+        "empty": torch.zeros(0, 4),
+        "flags": torch.tensor([True, False]),
+        "text": "t" * 20_000,  # a skeleton above the bound is chunked too
+    }
+    out: dict = {}
+    reader = threading.Thread(target=lambda: out.update(msg=receiver.recv()), daemon=True)
+    reader.start()
+    sender.send(msg)
+    reader.join(10)
+    got = out["msg"]
+    assert torch.equal(got["w"], big) and got["w"] is not big
+    assert got["view"].tolist() == big[7:19].tolist()  # only the view's bytes travelled
+    assert isinstance(got["p"], torch.nn.Parameter) and got["p"].tolist() == [1.0, 1.0, 1.0]
+    assert got["empty"].shape == (0, 4) and got["flags"].tolist() == [True, False]
+    assert got["text"] == msg["text"]
+    assert max(frames) <= 4096 + 200  # every frame bounded (the head frame is small)
+    assert sum(frames) < 200_000 + 20_000 + 1000  # each tensor's bytes sent once
+    sender.close()
+    receiver.close()
+
+
+def test_a_streamed_message_cut_by_a_foreign_frame_is_refused():
+    import pickle
+
+    sender, receiver = _pair(max_frame=1024)
+    sender._frame(b"FDL2", pickle.dumps((10, [])))
+    sender._frame(b"FDL2", b"x" * 10)  # not a continuation frame
+    with pytest.raises(FrameError, match="interrupted"):
+        receiver.recv()
+    sender.close()
+    receiver.close()
+
+
+def test_code_messages_stream_their_tensors_too(monkeypatch):
+    """The job spec (cloudpickle: closures) with a dataset passed as an object, past the bound."""
+    import torch
+
+    sender, receiver = _pair(max_frame=8192)
+    data = torch.arange(40_000, dtype=torch.float32)
+    offset = 3.0
+    spec = {"dataset": torch.utils.data.TensorDataset(data), "fn": lambda x: x + offset}
+    out: dict = {}
+    reader = threading.Thread(target=lambda: out.update(msg=receiver.recv()), daemon=True)
+    reader.start()
+    sender.send_code(spec)
+    reader.join(10)
+    got = out["msg"]
+    assert torch.equal(got["dataset"].tensors[0], data) and got["fn"](1.0) == 4.0
+    sender.close()
+    receiver.close()

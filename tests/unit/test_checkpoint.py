@@ -191,7 +191,7 @@ def test_meta_dict_round_trip_and_validation():
         BundleMeta.from_dict({**d, "coverage": {"uncovered": [[1, 2, 3]]}})
     with pytest.raises(CheckpointError, match="elche_state must be an object"):
         BundleMeta.from_dict({**d, "elche_state": [1]})
-    with pytest.raises(CheckpointError, match="schema_version 99, this flodl reads 1"):
+    with pytest.raises(CheckpointError, match="schema_version 99, this flodl reads 1 or 2"):
         BundleMeta.from_dict({**d, "schema_version": 99}, source="x/run1")
     with pytest.raises(CheckpointError, match="not a JSON object"):
         BundleMeta.from_dict([1, 2])  # type: ignore[arg-type]
@@ -253,11 +253,13 @@ def test_truncated_pt_falls_back_to_previous_pair(tmp_path, kind, caplog):
         "run1.pt",
     ]
     _truncate(stem)
+    with pytest.raises(CheckpointError, match=r"newest bundle \(epoch 2\).*\(epoch 1, step"):
+        load_bundle(stem)  # falling back is an error unless asked for
     with caplog.at_level(logging.WARNING, logger="flodl.checkpoint"):
-        payload, meta = load_bundle(stem)
+        payload, meta = load_bundle(stem, fallback=True)
     assert payload["epoch_tag"] == meta.epoch == 1
     assert f"checkpoint {stem}.pt is corrupt or truncated" in caplog.text
-    assert f"the last good bundle was {stem}.prev.pt" in caplog.text
+    assert f"the last good one is {stem}.prev.pt" in caplog.text
 
 
 @pytest.mark.parametrize("content", [b"{not json", b"", b"\xff\xfe", b"[1, 2]", b'{"epoch": 1}'])

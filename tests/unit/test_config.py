@@ -37,6 +37,7 @@ SURFACE = {
         "max_nonfinite",
         "num_epochs",
         "precision",
+        "resume_fallback",
         "resume_from",
         "save_best",
         "save_path",

@@ -204,8 +204,13 @@ def test_graceful_stop_mid_epoch_saves_the_uncovered_rest(tmp_path):
     stops = [m for m in links[0].sent if isinstance(m, Stop)]
     assert len(stops) == 1 and stops[0].checkpoint
     weights = {"w": torch.zeros(2)}
+    assert [s.write_weights for s in stops] == [True]
     for rank in range(2):
-        ctl._handle(rank, RankState(rank, -1, {}, None, torch.zeros(1), weights, {}))
+        mine = {"optimizer": {}, "scheduler": None, "rng": torch.zeros(1), "extra": {}}
+        shards = {f"rank{rank}": mine}
+        if rank == 0:
+            shards["model"] = {"params": weights, "buffers": {}, "outer": None}
+        ctl._handle(rank, RankState(rank, -1, stops[0].save_tag, shards))
     ctl._handle(0, Final(0, weights, {}))
     assert ctl._finished()
     _, meta = load_bundle(stem)

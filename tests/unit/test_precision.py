@@ -8,6 +8,7 @@ import torch
 from flodl.precision import StepRunner
 from flodl.runtime.messages import RankState
 from flodl.runtime.snapshots import Checkpointer, ResumePoint
+from flodl.shards import load_shard
 
 CPU = torch.device("cpu")
 
@@ -76,9 +77,14 @@ def test_scaler_skips_a_non_finite_step_and_its_state_survives_a_bundle(tmp_path
 
     saver = Checkpointer(str(tmp_path / "b"), None, "hash", 1, signature="sig")
     params = {"weight": model.weight.detach().clone()}
-    saver.write(
-        {0: RankState(0, -1, opt.state_dict(), None, torch.get_rng_state(), params, {}, state)},
-        "final",
+    save = saver.open(-1, "final", 1, [0], writer=0)
+    mine = {"optimizer": opt.state_dict(), "scheduler": None, "rng": torch.get_rng_state()}
+    shards = {"rank0": {**mine, "scaler": state}, "model": {"params": params, "buffers": {}}}
+    done = saver.collect(RankState(0, -1, save.tag, shards))
+    assert done is not None
+    saver.commit(
+        done,
+        extra={},
         epoch=1,
         global_step=2,
         sync_round=0,
@@ -86,5 +92,6 @@ def test_scaler_skips_a_non_finite_step_and_its_state_survives_a_bundle(tmp_path
         coverage={"epoch": 1, "n_samples": 4, "uncovered": []},
     )
     restored = StepRunner("16-mixed", CPU)
-    restored.load_state_dict(ResumePoint.load(str(tmp_path / "b")).restore_for(0).scaler)
+    restore = ResumePoint.load(str(tmp_path / "b")).restore_for(0)
+    restored.load_state_dict(load_shard(restore.state)["scaler"])
     assert restored.scaler is not None and restored.scaler.get_scale() == 2.0**15

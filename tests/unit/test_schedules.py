@@ -171,7 +171,10 @@ def test_per_rank_batch_sizes_plan_samples_and_weight_the_average_by_them():
     for rank, (w, flat) in enumerate(zip(first, (a, b), strict=True)):
         ctl._handle(
             rank,
-            Report(rank, w.index, 0, w.chunks, 10, samples[rank], 10.0, 1.0, 10, snapshot=flat),
+            # a clone: the controller consumes snapshots (averages into the first, in place)
+            Report(
+                rank, w.index, 0, w.chunks, 10, samples[rank], 10.0, 1.0, 10, snapshot=flat.clone()
+            ),
         )
     average = next(m for m in links[0].sent if isinstance(m, Average))
     torch.testing.assert_close(average.flat, 0.8 * a + 0.2 * b)

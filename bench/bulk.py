@@ -1,0 +1,353 @@
+"""Bulk tensors at 120 M parameters: memory of every mode, a cpu_* averaging round against a gloo
+all-reduce, and a checkpoint shard against the disk's sequential write speed.
+
+    .venv/bin/python -m bench.bulk                      # all three, writes bench/results/bulk.json
+    .venv/bin/python -m bench.bulk --only speed disk    # a subset
+    .venv/bin/python -m bench.bulk --params 30000000    # a smaller model (smoke test)
+
+* ``memory``: one isolated run per mode (2-rank CPU rig, 1 epoch of 128 samples, Adam, a final
+  bundle saved): the launcher's peak RSS (``ru_maxrss`` of its own process) and the ranks' peak
+  (``ru_maxrss`` of its children), against the parameter bytes. ``solo`` trains in the launcher.
+* ``speed``: two rank processes on loopback; the median of 3 gloo all-reduces of the flat
+  parameter vector, and the median of 3 cpu_* rounds through flodl's control channel (both ranks
+  send their snapshot, the controller averages, both receive the average), timed on rank 0.
+* ``disk``: the median of 3 ``flodl.shards.write_shard`` of the vector against 3 plain sequential
+  writes of the same bytes in 64 MiB blocks, both fsync'd, interleaved, same directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from bench.common import (
+    MODES,
+    child_main,
+    exit_on_sigterm,
+    log,
+    machine,
+    run_isolated,
+    write_result,
+)
+
+DEFAULT_PARAMS = 120_000_000
+WIDTH = 64
+
+
+# --- the model: parameters in an embedding table, so a step costs memory traffic, not FLOPs ------
+
+
+def table_model(rows: int, device: Any) -> Any:
+    import torch
+
+    class TableNet(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = torch.nn.Linear(WIDTH, 4)
+            self.table = torch.nn.Embedding(rows, WIDTH)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            idx = (x.flatten(1)[:, :8].abs() * 1e4).long() % rows
+            return self.head(x.flatten(1)) + 0.01 * self.table(idx).sum(1)[:, :4]
+
+    return TableNet().to(device)
+
+
+def _adam(params: Any) -> Any:
+    import torch
+
+    return torch.optim.Adam(params, lr=1e-4)
+
+
+def _data(split: str) -> Any:
+    from recipes.datasets import synthetic
+
+    return synthetic(split, n_train=128, n_test=64, input_shape=[1, 8, 8], num_classes=4)
+
+
+def _hwm_mb(pid: int | str = "self") -> float:
+    """A process's peak RSS (VmHWM: reset by exec, unlike ``ru_maxrss``), in MB."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1e3
+    except OSError:
+        pass
+    return 0.0
+
+
+class _RankPeaks(threading.Thread):
+    """Samples every rank process's VmHWM until told to stop (the kernel keeps the peak)."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.peaks: dict[int, float] = {}
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        import psutil
+
+        me = psutil.Process()
+        while not self.done.wait(0.2):
+            for child in me.children(recursive=True):
+                self.peaks[child.pid] = max(self.peaks.get(child.pid, 0.0), _hwm_mb(child.pid))
+
+
+def memory_one(payload: dict[str, Any]) -> dict[str, Any]:
+    """One run in this (fresh) process: the launcher's and the ranks' peak RSS."""
+    from flodl import ClusterConfig, ElCheConfig, LoggerConfig, Trainer
+    from recipes.steps import classification_step
+
+    rows = payload["params"] // WIDTH
+    mode = payload["mode"]
+    import flodl.runtime.worker  # noqa: F401  (torch and flodl imported: the baseline)
+
+    baseline_mb = _hwm_mb()
+    watch = _RankPeaks()
+    watch.start()
+    with tempfile.TemporaryDirectory(prefix="flodl-bench-bulk-") as tmp:
+        model = partial(table_model, rows)
+        ranks = 1 if mode == "solo" else 2
+        cfg = (
+            Trainer.builder(model, _adam, classification_step)
+            .batch_size(32)
+            .num_epochs(1)
+            .elche(ElCheConfig(mode=mode, anchor=2))
+            .cluster(ClusterConfig(kind="cpu_rig", ranks=ranks, speeds=[1.0] * ranks))
+            .logger(LoggerConfig(progress="off", tensorboard=False))
+            .build_config()
+            .with_(save_path=str(Path(tmp) / "ck" / "run"))
+        )
+        t0 = time.perf_counter()
+        handle = Trainer.run(
+            model,
+            _adam,
+            classification_step,
+            cfg,
+            dataset=partial(_data, "train"),
+            job_dir=Path(tmp) / "job",
+        )
+        handle.join(timeout=payload["timeout_s"])
+        wall = time.perf_counter() - t0
+        watch.done.set()
+        watch.join()
+    n = rows * WIDTH + WIDTH * 4 + 4
+    return {
+        "status": "ok",
+        "mode": mode,
+        "params": n,
+        "param_mb": n * 4 / 1e6,
+        "launcher_baseline_mb": baseline_mb,
+        "launcher_peak_mb": _hwm_mb(),
+        "rank_peak_mb": max(watch.peaks.values(), default=0.0),
+        "wall_s": wall,
+    }
+
+
+def memory(params: int, modes: list[str]) -> list[dict[str, Any]]:
+    rows = []
+    for mode in modes:
+        log(f"memory: {mode}")
+        result = run_isolated(
+            "bench.bulk", {"kind": "memory", "mode": mode, "params": params, "timeout_s": 400}, 450
+        )
+        if result.get("status") == "ok":
+            p = result["param_mb"]
+            result["launcher_bound_mb"] = 1.5 * p + 300
+            result["launcher_within_bound"] = result["launcher_peak_mb"] <= 1.5 * p + 300
+            # Adam needs params + grads + 2 moments = 4x; what is left over (less the same
+            # import baseline the launcher has) is extra copies of the weights
+            base = result["launcher_baseline_mb"]
+            result["rank_extra_copies"] = (result["rank_peak_mb"] - base - 4 * p) / p
+        log(f"  {result}")
+        rows.append(result)
+    return rows
+
+
+# --- speed: gloo all-reduce vs one cpu_* round through the control channel ----------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_speed(rank: int, n: int, store_port: int, ctl_port: int, secret: bytes, out: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from flodl.runtime.channel import connect
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", store_port, 2, is_master=rank == 0, use_libuv=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    flat = torch.randn(n)
+    reduce_s, round_s = [], []
+    for _ in range(3):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(flat)
+        reduce_s.append(time.perf_counter() - t0)
+    channel = connect("127.0.0.1", ctl_port, secret)
+    for _ in range(3):
+        dist.barrier()
+        t0 = time.perf_counter()
+        channel.send({"rank": rank, "snapshot": flat})
+        flat = channel.recv()["flat"]
+        round_s.append(time.perf_counter() - t0)
+    dist.barrier()
+    if rank == 0:
+        out.put({"allreduce_s": reduce_s, "round_s": round_s})
+    channel.close()
+    dist.destroy_process_group()
+
+
+def _controller(listener: Any, secret: bytes, n: int) -> None:
+    from flodl.runtime.averaging import weighted_mean
+    from flodl.runtime.channel import Channel
+
+    channels = []
+    for _ in range(2):
+        ch = Channel(listener.accept(timeout_s=120))
+        ch.authenticate_as_server(secret)
+        channels.append(ch)
+    for _ in range(3):
+        mean = weighted_mean(_recv_all(channels), [0.5, 0.5], [0.5, 0.5], n)
+        senders = [threading.Thread(target=ch.send, args=({"flat": mean},)) for ch in channels]
+        for t in senders:  # as the controller does (Outbound._send_each): at once
+            t.start()
+        for t in senders:
+            t.join()
+
+
+def _recv_all(channels: list[Any]) -> list[Any]:
+    """Both snapshots, received at once (the controller has one reader thread per rank)."""
+    got: list[Any] = [None] * len(channels)
+
+    def read(i: int) -> None:
+        got[i] = channels[i].recv()["snapshot"]
+
+    readers = [threading.Thread(target=read, args=(i,)) for i in range(len(channels))]
+    for t in readers:
+        t.start()
+    for t in readers:
+        t.join()
+    return got
+
+
+def speed(params: int) -> dict[str, Any]:
+    import multiprocessing as mp
+
+    from flodl.runtime.channel import Listener, new_secret
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    listener, secret = Listener(), new_secret()
+    server = threading.Thread(target=_controller, args=(listener, secret, params), daemon=True)
+    server.start()
+    store_port = _free_port()
+    procs = [
+        ctx.Process(target=_rank_speed, args=(r, params, store_port, listener.port, secret, out))
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    result = out.get(timeout=600)
+    for p in procs:
+        p.join(60)
+    listener.close()
+    reduce_s = statistics.median(result["allreduce_s"])
+    round_s = statistics.median(result["round_s"])
+    return {
+        **result,
+        "params": params,
+        "allreduce_median_s": reduce_s,
+        "round_median_s": round_s,
+        "round_over_allreduce": round_s / reduce_s,
+    }
+
+
+# --- disk: a shard write against a plain sequential write ---------------------------------------
+
+
+def _plain_write(path: Path, data: memoryview) -> None:
+    with open(path, "wb") as f:
+        for start in range(0, len(data), 64 << 20):
+            f.write(data[start : start + (64 << 20)])
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def disk(params: int, where: str) -> dict[str, Any]:
+    import torch
+
+    from flodl import shards
+    from flodl.runtime.streaming import tensor_bytes
+
+    flat = torch.randn(params)
+    view = tensor_bytes(flat)
+    plain, shard = [], []
+    with tempfile.TemporaryDirectory(prefix="flodl-bench-disk-", dir=where) as tmp:
+        for i in range(3):
+            target = Path(tmp) / f"plain{i}.bin"
+            t0 = time.perf_counter()
+            _plain_write(target, view)
+            plain.append(time.perf_counter() - t0)
+            target.unlink()
+            stem = str(Path(tmp) / f"run{i}")
+            t0 = time.perf_counter()
+            info = shards.write_shard(stem, shards.new_tag(), "model", {"params": {"w": flat}})
+            shard.append(time.perf_counter() - t0)
+            (Path(tmp) / info.file).unlink()
+    mb = len(view) / 1e6
+    plain_mbs, shard_mbs = mb / statistics.median(plain), mb / statistics.median(shard)
+    return {
+        "bytes": len(view),
+        "dir": where,
+        "plain_s": plain,
+        "shard_s": shard,
+        "plain_mb_per_s": plain_mbs,
+        "shard_mb_per_s": shard_mbs,
+        "shard_over_plain": shard_mbs / plain_mbs,
+    }
+
+
+def main(argv: list[str]) -> int:
+    if child_main(argv, memory_one):
+        return 0
+    exit_on_sigterm()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--params", type=int, default=DEFAULT_PARAMS)
+    ap.add_argument("--only", nargs="*", default=["memory", "speed", "disk"])
+    ap.add_argument("--modes", nargs="*", default=["solo", *MODES])
+    ap.add_argument("--disk-dir", default=tempfile.gettempdir())
+    ap.add_argument("--out", default="bulk")
+    args = ap.parse_args(argv)
+    result: dict[str, Any] = {"machine": machine(), "command": " ".join(["bench.bulk", *argv])}
+    if "memory" in args.only:  # first: later phases allocate in this (driver) process
+        result["memory"] = memory(args.params, args.modes)
+    if "disk" in args.only:
+        log("disk")
+        result["disk"] = disk(args.params, args.disk_dir)
+        log(f"  {result['disk']}")
+    if "speed" in args.only:
+        log("speed")
+        result["speed"] = speed(args.params)
+        log(f"  {result['speed']}")
+    result["load_average_end"] = list(os.getloadavg())
+    log(f"wrote {write_result(args.out, result)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,127 @@
+"""Checkpoints and rank loss together: a rank (rank 0 included) SIGKILLed while every epoch is
+checkpointed; the run completes, ends right after its last window, and its bundle loads and
+resumes on fewer and on more ranks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from functools import partial
+
+import pytest
+import torch
+
+from flodl import ClusterConfig, ElCheConfig, LoggerConfig, Trainer
+from flodl.checkpoint import load_bundle
+from recipes.steps import classification_step
+
+from .helpers import data, model_factory, optim_factory
+from .test_elastic import rank_pid
+
+pytestmark = pytest.mark.slow
+
+N_TRAIN = 1536
+
+
+def run(tmp_path, name, ranks, epochs, victim=None, mode="nccl_cadence", **trainer):
+    """A tiny run on ``ranks`` CPU ranks; ``victim`` is SIGKILLed once epoch 0 closed. Returns
+    the handle and the time the last epoch closed."""
+    ends: list[float] = []
+
+    def metrics(m):
+        ends.append(time.perf_counter())
+        if victim is not None and m.epoch == 0 and len(ends) == 1:
+            os.kill(rank_pid(victim), signal.SIGKILL)
+
+    speeds = [1.0, 0.7, 0.5][:ranks]
+    cfg = (
+        Trainer.builder(model_factory, optim_factory, classification_step)
+        .batch_size(32)
+        .num_epochs(epochs)
+        .elche(ElCheConfig(mode=mode))
+        .cluster(ClusterConfig(kind="cpu_rig", ranks=ranks, speeds=speeds, warmup_steps=2))
+        .logger(LoggerConfig(progress="off", tensorboard=False))
+        .build_config()
+        .with_(**trainer)
+    )
+    handle = Trainer.run(
+        model_factory,
+        optim_factory,
+        classification_step,
+        cfg,
+        dataset=partial(data, "train", N_TRAIN),
+        metrics_fn=metrics,
+        job_dir=tmp_path / name,
+    )
+    handle.join(timeout=180)
+    return handle, ends[-1]
+
+
+@pytest.mark.parametrize(
+    ("mode", "victim"),
+    [("nccl_cadence", 0), ("nccl_cadence", 1), ("nccl_cadence", 2), ("cpu_async", 0)],
+)
+def test_killed_rank_with_checkpoint_every_epoch(tmp_path, mode, victim):
+    stem = str(tmp_path / "ckpt" / "run")
+    handle, last_epoch = run(
+        tmp_path, "killed", 3, 3, victim=victim, mode=mode, save_path=stem, checkpoint_every=1
+    )
+    tail_s = time.perf_counter() - last_epoch
+    result = handle.result
+    assert result.summary.status == "ok", result.summary.error
+    assert result.summary.lost_ranks == [victim] and result.coverage_exact
+    assert tail_s < 15.0, f"the run took {tail_s:.1f} s to end after its last epoch"
+    payload, meta = load_bundle(stem)
+    survivors = [r for r in range(3) if r != victim]
+    assert (meta.save_reason, meta.epoch, meta.world_size) == ("final", 3, 2)
+    assert sorted(payload["optimizer"]) == survivors
+    assert meta.extra["lost_ranks"] == [victim]
+    final = result.state
+    assert final is not None
+    for key, value in final.params.items():  # the bundle's weights are the final weights
+        assert torch.equal(payload["params"][key], value), key
+    leftovers = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert len(leftovers) == 1 + len(meta.shards), leftovers  # no orphan shard survives
+    # cpu_async: the controller's EASGD centre is in the bundle
+    assert ("controller" in payload) == (mode == "cpu_async")
+
+
+def test_post_loss_bundle_resumes_on_fewer_and_more_ranks(tmp_path):
+    stem = str(tmp_path / "ckpt" / "run")
+    run(tmp_path, "killed", 3, 2, victim=1, save_path=stem, checkpoint_every=1)
+    _, meta = load_bundle(stem)
+    assert (meta.epoch, meta.world_size, meta.extra["ranks"]) == (2, 2, [0, 2])
+    for ranks in (1, 3):
+        resumed, _ = run(tmp_path, f"on{ranks}", ranks, 3, resume_from=stem)
+        result = resumed.result
+        state = result.state
+        assert result.summary.status == "ok" and result.summary.world_size == ranks
+        assert [m.epoch for m in result.epochs] == [2]  # the saved epochs are not trained again
+        assert result.coverage_exact and result.summary.samples_seen == N_TRAIN
+        assert all(torch.isfinite(v).all() for v in state.params.values())
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_rank_lost_while_writing_its_shard(tmp_path, monkeypatch, caplog, victim):
+    """Killed at its first checkpoint, before its shard is written (chaos point): rank 0 was
+    writing the weights, so that save is discarded; rank 1's save commits without its state.
+    Either way nothing waits, and the later saves and the final bundle work."""
+    monkeypatch.setenv("FLODL_CHAOS", f"{victim}:checkpoint")
+    stem = str(tmp_path / "ckpt" / "run")
+    with caplog.at_level("WARNING", logger="flodl.runtime.snapshots"):
+        handle, last_epoch = run(tmp_path, "chaos", 3, 3, save_path=stem, checkpoint_every=1)
+    tail_s = time.perf_counter() - last_epoch
+    result = handle.result
+    assert result.summary.status == "ok", result.summary.error
+    assert result.summary.lost_ranks == [victim] and result.coverage_exact
+    assert tail_s < 15.0, f"the run took {tail_s:.1f} s to end after its last epoch"
+    discarded = "which was writing the weights, was lost" in caplog.text
+    assert discarded == (victim == 0), caplog.text
+    payload, meta = load_bundle(stem)
+    assert (meta.save_reason, meta.epoch, meta.extra["ranks"]) == (
+        "final",
+        3,
+        [r for r in range(3) if r != victim],
+    )
+    assert all(torch.equal(payload["params"][k], v) for k, v in result.state.params.items())
