@@ -81,6 +81,15 @@ def drive(ctl, links, eval_parts, on_stall=None):
             on_stall = None
 
 
+def _shards(rank, weights):
+    """A rank's checkpoint shards, relayed as payloads (the controller writes them)."""
+    mine = {"optimizer": {}, "scheduler": None, "rng": torch.zeros(1), "extra": {}}
+    shards = {f"rank{rank}": mine}
+    if weights is not None:
+        shards["model"] = {"params": weights, "buffers": {}, "outer": None}
+    return shards
+
+
 def _answer(ctl, rank, msg, eval_parts, stopped):
     if isinstance(msg, Plan):
         for w in msg.windows:
@@ -89,9 +98,9 @@ def _answer(ctl, rank, msg, eval_parts, stopped):
             ctl._handle(rank, Report(rank, w.index, w.epoch, w.chunks, b, samples, b, b, b))
             if w.settle:  # its averaging held
                 ctl._handle(rank, Settled(rank, w.index))
-            if w.checkpoint_after:  # only the head sends weights, as a real rank does
-                weights = {"w": torch.full((2,), float(w.epoch))} if w.checkpoint_weights else None
-                ctl._handle(rank, RankState(rank, w.index, {}, None, torch.zeros(1), weights, {}))
+            if w.checkpoint_after:  # only the head writes the weights, as a real rank does
+                weights = {"w": torch.full((2,), float(w.epoch))} if w.write_weights else None
+                ctl._handle(rank, RankState(rank, w.index, w.save_tag, _shards(rank, weights)))
             parts = eval_parts(rank, w) if w.eval_after else None
             if parts is not None:
                 ctl._handle(rank, EvalResult(rank, w.epoch, w.index, parts, 1.0, w.eval_shard[0]))
@@ -100,9 +109,8 @@ def _answer(ctl, rank, msg, eval_parts, stopped):
     elif isinstance(msg, Stop):
         stopped.add(rank)
         if msg.checkpoint:
-            ctl._handle(
-                rank, RankState(rank, -1, {}, None, torch.zeros(1), {"w": torch.ones(2)}, {})
-            )
+            weights = {"w": torch.ones(2)} if msg.write_weights else None
+            ctl._handle(rank, RankState(rank, -1, msg.save_tag, _shards(rank, weights)))
         if msg.send_state:
             ctl._handle(rank, Final(rank, {}, {}))
 
@@ -176,7 +184,8 @@ def test_save_best_keeps_the_bundle_of_the_best_epoch(tmp_path):
     assert last.save_reason == "final" and last.epoch == 4
     best = ctl._result().best
     assert best == {"monitor": "accuracy", "mode": "max", "value": pytest.approx(0.8), "epoch": 2}
-    assert ctl.checkpointer.saved.count("best") == 2  # epochs 1 and 2 improved; 3 and 4 did not
+    # every evaluated epoch is checkpointed; epochs 1 and 2 improved, so were copied to _best
+    assert ctl.checkpointer.saved == ["checkpoint"] * 4 + ["final"]
 
 
 def test_epoch_checkpoints_take_the_weights_from_the_head_once_rank_0_is_lost(tmp_path):
@@ -190,6 +199,6 @@ def test_epoch_checkpoints_take_the_weights_from_the_head_once_rank_0_is_lost(tm
     checkpoints = [
         w for p in links[1].sent if isinstance(p, Plan) for w in p.windows if w.checkpoint_after
     ]
-    assert checkpoints and all(w.checkpoint_weights for w in checkpoints)
+    assert checkpoints and all(w.write_weights for w in checkpoints)
     assert ctl.checkpointer.saved == ["checkpoint", "checkpoint", "final"]
     assert load_bundle(stem)[1].epoch == 3
