@@ -58,9 +58,9 @@ def struck(victim: str, moment: str) -> set[int]:
     return ranks
 
 
-def classify(out: dict | None, victims: set[int], ckpt: bool) -> str:
+def classify(out: dict | None, victims: set[int], ckpt: bool, timed_out: bool = False) -> str:
     if out is None:
-        return "hang"
+        return "hang" if timed_out else "broken"  # broken: it died without an outcome
     lost = set(out.get("lost_ranks", []))
     message = out.get("summary_error") or out.get("error") or ""
     if out.get("status") == "ok":
@@ -93,7 +93,7 @@ def run_cell(mode: str, victim: str, moment: str, ckpt: bool, timeout_s: float) 
         if ckpt:
             cmd += ["--ckpt", str(Path(tmp) / "ckpt")]
         t0 = time.perf_counter()
-        out = None
+        out, timed_out = None, False
         try:
             proc = subprocess.run(
                 cmd, capture_output=True, text=True, timeout=timeout_s, start_new_session=True
@@ -103,10 +103,10 @@ def run_cell(mode: str, victim: str, moment: str, ckpt: bool, timeout_s: float) 
                     out = json.loads(line.removeprefix("CHAOS-RESULT "))
             tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
         except subprocess.TimeoutExpired:
-            tail = ["timeout"]
+            tail, timed_out = ["timeout"], True
         finally:
             _kill_leftovers(tmp)
-        verdict = classify(out, struck(victim, moment), ckpt)
+        verdict = classify(out, struck(victim, moment), ckpt, timed_out)
         return {
             "mode": mode,
             "victim": victim,
