@@ -85,6 +85,8 @@ def bind(key: str, target: TargetConfig, positional: int, provided: tuple[str, .
         ) from None
     hints = _hints(fn)
     for name, value in kwargs.items():
+        if key == "scheduler" and name == "total_steps" and value == "auto":
+            continue  # flodl fills in the run's length (flodl/schedules.py)
         if name in params:
             _check_type(key, name, value, hints.get(name, params[name].annotation), target.target)
 
@@ -224,7 +226,9 @@ def _build_all(
         "optimizer", optimizer, lambda: app.build_optimizer(optimizer, params), explain
     )
     if scheduler is not None:
-        _refusal("scheduler", scheduler, lambda: app.build_scheduler(scheduler, optim), explain)
+        # total_steps: auto is the run's length, known on the ranks: any length builds here
+        build = lambda: app.build_scheduler(scheduler, optim, total_steps=1000)  # noqa: E731
+        _refusal("scheduler", scheduler, build, explain)
     shapes = [(n, tuple(t.shape), str(t.dtype)) for n, t in built.state_dict().items()]
     return state_signature(shapes)
 

@@ -25,13 +25,13 @@ N_TRAIN = 1536
 
 
 def run(tmp_path, name, ranks, epochs, victim=None, mode="nccl_cadence", **trainer):
-    """A tiny run on ``ranks`` CPU ranks; ``victim`` is SIGKILLed once epoch 0 closed. Returns
-    the handle and the time the last epoch closed."""
+    """A tiny run on ``ranks`` CPU ranks; ``victim`` is SIGKILLed once the first epoch closed.
+    Returns the handle and the time the last epoch closed."""
     ends: list[float] = []
 
     def metrics(m):
         ends.append(time.perf_counter())
-        if victim is not None and m.epoch == 0 and len(ends) == 1:
+        if victim is not None and m.epoch == 1 and len(ends) == 1:
             os.kill(rank_pid(victim), signal.SIGKILL)
 
     speeds = [1.0, 0.7, 0.5][:ranks]
@@ -97,7 +97,9 @@ def test_post_loss_bundle_resumes_on_fewer_and_more_ranks(tmp_path):
         result = resumed.result
         state = result.state
         assert result.summary.status == "ok" and result.summary.world_size == ranks
-        assert [m.epoch for m in result.epochs] == [2]  # the saved epochs are not trained again
+        assert [m.epoch for m in result.epochs] == [
+            3
+        ]  # (counting from 1) the saved epochs are not trained again
         assert result.coverage_exact and result.summary.samples_seen == N_TRAIN
         assert all(torch.isfinite(v).all() for v in state.params.values())
 

@@ -44,7 +44,7 @@ RANK_TAGS = {
     "telemetry/data_wait_fraction",
     "telemetry/peak_mem_mb",
 }
-HPARAM_METRICS = {"final_loss", "eval", "wall_s", "samples_per_s"}
+HPARAM_METRICS = {"final_loss", "eval", "wall_s", "samples_per_s", "final/eval"}  # + each metric
 
 
 def free_port() -> int:

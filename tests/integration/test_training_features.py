@@ -247,7 +247,7 @@ def test_resume_lands_on_the_same_lr_clock_and_weights(tmp_path):
     first, _ = run("first", 1, save_path=stem)
     resumed, r_state = run("resumed", 2, resume_from=stem)
     assert first[0].lr == pytest.approx(straight[0].lr)
-    assert [m.epoch for m in resumed] == [1]
+    assert [m.epoch for m in resumed] == [2]  # epochs count from 1: the second
     assert resumed[0].lr == pytest.approx(straight[1].lr)  # step 32 of 32: the floor
     assert straight[1].lr == pytest.approx(0.005)
     for name, tensor in s_state.params.items():
