@@ -20,7 +20,14 @@ from typing import Any
 from pydantic import BaseModel
 
 from flodl import config as schema
-from flodl.config import ConfigError, RunConfig, TargetConfig, resolve_dotted
+from flodl.config import ConfigError, RunConfig, resolve_dotted
+from flodl.factories import (  # module-level: they pickle by reference to the ranks
+    build_dataset,
+    build_metric,
+    build_model,
+    build_optimizer,
+    build_scheduler,
+)
 
 log = logging.getLogger("flodl")
 
@@ -29,39 +36,6 @@ log = logging.getLogger("flodl")
 STATE: dict[str, int] = {"launched": 0, "failed": 0, "jobs": 0}
 # Each finished job's summary row by job number: the A/B report's input.
 ROWS: dict[int, dict[str, Any]] = {}
-
-
-# -- factories (module-level so they pickle by reference to the ranks) ---------------------------
-def _instantiate(target: TargetConfig, *args: Any, **extra: Any) -> Any:
-    from hydra.utils import instantiate
-
-    return instantiate({"_target_": target.target, **target.kwargs(), **extra}, *args)
-
-
-def build_model(target: TargetConfig, device: Any) -> Any:
-    return _instantiate(target).to(device)
-
-
-def build_optimizer(target: TargetConfig, params: Any) -> Any:
-    return _instantiate(target, params)
-
-
-def build_dataset(target: TargetConfig, split: str) -> Any:
-    return _instantiate(target, split=split)
-
-
-def build_scheduler(target: TargetConfig, optimizer: Any, total_steps: int | None = None) -> Any:
-    """``total_steps: auto`` (or left out where the target needs it) becomes the run's length."""
-    from flodl.schedules import fill_total_steps
-
-    kwargs = fill_total_steps(resolve_dotted(target.target), target.kwargs(), total_steps)
-    from hydra.utils import instantiate
-
-    return instantiate({"_target_": target.target, **kwargs}, optimizer)
-
-
-def build_metric(target: TargetConfig) -> Any:
-    return _instantiate(target)
 
 
 # -- the job -----------------------------------------------------------------------------------

@@ -7,7 +7,6 @@ Outputs per job directory: ``summary.json``, ``model.pt`` (the :class:`TrainedSt
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -23,13 +22,15 @@ import torch
 
 from flodl.evaluation import primary_name
 from flodl.metrics import EpochMetrics, RunSummary, SyncEvent
+from flodl.results import RunResult, TrainedState
+from flodl.runtime.control import new_controller
 from flodl.runtime.controller import Controller, ControllerResult, Hooks, RunFailed
+from flodl.runtime.env import ExternalRole
 from flodl.runtime.links import in_process_link
 from flodl.runtime.preflight import format_lr_scaling, preflight, rank_batch_sizes
-from flodl.runtime.snapshots import Checkpointer, ResumePoint
+from flodl.runtime.snapshots import ResumePoint
 from flodl.runtime.spec import Callbacks, JobSpec
 from flodl.topology import Topology, resolve_topology
-from flodl.trainer import RunResult, TrainedState
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +47,14 @@ class Job:
         job_dir: str | Path | None,
         eval_metric: str,
         run_info: dict[str, Any],
+        placed: ExternalRole | None = None,
     ) -> None:
         self.spec = spec
         self.callbacks = callbacks
         self.job_dir = Path(job_dir) if job_dir is not None else default_job_dir()
         self.eval_metric = eval_metric
         self.run_info = run_info
-        self.topology: Topology = resolve_topology(spec.config)
+        self.topology: Topology = resolve_topology(spec.config, placed=placed)
         from flodl.preflight import check_run
 
         # Before any rank: the callback rank, a writable save_path, the resume bundle.
@@ -92,15 +94,8 @@ class Job:
             # Everything that can refuse the run does so before any rank (or server) starts.
             if self.spec.has_eval:
                 self.spec.evaluation.build(torch.device("cpu"))  # a bad metric fails here
-            controller = Controller(
-                cfg,
-                topo.world_size,
-                topo.speeds,
-                self.spec.has_eval,
-                self._hooks(),
-                checkpointer=self._checkpointer(),
-                resume=self._resume,
-                eval_metric=self.eval_metric,
+            controller = new_controller(
+                self.spec, topo, self._hooks(), self._resume, self.eval_metric
             )
             dashboard = self._serve()
             self._open_outputs()
@@ -113,28 +108,6 @@ class Job:
             self._close_outputs()
             if dashboard is not None and not cfg.logger.keep_serving:
                 dashboard.stop()
-
-    def control_only(self) -> ControllerResult:
-        """Run just the controller and this process's rank (task 0 of a ``controller: rank0``
-        SLURM job): the submitting launcher writes the outputs from the returned result."""
-        topo = self.topology
-        self.spec.world_size, self.spec.speeds = topo.world_size, topo.speeds
-        self.spec.pace, self.spec.backend = topo.pace, topo.backend
-        controller = Controller(
-            self.spec.config,
-            topo.world_size,
-            topo.speeds,
-            self.spec.has_eval,
-            Hooks(),
-            checkpointer=self._checkpointer(),
-            resume=self._resume,
-            eval_metric=self.eval_metric,
-        )
-        from flodl.runtime.external import ExternalCohort
-
-        self.job_dir.mkdir(parents=True, exist_ok=True)
-        cohort = ExternalCohort(self.spec, controller, self.job_dir, topo)
-        return cohort.run(self._stop.is_set)
 
     def _train(self, controller: Controller) -> ControllerResult:
         if self.topology.in_process:
@@ -176,13 +149,6 @@ class Job:
             output = getattr(self, name, None)
             if output is not None:
                 output.close()
-
-    def _checkpointer(self) -> Checkpointer | None:
-        cfg = self.spec.config
-        if cfg.save_path is None:
-            return None
-        digest = hashlib.sha256(cfg.model_dump_json().encode()).hexdigest()[:16]
-        return Checkpointer(cfg.save_path, cfg.checkpoint_every, digest, self.topology.world_size)
 
     def _serve(self) -> Any:
         logger = self.spec.config.logger

@@ -213,10 +213,10 @@ def _quiet() -> Iterator[None]:
 def _build_all(
     model: TargetConfig, optimizer: TargetConfig, scheduler: TargetConfig | None, explain: bool
 ) -> str:
-    from flodl import app
+    from flodl import factories as app
     from flodl.runtime.spec import state_signature
 
-    built = _refusal("model", model, lambda: app._instantiate(model), explain)
+    built = _refusal("model", model, lambda: app.instantiate(model), explain)
     if not hasattr(built, "parameters") or not hasattr(built, "state_dict"):
         raise ConfigError(
             f"model._target_={model.target}: returned {type(built).__name__}, not an nn.Module"

@@ -14,7 +14,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,43 +29,13 @@ from flodl.config import (
     TrainerConfig,
     validate_trainer_config,
 )
-from flodl.metrics import EpochMetrics, RunSummary, SyncEvent
+from flodl.metrics import EpochMetrics
+from flodl.results import RunResult, TrainedState
+from flodl.runtime.env import ExternalRole, external_role
 from flodl.runtime.spec import Callbacks, JobSpec
 from flodl.signals import sigterm_as_interrupt
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TrainedState:
-    """The averaged parameters and buffers, on CPU."""
-
-    params: dict[str, torch.Tensor]
-    buffers: dict[str, torch.Tensor]
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {**self.params, **self.buffers}
-
-    def load_into(self, model: nn.Module, strict: bool = True) -> nn.Module:
-        model.load_state_dict(self.state_dict(), strict=strict)
-        return model
-
-    def save(self, path: str | Path) -> None:
-        torch.save({"params": self.params, "buffers": self.buffers}, path)
-
-    @classmethod
-    def load(cls, path: str | Path) -> TrainedState:
-        blob = torch.load(path, map_location="cpu", weights_only=True)
-        return cls(params=blob["params"], buffers=blob["buffers"])
-
-
-@dataclass
-class RunResult:
-    state: TrainedState | None
-    summary: RunSummary
-    epochs: list[EpochMetrics] = field(default_factory=list)
-    events: list[SyncEvent] = field(default_factory=list)
-    coverage_exact: bool = False
 
 
 class RunHandle:
@@ -288,11 +257,8 @@ class TrainerBuilder:
         return LauncherView(handle.join())
 
 
-def _follow_if_placed(config: TrainerConfig, cooperative: bool) -> None:
+def _follow_if_placed(config: TrainerConfig, cooperative: bool, role: ExternalRole | None) -> None:
     """Under torchrun / srun, every rank but 0 becomes a worker of rank 0's job, then exits."""
-    from flodl.runtime.env import external_role
-
-    role = external_role()
     if role is None or role.world_size == 1:
         return
     if cooperative:
@@ -351,7 +317,8 @@ class Trainer:
         from flodl.evaluation import EvalSpec
         from flodl.job import Job
 
-        _follow_if_placed(config, cooperative)
+        placed = external_role()  # this process's placement, read once and passed down
+        _follow_if_placed(config, cooperative, placed)
         evaluation = EvalSpec(
             metrics=dict(metrics or {}),
             eval_loss=eval_loss,
@@ -374,7 +341,14 @@ class Trainer:
         callbacks = Callbacks(metrics_fn, eval_result_fn, epoch_fn)
         if cooperative:  # ranks re-execute the user's script, as torchrun does
             spec.entry = list(sys.orig_argv[1:])
-        job = Job(spec, callbacks, job_dir, eval_metric=eval_metric, run_info=run_info or {})
+        job = Job(
+            spec,
+            callbacks,
+            job_dir,
+            eval_metric=eval_metric,
+            run_info=run_info or {},
+            placed=placed,
+        )
         job.cooperative = cooperative
         if run_info is None:  # the Python API: say where the outputs go (Hydra prints its own)
             print(f"flodl: outputs in {job.job_dir}", file=sys.stderr, flush=True)

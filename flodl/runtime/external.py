@@ -51,21 +51,19 @@ log = logging.getLogger(__name__)
 _RUNS = itertools.count()  # one per job: rank 0 and its followers count the same jobs
 
 
-def next_run_key() -> str:
+def next_run_key(role: rank_env.ExternalRole) -> str:
     """Store prefix of the next job of this process (restart-aware: torchrun reuses its store)."""
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return f"flodl/{restart}/{next(_RUNS)}/"
+    return f"flodl/{role.restart}/{next(_RUNS)}/"
 
 
 def rendezvous_store(role: rank_env.ExternalRole, timeout_s: float) -> Any:
     """The launcher's store at MASTER_ADDR:MASTER_PORT: torchrun's agent store, or rank 0's."""
     import torch.distributed as dist
 
-    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     return dist.TCPStore(
         role.master_addr,
         role.master_port,
-        is_master=role.rank == 0 and not agent,
+        is_master=role.rank == 0 and not role.agent_store,
         timeout=timedelta(seconds=timeout_s),
         wait_for_workers=False,
         multi_tenant=True,
@@ -73,8 +71,8 @@ def rendezvous_store(role: rank_env.ExternalRole, timeout_s: float) -> Any:
     )
 
 
-def _file_secret() -> bytes | None:
-    path = os.environ.get(rank_env.SECRET_FILE)
+def _file_secret(role: rank_env.ExternalRole) -> bytes | None:
+    path = role.secret_file
     if not path:
         return None
     text = Path(path).read_text().strip()
@@ -88,7 +86,7 @@ def _file_secret() -> bytes | None:
 
 def _check_secret_source(role: rank_env.ExternalRole) -> None:
     """Across hosts the secret must come from FLODL_SECRET_FILE: refuse otherwise."""
-    if os.environ.get(rank_env.SECRET_FILE) or role.single_host:
+    if role.secret_file or role.single_host:
         return
     where = "spans several hosts" if role.single_host is False else "may span several hosts"
     raise RuntimeError(
@@ -163,14 +161,14 @@ class ExternalCohort(ProcessLauncher):
         role = self.topology.external
         assert role is not None
         timeout = self.spec.config.cluster.start_timeout_s
-        self.secret = _file_secret() or new_secret()
+        self.secret = _file_secret(role) or new_secret()
         self.listener = Listener(_bind_address(role.master_addr), 0)
         groups.protect_port(self.listener.port)  # rank 0 trains in this process, beside us
         self.control_address = (self.listener.host, self.listener.port)
         controller = f"{role.master_addr}:{self.listener.port}"
-        key = next_run_key()
+        key = next_run_key(role)
         self.spec.store_prefix = key + "data"
-        rendezvous_file = os.environ.get(rank_env.RENDEZVOUS_FILE)
+        rendezvous_file = role.rendezvous_file
         if rendezvous_file:  # placed by our SLURM launcher: a file in the job's private folder
             store = serve_store(_bind_address(role.master_addr))
             self.spec.store_host, self.spec.store_port = role.master_addr, store.port
@@ -182,7 +180,7 @@ class ExternalCohort(ProcessLauncher):
             _check_secret_source(role)
             store = rendezvous_store(role, timeout)
             self.spec.store_host, self.spec.store_port = role.master_addr, role.master_port
-            if os.environ.get(rank_env.SECRET_FILE):
+            if role.secret_file:
                 store.set(key + "controller", controller)
             else:  # one host: the secret and address go through this user's private folder
                 name = secrets.token_hex(16)
@@ -238,15 +236,15 @@ def follow(role: rank_env.ExternalRole, timeout_s: float = 120.0) -> int:
     """A follower: find this job's controller in the store, join it, train; the exit code."""
     from flodl.runtime.rank import run_managed
 
-    key = next_run_key()
-    rendezvous_file = os.environ.get(rank_env.RENDEZVOUS_FILE)
+    key = next_run_key(role)
+    rendezvous_file = role.rendezvous_file
     if rendezvous_file:
         published = _read_when_written(Path(rendezvous_file), timeout_s)
         controller, secret = published["controller"], bytes.fromhex(published["secret"])
     else:
         _check_secret_source(role)
         store = rendezvous_store(role, timeout_s)
-        file_secret = _file_secret()
+        file_secret = _file_secret(role)
         if file_secret is not None:
             store.wait([key + "controller"], timedelta(seconds=timeout_s))
             controller, secret = store.get(key + "controller").decode(), file_secret

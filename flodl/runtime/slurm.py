@@ -102,30 +102,17 @@ def rank0_task(spec: Any, job_dir: str, rendezvous_file: str) -> Any:
     from flodl.runtime.external import follow
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    task = submitit.JobEnvironment()
-    os.environ.update(
-        {
-            "RANK": str(task.global_rank),
-            "WORLD_SIZE": str(task.num_tasks),
-            "LOCAL_RANK": str(task.local_rank),
-            "MASTER_ADDR": task.hostnames[0],
-            "MASTER_PORT": "0",  # unused: the rendezvous file says where rank 0 listens
-            rank_env.PLACED_BY: "submitit",
-            rank_env.RENDEZVOUS_FILE: rendezvous_file,
-        }
-    )
-    role = rank_env.external_role()
-    assert role is not None
+    role = rank_env.submitit_role(submitit.JobEnvironment(), rendezvous_file)
     if role.rank != 0:
         code = follow(role, spec.config.cluster.start_timeout_s)
         if code:
             raise RuntimeError(f"rank {role.rank} failed (exit {code}); see task 0's log")
         return None
-    from flodl.job import Job
-    from flodl.runtime.spec import Callbacks
+    from flodl.runtime.control import control_only
+    from flodl.topology import resolve_topology
 
-    job = Job(spec, Callbacks(), job_dir, eval_metric="eval", run_info={})
-    return job.control_only()
+    topology = resolve_topology(spec.config, placed=role)
+    return control_only(spec, Path(job_dir), topology)
 
 
 def _wait_done(job: Any, seconds: float) -> bool:
