@@ -134,28 +134,57 @@ class ElCheConfig(_Schema):
 
     # Presets, the tutorial's shape: ElCheConfig.nccl_cadence().model_copy(update={...}).
     @classmethod
+    def preset(cls, mode: Mode | str, **kw: Any) -> ElCheConfig:
+        """``mode``'s preset (:data:`ELCHE_PRESETS`, as its YAML), ``kw`` on top."""
+        mode = Mode(mode)
+        return cls(**{"mode": mode, **ELCHE_PRESETS[mode], **kw})
+
+    @classmethod
     def nccl_sync(cls, **kw: Any) -> ElCheConfig:
-        return cls(mode=Mode.NCCL_SYNC, **{"anchor": 1, **kw})
+        return cls.preset(Mode.NCCL_SYNC, **kw)
 
     @classmethod
     def nccl_cadence(cls, **kw: Any) -> ElCheConfig:
-        return cls(mode=Mode.NCCL_CADENCE, **kw)
+        return cls.preset(Mode.NCCL_CADENCE, **kw)
 
     @classmethod
     def cpu_sync(cls, **kw: Any) -> ElCheConfig:
-        return cls(mode=Mode.CPU_SYNC, **{"anchor": 1, **kw})
+        return cls.preset(Mode.CPU_SYNC, **kw)
 
     @classmethod
     def cpu_cadence(cls, **kw: Any) -> ElCheConfig:
-        return cls(mode=Mode.CPU_CADENCE, **kw)
+        return cls.preset(Mode.CPU_CADENCE, **kw)
 
     @classmethod
     def cpu_async(cls, **kw: Any) -> ElCheConfig:
-        return cls(mode=Mode.CPU_ASYNC, **{"overhead_target": 0.05, **kw})
+        return cls.preset(Mode.CPU_ASYNC, **kw)
 
     @classmethod
     def solo(cls, **kw: Any) -> ElCheConfig:
-        return cls(mode=Mode.SOLO, **kw)
+        return cls.preset(Mode.SOLO, **kw)
+
+
+#: What each ElChe preset changes from :class:`ElCheConfig`'s defaults: the one table behind
+#: ``ElCheConfig.<mode>()`` and ``conf/elche/<mode>.yaml`` (which states just these keys; the
+#: rest comes from the schema, registered for Hydra as ``elche/_schema``).
+ELCHE_PRESETS: dict[Mode, dict[str, Any]] = {
+    Mode.NCCL_SYNC: {"anchor": 1},  # sync every step
+    Mode.NCCL_CADENCE: {},
+    Mode.CPU_SYNC: {"anchor": 1},
+    Mode.CPU_CADENCE: {},
+    Mode.CPU_ASYNC: {"anchor": 1},
+    Mode.SOLO: {},
+}
+
+
+def preset_yaml_keys(mode: Mode) -> dict[str, Any]:
+    """The keys ``conf/elche/<mode>.yaml`` states: the mode and what its preset changes."""
+    return {"mode": mode.value, **ELCHE_PRESETS[mode]}
+
+
+def elche_schema_node() -> dict[str, Any]:
+    """Every ElChe key at its schema default, as plain data: Hydra's base for the presets."""
+    return ElCheConfig().model_dump(mode="json")
 
 
 class ControllerAddress(_Schema):
