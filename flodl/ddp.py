@@ -37,6 +37,7 @@ from torch import nn
 
 from flodl.elche.weights import averaging_weights
 from flodl.runtime.averaging import FlatState, collective_average
+from flodl.runtime.store import rendezvous_store
 
 _BACKENDS = ("gloo", "nccl")
 
@@ -412,14 +413,12 @@ def _join(rendezvous: Rendezvous, rank: int, device: torch.device, backend: str)
     timeout = timedelta(seconds=rendezvous.timeout_s)
     where = f"{rendezvous.host}:{rendezvous.port}"
     try:
-        store = dist.TCPStore(
+        store = rendezvous_store(
             rendezvous.host,
             rendezvous.port,
-            world_size=rendezvous.world_size,
-            is_master=rendezvous.is_host,
-            timeout=timeout,
-            wait_for_workers=False,
-            use_libuv=False,
+            rendezvous.world_size,
+            rendezvous.is_host,
+            rendezvous.timeout_s,
         )
     except (RuntimeError, OSError) as exc:
         role = "serve" if rendezvous.is_host else "reach"

@@ -15,6 +15,7 @@ import queue
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +24,11 @@ import torch
 from flodl.evaluation import primary_name
 from flodl.metrics import EpochMetrics, RunSummary, SyncEvent
 from flodl.results import RunResult, TrainedState
+from flodl.runtime.cohort import Cohort, run_cohort
+from flodl.runtime.cohorts import open_cohort
 from flodl.runtime.control import new_controller
 from flodl.runtime.controller import Controller, ControllerResult, Hooks, RunFailed
 from flodl.runtime.env import ExternalRole
-from flodl.runtime.links import in_process_link
 from flodl.runtime.preflight import format_lr_scaling, preflight, rank_batch_sizes
 from flodl.runtime.snapshots import ResumePoint
 from flodl.runtime.spec import Callbacks, JobSpec
@@ -48,6 +50,7 @@ class Job:
         eval_metric: str,
         run_info: dict[str, Any],
         placed: ExternalRole | None = None,
+        cooperative: bool = False,
     ) -> None:
         self.spec = spec
         self.callbacks = callbacks
@@ -63,10 +66,19 @@ class Job:
             spec.config, self.topology.world_size, signature
         )
         self.run_info["lr_scaling"] = preflight(spec, self.topology)
-        spec.batch_sizes = rank_batch_sizes(spec.config, self.topology)
+        topo = self.topology
+        # The job as every rank receives it, complete from here on (frozen).
+        self.spec = replace(
+            spec,
+            batch_sizes=rank_batch_sizes(spec.config, topo),
+            world_size=topo.world_size,
+            speeds=topo.speeds,
+            pace=topo.pace,
+            backend=topo.backend,
+        )
         self._stop = threading.Event()
-        self.launcher: Any = None  # the process launcher, once a cohort is spawned
-        self.cooperative = False
+        self.cohort: Cohort | None = None  # once the ranks are started
+        self.cooperative = cooperative
         self._local_worker: queue.Queue[Any] = queue.Queue()
         self._done = threading.Event()
         self._result_state: TrainedState | None = None
@@ -82,10 +94,6 @@ class Job:
         cfg = self.spec.config
         topo = self.topology
         self.job_dir.mkdir(parents=True, exist_ok=True)
-        self.spec.world_size = topo.world_size
-        self.spec.speeds = topo.speeds
-        self.spec.pace = topo.pace
-        self.spec.backend = topo.backend
         logging.getLogger("flodl").setLevel(cfg.logger.level)
         log.info("flodl: %s | mode %s", topo.description, cfg.elche.mode.value)
         dashboard = None
@@ -110,19 +118,17 @@ class Job:
                 dashboard.stop()
 
     def _train(self, controller: Controller) -> ControllerResult:
-        if self.topology.in_process:
-            return self._run_in_process(controller)
-        from flodl.runtime.launcher import ProcessLauncher
-
-        launcher_class: Any = ProcessLauncher
-        if self.topology.kind == "external":
-            from flodl.runtime.external import ExternalCohort as launcher_class
-        elif self.topology.kind == "slurm":
-            from flodl.runtime.slurm import SlurmLauncher as launcher_class
-        self.launcher = launcher_class(
-            self.spec, controller, self.job_dir, self.topology, echo=self._rank_line
+        on_cooperative = self._hand_over if self.cooperative else None
+        self.cohort = open_cohort(
+            self.spec, controller, self.job_dir, self.topology, self._rank_line, on_cooperative
         )
-        return self.launcher.run(self._stop.is_set)
+        return run_cohort(self.cohort, self._stop.is_set)
+
+    def _hand_over(self, core: Any) -> None:
+        """Cooperative and in-process: the caller's thread drives the only rank."""
+        from flodl.cooperative import CooperativeWorker
+
+        self._local_worker.put(CooperativeWorker(core, finish_hook=self._finish_cooperative))
 
     def _rank_line(self, line: str) -> None:
         """A rank's warning or print: above the progress bar when one is drawn."""
@@ -159,44 +165,6 @@ class Job:
         dashboard = Dashboard.start(self.job_dir / "tb", logger.serve, logger.host)
         print(f"dashboard: {dashboard.url}", flush=True)
         return dashboard
-
-    def _run_in_process(self, controller: Controller) -> ControllerResult:
-        from flodl.runtime.worker import Worker
-
-        rank_end, controller_end = in_process_link(controller.post)
-        controller.attach(0, controller_end)
-        device = _in_process_device(self.spec.config.device)
-        cluster = self.spec.config.cluster
-        if cluster.kind == "cpu_rig":  # the rig simulates one device per rank: pin its threads
-            torch.set_num_threads(cluster.threads_per_rank)
-        failure: list[BaseException] = []
-
-        def work() -> None:
-            try:
-                Worker(self.spec, rank_end, 0, device).run()
-            except BaseException as exc:
-                from flodl.failures import describe
-                from flodl.runtime.messages import RankError
-
-                failure.append(exc)
-                controller.post(0, RankError(0, describe(exc), ""))
-
-        if self.cooperative:
-            from flodl.cooperative import CooperativeWorker
-
-            core = Worker(self.spec, rank_end, 0, device)
-            self._local_worker.put(CooperativeWorker(core, finish_hook=self._finish_cooperative))
-            return controller.run(self._stop.is_set)
-        thread = threading.Thread(target=work, name="flodl-rank0", daemon=True)
-        thread.start()
-        try:
-            return controller.run(self._stop.is_set)
-        except RunFailed as exc:
-            if failure:  # the rank's own exception stays reachable for API callers
-                raise exc from failure[0]
-            raise
-        finally:
-            thread.join(timeout=5.0)
 
     def wait_cooperative_worker(self) -> Any:
         """The in-process cooperative worker (started), or None for a process cohort."""
@@ -396,9 +364,3 @@ def _telemetry(result: ControllerResult) -> list[dict[str, Any]]:
 
 def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
-
-
-def _in_process_device(kind: str) -> torch.device:
-    if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", 0)
-    return torch.device("cpu")

@@ -337,10 +337,10 @@ class Trainer:
             evaluation=evaluation,
             scheduler_factory=scheduler_factory,
             scheduler_interval=scheduler_interval,
+            # cooperative: ranks re-execute the user's script, as torchrun does
+            entry=list(sys.orig_argv[1:]) if cooperative else None,
         )
         callbacks = Callbacks(metrics_fn, eval_result_fn, epoch_fn)
-        if cooperative:  # ranks re-execute the user's script, as torchrun does
-            spec.entry = list(sys.orig_argv[1:])
         job = Job(
             spec,
             callbacks,
@@ -348,8 +348,8 @@ class Trainer:
             eval_metric=eval_metric,
             run_info=run_info or {},
             placed=placed,
+            cooperative=cooperative,
         )
-        job.cooperative = cooperative
         if run_info is None:  # the Python API: say where the outputs go (Hydra prints its own)
             print(f"flodl: outputs in {job.job_dir}", file=sys.stderr, flush=True)
         return RunHandle(job)

@@ -45,9 +45,12 @@ def control_only(spec: JobSpec, job_dir: Path, topology: Topology) -> Controller
     """Run just the controller and this process's rank (task 0 of a ``controller: rank0``
     SLURM job): the submitting launcher writes the outputs from the returned result."""
     from flodl.preflight import check_run
+    from flodl.runtime.cohort import run_cohort
     from flodl.runtime.external import ExternalCohort
 
     resume = check_run(spec.config, topology.world_size, None)
     controller = new_controller(spec, topology, Hooks(), resume)
     job_dir.mkdir(parents=True, exist_ok=True)
-    return ExternalCohort(spec, controller, job_dir, topology).run(lambda: False)
+    cohort = ExternalCohort(spec, controller, job_dir, topology)
+    controller.hooks.kill_rank = cohort.lose
+    return run_cohort(cohort, lambda: False)

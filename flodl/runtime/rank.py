@@ -132,7 +132,9 @@ def _data_store(spec: Any, generation: str) -> Any:
     """The data plane's rendezvous: the launcher's store, under this job's and generation's keys."""
     import torch.distributed as dist
 
-    store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False, use_libuv=False)
+    from flodl.runtime.store import client_store
+
+    store = client_store(spec.store_host, spec.store_port)
     return dist.PrefixStore(f"{spec.store_prefix}/{generation}", store)
 
 

@@ -38,3 +38,42 @@ def serve_store(host: str, port: int = 0, timeout_s: float = 300.0) -> Any:
         master_listen_fd=sock.detach(),
         use_libuv=False,
     )
+
+
+def client_store(host: str, port: int) -> Any:
+    """A rank's client of the launcher's store (the data plane's rendezvous)."""
+    from torch.distributed import TCPStore
+
+    return TCPStore(host, port, is_master=False, use_libuv=False)
+
+
+def shared_store(host: str, port: int, serve: bool, timeout_s: float) -> Any:
+    """A store other jobs share (torchrun's at ``MASTER_ADDR:MASTER_PORT``): ``serve`` on the
+    rank that hosts it when torchrun's agent does not; many clients per process."""
+    from torch.distributed import TCPStore
+
+    return TCPStore(
+        host,
+        port,
+        is_master=serve,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        multi_tenant=True,
+        use_libuv=False,
+    )
+
+
+def rendezvous_store(host: str, port: int, world_size: int, serve: bool, timeout_s: float) -> Any:
+    """The bypass tier's store (:class:`flodl.ddp.Rendezvous`): ``world_size`` ranks meet at
+    ``host:port``; the one that ``serve`` hosts it."""
+    from torch.distributed import TCPStore
+
+    return TCPStore(
+        host,
+        port,
+        world_size=world_size,
+        is_master=serve,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        use_libuv=False,
+    )

@@ -40,7 +40,7 @@ def test_impostors_and_garbage_do_not_disturb_training(tmp_path):
     def attack(metrics) -> None:
         if metrics.epoch != 1:  # after the first epoch (epochs count from 1)
             return
-        host, port = holder["handle"]._job.launcher.control_address
+        host, port = holder["handle"]._job.cohort.control_address
         raw = socket.create_connection((host, port))
         raw.sendall(b"\x00garbage\xff" * 4096)
         raw.close()
