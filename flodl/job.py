@@ -82,7 +82,7 @@ class Job:
         self._local_worker: queue.Queue[Any] = queue.Queue()
         self._done = threading.Event()
         self._result_state: TrainedState | None = None
-        self._interrupted_summary: RunSummary | None = None
+        self.summary: RunSummary | None = None  # once written: ok, interrupted or failed
         self._curve: list[tuple[float, float]] = []
         self._t0 = time.perf_counter()
 
@@ -107,15 +107,19 @@ class Job:
             )
             dashboard = self._serve()
             self._open_outputs()
-            return self._finish(self._train(controller))
+            run = self._finish(self._train(controller))
         except BaseException as exc:
-            self._write_summary(self._failed_summary(exc))
+            self.summary = self._failed_summary(exc)
+            self._write_summary(self.summary)
             raise
         finally:
             self._done.set()
             self._close_outputs()
             if dashboard is not None and not cfg.logger.keep_serving:
                 dashboard.stop()
+        if run.summary.status == "failed":  # a failed save: stopped cleanly, summary written
+            raise RunFailed(run.summary.error or "the run failed")
+        return run  # ok, or interrupted (a graceful stop: what was trained, what was saved)
 
     def _train(self, controller: Controller) -> ControllerResult:
         on_cooperative = self._hand_over if self.cooperative else None
@@ -236,15 +240,13 @@ class Job:
             summary.error = (
                 f"{result.save_error}; the trained state was saved to {self.job_dir / 'model.pt'}"
             )
-            self._interrupted_summary = summary
-            raise RunFailed(summary.error)
-        if result.stopped is not None and result.stopped_early is None:
+        elif result.stopped is not None and result.stopped_early is None:
             summary.status = "interrupted"
             summary.error = f"stopped ({result.stopped}); saved: {result.saved or 'nothing'}"
-            self._interrupted_summary = summary
-            raise KeyboardInterrupt(result.stopped)
+        self.summary = summary
         self._write_summary(summary)
-        self._log_hparams(summary)
+        if summary.status == "ok":
+            self._log_hparams(summary)
         return RunResult(
             state, summary, result.epochs, result.events, coverage_exact=_coverage_exact(result)
         )
@@ -294,8 +296,8 @@ class Job:
 
     def _failed_summary(self, exc: BaseException) -> RunSummary:
         message = str(exc) or type(exc).__name__
-        if self._interrupted_summary is not None:
-            return self._interrupted_summary  # a clean stop (signal, failed save) wrote it
+        if self.summary is not None and self.summary.status != "ok":
+            return self.summary  # the run ended cleanly (a failed save) and wrote it
         if isinstance(exc, KeyboardInterrupt):
             message = "interrupted"
         return RunSummary(

@@ -29,7 +29,7 @@ from flodl.config import (
     TrainerConfig,
     validate_trainer_config,
 )
-from flodl.metrics import EpochMetrics
+from flodl.metrics import EpochMetrics, RunSummary
 from flodl.results import RunResult, TrainedState
 from flodl.runtime.env import ExternalRole, external_role
 from flodl.runtime.spec import Callbacks, JobSpec
@@ -93,6 +93,9 @@ class RunHandle:
         if self._error is not None:
             raise self._error
         assert self._result is not None and self._result.state is not None
+        summary = self._result.summary
+        if summary.status == "interrupted":  # stopped gracefully: the caller sees the stop
+            raise KeyboardInterrupt(summary.error)
         return self._result.state
 
     def _wait_for_cleanup(self, timeout_s: float = 60.0) -> None:
@@ -114,6 +117,12 @@ class RunHandle:
                     "stopping already: saving what is trained and ending every rank "
                     "(one more stop signal aborts without saving)"
                 )
+
+    @property
+    def summary(self) -> RunSummary | None:
+        """The run's summary as written to ``summary.json`` (ok, interrupted or failed), once
+        the run ended; None when it ended before writing one."""
+        return self._job.summary  # type: ignore[no-any-return]
 
     @property
     def result(self) -> RunResult:

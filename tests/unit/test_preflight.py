@@ -178,7 +178,6 @@ def test_failed_jobs_are_counted_from_summaries_under_any_launcher(tmp_path, mon
     from flodl import app
     from flodl.sweep import FailedJobs
 
-    monkeypatch.setitem(app.STATE, "failed", 0)
     old = tmp_path / "0" / "summary.json"
     old.parent.mkdir()
     old.write_text(json.dumps({"status": "failed"}))
@@ -189,8 +188,9 @@ def test_failed_jobs_are_counted_from_summaries_under_any_launcher(tmp_path, mon
     for job, status in [("1", "ok"), ("2", "failed"), ("3", "interrupted")]:
         (tmp_path / job).mkdir()
         (tmp_path / job / "summary.json").write_text(json.dumps({"status": status}))
-    callback.on_multirun_end(config)
-    assert app.STATE["failed"] == 2
+    with pytest.raises(app.JobsFailed) as failed:
+        callback.on_multirun_end(config)
+    assert failed.value.failed == 2 and failed.value.code == 1
 
 
 def test_hydra_nodes_bind_as_hydra_passes_them():
