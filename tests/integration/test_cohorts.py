@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,8 @@ def _cluster(cohort: str, request: pytest.FixtureRequest) -> ClusterConfig:
     if cohort == "hosts":
         hosts = request.getfixturevalue("make_test_hosts")(2)
         return cluster_for(hosts, heartbeat_timeout_s=3.0)
+    # submitit's tasks import this test's functions by module name (tests/ as on sys.path here)
+    request.getfixturevalue("monkeypatch").setenv("PYTHONPATH", os.pathsep.join(sys.path))
     slurm = SlurmConfig(nodes=1, tasks_per_node=2, executor="local", controller="submitter")
     return ClusterConfig(kind="slurm", slurm=slurm, **quick)
 
