@@ -38,3 +38,13 @@ def serve_store(host: str, port: int = 0, timeout_s: float = 300.0) -> Any:
         master_listen_fd=sock.detach(),
         use_libuv=False,
     )
+
+
+def join_store(host: str, port: int, secret: bytes, prefix: str, timeout_s: float = 300.0) -> Any:
+    """A rank's view of the launcher's store: ``prefix``'s keys, values signed with ``secret``."""
+    from torch.distributed import PrefixStore, TCPStore
+
+    from flodl.runtime.signed_store import SignedStore
+
+    store = TCPStore(host, port, is_master=False, use_libuv=False)
+    return SignedStore(PrefixStore(prefix, store), secret, timeout_s)

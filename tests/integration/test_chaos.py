@@ -5,12 +5,14 @@ run with a rank killed at a named moment (flodl/runtime/chaos.py). The whole mat
 from __future__ import annotations
 
 import json
+import socket
+import threading
 import time
 from functools import partial
 
 import pytest
 
-from flodl import ClusterConfig, ElCheConfig, LoggerConfig, Trainer
+from flodl import ClusterConfig, ControllerAddress, ElCheConfig, LoggerConfig, Trainer
 from recipes.steps import accuracy, classification_step
 
 from .helpers import data, model_factory, optim_factory
@@ -18,7 +20,14 @@ from .helpers import data, model_factory, optim_factory
 pytestmark = pytest.mark.slow
 
 
-def faulted_run(tmp_path, monkeypatch, faults: str, mode: str = "nccl_cadence", epochs: int = 2):
+def faulted_run(
+    tmp_path,
+    monkeypatch,
+    faults: str,
+    mode: str = "nccl_cadence",
+    epochs: int = 2,
+    controller_port: int = 0,
+):
     monkeypatch.setenv("FLODL_CHAOS", faults)
     cfg = (
         Trainer.builder(model_factory, optim_factory, classification_step)
@@ -33,6 +42,7 @@ def faulted_run(tmp_path, monkeypatch, faults: str, mode: str = "nccl_cadence", 
                 warmup_steps=2,
                 heartbeat_timeout_s=3.0,
                 start_timeout_s=30.0,
+                controller=ControllerAddress(port=controller_port),
             )
         )
         .logger(LoggerConfig(progress="off", tensorboard=False))
@@ -83,3 +93,39 @@ def test_work_of_a_rank_lost_while_averaging_is_trained_again(tmp_path, monkeypa
     first = next(e for e in events if e["batches"][1] > 0)
     # Only rank 1's first window reached the model; its second was given back and retrained.
     assert result.epochs[0].per_rank[1]["batches"] == first["batches"][1]
+
+
+def _plant_garbage(store_port: int, done: threading.Event) -> None:
+    """A stranger on the store's port: lists the keys, overwrites every one with garbage and
+    plants garbage where the next generations' rendezvous will look."""
+    import torch.distributed as dist
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            store = dist.TCPStore("127.0.0.1", store_port, is_master=False, use_libuv=False)
+            keys = [k for k in store.list_keys() if "generation0" in k]
+        except Exception:  # not up yet
+            keys = []
+        if len(keys) >= 3:
+            break
+        time.sleep(0.2)
+    garbage = b"\x00garbage\xff" * 64
+    for key in keys:
+        for generation in range(4):
+            store.set(key.replace("generation0", f"generation{generation}"), garbage)
+    done.set()
+
+
+def test_garbage_written_into_the_store_does_not_kill_the_run(tmp_path, monkeypatch):
+    """Was: garbage in the rendezvous store killed every rank (gloo parsed it). Values are now
+    signed with the run's secret: the regroup after rank 2's loss reads past planted garbage."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    planted = threading.Event()
+    threading.Thread(target=_plant_garbage, args=(port + 1, planted), daemon=True).start()
+    result, _ = faulted_run(tmp_path, monkeypatch, "2:window:4", controller_port=port)
+    assert planted.is_set()
+    assert result.summary.status == "ok" and result.summary.lost_ranks == [2]
+    assert result.coverage_exact and result.summary.samples_seen == 2 * 2048
