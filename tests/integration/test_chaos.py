@@ -4,12 +4,18 @@ run with a rank killed at a named moment (flodl/runtime/chaos.py). The whole mat
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from functools import partial
+from pathlib import Path
 
+import psutil
 import pytest
 
 from flodl import ClusterConfig, ControllerAddress, ElCheConfig, LoggerConfig, Trainer
@@ -129,3 +135,64 @@ def test_garbage_written_into_the_store_does_not_kill_the_run(tmp_path, monkeypa
     assert planted.is_set()
     assert result.summary.status == "ok" and result.summary.lost_ranks == [2]
     assert result.coverage_exact and result.summary.samples_seen == 2 * 2048
+
+
+def _run_one(tmp_path, faults: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "tests.chaos.run_one", "--ranks", "2", "--epochs", "2"]
+    cmd += ["--n-train", "1024", "--faults", faults, "--ckpt", str(tmp_path / "ckpt")]
+    cmd += ["--job-dir", str(tmp_path / "job"), "--timeout", "120"]
+    root = Path(__file__).resolve().parents[2]
+    return subprocess.Popen(
+        cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def _wait_status(proc: psutil.Process, status: str, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.status() == status:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_launcher_frozen_while_writing_a_checkpoint_loses_no_healthy_rank(tmp_path):
+    """Was: a launcher paused 8 s (heartbeat 3 s) got healthy ranks declared dead."""
+    job = _run_one(tmp_path, "launcher:checkpoint_write:1:stop")
+    launcher = psutil.Process(job.pid)
+    try:
+        assert _wait_status(launcher, psutil.STATUS_STOPPED, 90), "the launcher never froze"
+        time.sleep(8.0)  # > heartbeat_timeout_s (3 s): the ranks' heartbeats queue meanwhile
+        launcher.resume()
+        out, _ = job.communicate(timeout=120)
+    finally:
+        job.kill()
+    result = json.loads(out.split("CHAOS-RESULT ", 1)[1])
+    assert result["status"] == "ok" and result["lost_ranks"] == [], result
+    assert result["coverage_exact"] and result["samples_seen"] == 2 * 1024
+    assert result["bundle"].startswith("epoch 2"), result
+
+
+def test_a_launcher_killed_while_writing_a_checkpoint_leaves_no_rank_and_a_loadable_bundle(
+    tmp_path,
+):
+    """The second save's states are collected, then the launcher dies: its ranks must follow
+    it at once (no orphan burns the allocation) and the first epoch's bundle must still load."""
+    job = _run_one(tmp_path, "launcher:checkpoint_write:2:kill")
+    launcher = psutil.Process(job.pid)
+    ranks: set[int] = set()
+    while job.poll() is None:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            ranks |= {p.pid for p in launcher.children(recursive=True)}
+        time.sleep(0.2)
+    assert job.returncode == -signal.SIGKILL
+    assert len(ranks) >= 2
+    deadline = time.monotonic() + 10.0  # the ranks' parent-death signal / lifeline
+    while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in ranks):
+        time.sleep(0.2)
+    alive = [p for p in ranks if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    assert not alive, f"ranks outlived their launcher: {alive}"
+    from flodl.checkpoint import load_bundle
+
+    _, meta = load_bundle(str(tmp_path / "ckpt" / "run"))
+    assert meta.epoch == 1
