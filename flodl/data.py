@@ -18,7 +18,7 @@ from torch.utils.data import Dataset, IterableDataset, TensorDataset, default_co
 DatasetLike = Dataset | Callable[[], Dataset]
 Collate = Callable[[list[Any]], Any]
 
-SHARD_API = "flodl.shards.ShardedDataset(shards, decode) (or a webdataset tar shard list)"
+SHARD_API = "flodl.streams.ShardStream(shards, decode=...) (local files, fsspec URLs or webdataset tar shards)"
 
 
 def resolve_dataset(source: Any, what: str = "dataset") -> Any:
