@@ -1,0 +1,153 @@
+"""The data path on a real 2-rank CPU rig over gloo: DataLoader workers fed by the plan load
+exactly the planned samples (dict samples, collated as they are), keep the rig's speed ratio,
+survive a killed rank and resume mid-epoch."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import psutil
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+from flodl import ClusterConfig, ElCheConfig, LoggerConfig, Trainer, record_scalar
+from flodl.checkpoint import load_bundle
+from recipes.models import MLP
+
+from .helpers import CLASSES, SHAPE, data, optim_factory
+
+pytestmark = pytest.mark.slow
+
+N = 1536
+
+
+class DictSamples(Dataset):
+    """Hugging Face style samples: ``{"x", "y", "id"}`` (not a TensorDataset: no fast path)."""
+
+    def __init__(self, n: int = N) -> None:
+        self.x, self.y = data("train", n).tensors
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"x": self.x[i], "y": self.y[i], "id": torch.tensor(i, dtype=torch.float64)}
+
+
+def dict_step(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    ids = batch["id"]
+    # Per-batch means of these, in a known ratio, give the epoch's sums of ids and squares.
+    record_scalar("id_sum", float(ids.sum()))
+    record_scalar("id_sq", float((ids * ids).sum()))
+    record_scalar("n", float(ids.numel()))
+    return F.cross_entropy(model(batch["x"]), batch["y"])
+
+
+def dict_eval(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    return model(batch["x"]), batch["y"]
+
+
+def big_model(device: torch.device) -> torch.nn.Module:
+    """Steps slow enough that one loader worker keeps ahead of the fast rank (shared CPUs)."""
+    return MLP(SHAPE, CLASSES, hidden=512).to(device)
+
+
+def rank_process(rank: int) -> psutil.Process:
+    """The rank itself, not one of its loader workers (they inherit FLODL_RANK)."""
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if proc.environ().get("FLODL_RANK") == str(rank):
+                parent = proc.parent()
+                if parent is None or parent.environ().get("FLODL_RANK") != str(rank):
+                    return proc
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    raise LookupError(f"no process for rank {rank}")
+
+
+def loader_run(tmp_path, name, epochs=2, metrics_fn=None, **trainer):
+    cfg = (
+        Trainer.builder(big_model, optim_factory, dict_step)
+        .batch_size(32)
+        .num_epochs(epochs)
+        .elche(ElCheConfig(mode="nccl_cadence"))
+        .cluster(
+            ClusterConfig(
+                kind="cpu_rig", ranks=2, speeds=[1.0, 0.5], warmup_steps=3, pace_margin=3.0
+            )
+        )
+        .loader(num_workers=1, prefetch_factor=4)
+        .logger(LoggerConfig(progress="off", tensorboard=False))
+        .build_config()
+        .with_(**trainer)
+    )
+    return Trainer.run(
+        big_model,
+        optim_factory,
+        dict_step,
+        cfg,
+        dataset=partial(DictSamples, N),
+        eval_dataset=partial(DictSamples, 256),
+        eval_step=dict_eval,
+        eval_loss=F.cross_entropy,
+        metrics_fn=metrics_fn,
+        job_dir=tmp_path / name,
+    )
+
+
+EXACT = pytest.approx((N * (N - 1) / 2, (N - 1) * N * (2 * N - 1) / 6))
+
+
+def _epoch_ids(metrics) -> tuple[float, float]:
+    s = metrics.scalars
+    return s["id_sum"] / s["n"] * N, s["id_sq"] / s["n"] * N
+
+
+def _no_loader_workers_left() -> bool:
+    return not [p for p in psutil.Process().children(recursive=True) if p.is_running()]
+
+
+def test_workers_load_exactly_the_plan_keep_the_ratio_and_survive_a_kill(tmp_path):
+    """Dict samples through one worker per rank; rank 1 is SIGKILLed once epoch 2 closed."""
+    killed: list[int] = []
+
+    def metrics(m):
+        if m.epoch == 2 and not killed:
+            rank_process(1).kill()
+            killed.append(1)
+
+    handle = loader_run(tmp_path, "workers", epochs=3, metrics_fn=metrics)
+    handle.join(timeout=180)
+    result = handle.result
+    assert result.summary.status == "ok", result.summary.error
+    assert result.summary.lost_ranks == [1]
+    assert result.coverage_exact and result.summary.samples_seen == 3 * N
+    for m in result.epochs:  # every sample once per epoch as the workers loaded it, the lost
+        assert _epoch_ids(m) == EXACT  # rank's unfinished chunks trained by the survivor
+    calibrated = result.epochs[1].per_rank_batch_share  # epoch 2: both ranks, calibrated
+    assert calibrated[0] == pytest.approx(2 / 3, abs=0.04), calibrated
+    assert result.summary.eval_value is not None  # dict batches reach eval_step as dicts
+    assert _no_loader_workers_left()
+
+
+def test_resume_mid_epoch_with_workers(tmp_path, monkeypatch):
+    """Rank 1 is killed in its 3rd window: max_failure=0 saves mid-epoch and stops; the
+    resumed run (a worker on both ranks) trains exactly what was left."""
+    monkeypatch.setenv("FLODL_CHAOS", "1:window:3")
+    stem = str(tmp_path / "ckpt" / "run")
+    first = loader_run(tmp_path, "killed", max_failure=0, save_path=stem)
+    with pytest.raises(KeyboardInterrupt):
+        first.join(timeout=120)
+    _, meta = load_bundle(stem)
+    assert meta.save_reason == "max_failure" and meta.extra["lost_ranks"] == [1]
+    monkeypatch.delenv("FLODL_CHAOS")
+    resumed = loader_run(tmp_path, "resumed", resume_from=stem)
+    resumed.join(timeout=120)
+    result = resumed.result
+    assert result.summary.status == "ok", result.summary.error
+    assert result.coverage_exact
+    assert N < result.summary.samples_seen < 2 * N  # the saved part is not trained again
+    assert _epoch_ids(result.epochs[-1]) == EXACT
+    assert _no_loader_workers_left()
