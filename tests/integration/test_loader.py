@@ -14,6 +14,7 @@ from torch.utils.data import Dataset
 
 from flodl import ClusterConfig, ElCheConfig, LoggerConfig, Trainer, record_scalar
 from flodl.checkpoint import load_bundle
+from flodl.data import epoch_permutation
 from recipes.models import MLP
 
 from .helpers import CLASSES, SHAPE, data, optim_factory
@@ -100,9 +101,10 @@ def loader_run(tmp_path, name, epochs=2, metrics_fn=None, **trainer):
 EXACT = pytest.approx((N * (N - 1) / 2, (N - 1) * N * (2 * N - 1) / 6))
 
 
-def _epoch_ids(metrics) -> tuple[float, float]:
+def _epoch_ids(metrics, samples: float = N) -> tuple[float, float]:
+    """The sums of the ids and their squares an epoch trained (``samples`` of them)."""
     s = metrics.scalars
-    return s["id_sum"] / s["n"] * N, s["id_sq"] / s["n"] * N
+    return s["id_sum"] / s["n"] * samples, s["id_sq"] / s["n"] * samples
 
 
 def _no_loader_workers_left() -> bool:
@@ -142,12 +144,22 @@ def test_resume_mid_epoch_with_workers(tmp_path, monkeypatch):
         first.join(timeout=120)
     _, meta = load_bundle(stem)
     assert meta.save_reason == "max_failure" and meta.extra["lost_ranks"] == [1]
+    left = [(int(o), int(n)) for o, n in meta.coverage["uncovered"]]
+    epoch, todo_n = meta.epoch, sum(n for _, n in left)
+    assert meta.coverage["epoch"] == epoch < 2 and 0 < todo_n < N  # stopped inside an epoch
     monkeypatch.delenv("FLODL_CHAOS")
     resumed = loader_run(tmp_path, "resumed", resume_from=stem)
     resumed.join(timeout=120)
     result = resumed.result
     assert result.summary.status == "ok", result.summary.error
-    assert result.coverage_exact
-    assert N < result.summary.samples_seen < 2 * N  # the saved part is not trained again
-    assert _epoch_ids(result.epochs[-1]) == EXACT
+    assert result.summary.samples_seen == (1 - epoch) * N + todo_n
+    # The resumed epoch trains exactly its saved uncovered ranges (this run's coverage of it
+    # is partial by design), the next epoch every sample once.
+    perm = epoch_permutation(N, 42, epoch).double()
+    todo = torch.cat([perm[o : o + n] for o, n in left])
+    first, *rest = result.epochs
+    assert _epoch_ids(first, float(todo_n)) == pytest.approx(
+        (float(todo.sum()), float((todo * todo).sum()))
+    )
+    assert all(_epoch_ids(m) == EXACT for m in rest)
     assert _no_loader_workers_left()
