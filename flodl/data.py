@@ -18,7 +18,9 @@ from torch.utils.data import Dataset, IterableDataset, TensorDataset, default_co
 DatasetLike = Dataset | Callable[[], Dataset]
 Collate = Callable[[list[Any]], Any]
 
-SHARD_API = "flodl.streams.ShardStream(shards, decode=...) (local files, fsspec URLs or webdataset tar shards)"
+SHARD_API = (
+    "flodl.streams.ShardStream(shards, decode=...) (local files, fsspec URLs or webdataset tars)"
+)
 
 
 def resolve_dataset(source: Any, what: str = "dataset") -> Any:

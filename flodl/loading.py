@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
+    Dataset,
     IterableDataset,
     RandomSampler,
     SequentialSampler,
@@ -42,7 +43,7 @@ class _Filler:
     """What a filler batch is, after the workers and the pin-memory thread."""
 
 
-class PlanDataset:
+class PlanDataset(Dataset):
     """The user's dataset, answering the filler index with a placeholder (picklable)."""
 
     def __init__(self, dataset: Any) -> None:
@@ -263,7 +264,7 @@ def eval_batches(source: BatchSource, cfg: LoaderConfig, start: int, stop: int) 
         return
     end = min(stop, len(source.dataset))
     plan = [list(range(i, min(i + size, end))) for i in range(start, end, size)]
-    pin = cfg.pin_memory == "auto" and source.device.type == "cuda" or cfg.pin_memory is True
+    pin = (cfg.pin_memory == "auto" and source.device.type == "cuda") or cfg.pin_memory is True
     loader = DataLoader(
         source.dataset,
         batch_sampler=plan,

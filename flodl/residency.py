@@ -81,7 +81,9 @@ def place(source: BatchSource, cfg: LoaderConfig) -> bool:
     if need > budget:
         return _too_big(source, cfg, need, budget)
     source.resident(tree_map(lambda t: t.to(device), tree))
-    log.info("dataset resident on %s (%.1f MiB of a %.1f MiB budget)", device, need / _MIB, budget / _MIB)
+    log.info(
+        "dataset resident on %s (%.1f MiB of a %.1f MiB budget)", device, need / _MIB, budget / _MIB
+    )
     return True
 
 

@@ -30,6 +30,7 @@ from flodl.data import BatchSource, batch_samples, count_batches, resolve_datase
 from flodl.loading import collate_for, data_path, eval_batches
 from flodl.metrics import drain_scalars
 from flodl.precision import StepRunner, compiled
+from flodl.residency import place
 from flodl.runtime import chaos, groups
 from flodl.runtime.averaging import FlatState, collective_average
 from flodl.runtime.messages import (
@@ -49,7 +50,6 @@ from flodl.runtime.messages import (
 )
 from flodl.runtime.outer import make_outer
 from flodl.runtime.pacing import Pacer, measure_step_s
-from flodl.residency import place
 from flodl.runtime.spec import JobSpec, state_signature
 from flodl.shards import MODEL, load_shard, process_local, rank_shard, write_shard
 
@@ -496,7 +496,8 @@ class Worker:
     def feed(self, windows: Any = ()) -> None:
         """Hand ``windows`` and every planned window already waiting in the inbox to the loader,
         in the order they will run, so its workers load ahead (a no-op without workers)."""
-        waiting = [m for m in itertools.chain(self._pending, self.link.peek()) if isinstance(m, Plan)]
+        inbox = itertools.chain(self._pending, self.link.peek())
+        waiting = [m for m in inbox if isinstance(m, Plan)]
         for window in itertools.chain(windows, *(m.windows for m in waiting)):
             if not self.is_void(window):
                 self.data.feed(_key(window), window.epoch, window.chunks)

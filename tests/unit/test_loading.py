@@ -48,7 +48,9 @@ def _loader(n: int = 64, batch: int = 4, **cfg) -> PlannedLoader:
 def test_planned_windows_load_exactly_the_plan_in_order_and_cancel_drops_a_void_window() -> None:
     loader = _loader()
     try:
-        w0, w1, w2 = ((0, 0), 0, ((0, 10),)), ((1, 0), 0, ((10, 7), (40, 3))), ((2, 0), 0, ((17, 9),))
+        w0 = ((0, 0), 0, ((0, 10),))
+        w1 = ((1, 0), 0, ((10, 7), (40, 3)))
+        w2 = ((2, 0), 0, ((17, 9),))
         for key, epoch, chunks in (w0, w1, w2):
             loader.feed(key, epoch, chunks)
         got0 = [_ids(b) for b in loader.batches(*w0)]
@@ -117,7 +119,7 @@ def test_explicit_resident_materializes_a_dict_dataset_once() -> None:
 def test_resident_over_budget_names_the_knob(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("flodl.residency.free_bytes", lambda device: 100)
     source = BatchSource(Indexed(10), 4, 0, torch.device("cpu"))
-    with pytest.raises(ValueError, match="loader.placement=resident.*resident_fraction"):
+    with pytest.raises(ValueError, match=r"loader\.placement=resident.*resident_fraction"):
         place(source, LoaderConfig(placement="resident"))
 
 
@@ -145,7 +147,7 @@ def test_refusals_name_the_fix() -> None:
         def __iter__(self):
             return iter(range(3))
 
-    with pytest.raises(ConfigError, match="IterableDataset without shards.*ShardStream"):
+    with pytest.raises(ConfigError, match=r"IterableDataset without shards.*ShardStream"):
         adopt(Stream(), LoaderConfig(), 1)
 
 
@@ -161,8 +163,8 @@ def test_per_rank_overrides_and_their_count() -> None:
     assert (first.placement, first.num_workers) == ("resident", 1)
     assert (second.placement, second.num_workers) == ("auto", 2)
     bad = cfg.with_(loader={"ranks": [LoaderOverride()]})
-    with pytest.raises(ConfigError, match="loader.ranks: 1 entries but the run has 2"):
+    with pytest.raises(ConfigError, match=r"loader\.ranks: 1 entries but the run has 2"):
         rank_loaders(bad, resolve_topology(bad, probe_hosts=False))
     lone = cfg.with_(loader={"prefetch_factor": 4})
-    with pytest.raises(ConfigError, match="loader.prefetch_factor=4"):
+    with pytest.raises(ConfigError, match=r"loader\.prefetch_factor=4"):
         rank_loaders(lone, resolve_topology(lone, probe_hosts=False))
