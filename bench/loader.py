@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             runs[variant].append(result)
             log(f"[{rep + 1}/{repeats}] {variant}: {result.get('samples_per_s')} samples/s")
     data = {
-        "machine": machine(),
+        "machine": machine() | {"load_average_end": list(os.getloadavg())},
         "command": "python -m bench.loader" + (" --quick" if args.quick else ""),
         "quick": args.quick,
         "epochs": epochs,

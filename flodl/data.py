@@ -135,7 +135,12 @@ class BatchSource:
 
     def permutation(self, epoch: int) -> torch.Tensor:
         if epoch != self._perm_epoch:
-            self._perm = epoch_permutation(len(self.dataset), self.seed, epoch)
+            order = getattr(self.dataset, "epoch_order", None)  # a ShardStream's, shard-grouped
+            self._perm = (
+                order(self.seed, epoch)
+                if order is not None
+                else epoch_permutation(len(self.dataset), self.seed, epoch)
+            )
             self._perm_epoch = epoch
         return self._perm
 

@@ -168,3 +168,61 @@ def test_per_rank_overrides_and_their_count() -> None:
     lone = cfg.with_(loader={"prefetch_factor": 4})
     with pytest.raises(ConfigError, match=r"loader\.prefetch_factor=4"):
         rank_loaders(lone, resolve_topology(lone, probe_hosts=False))
+
+
+def _write_shards(tmp_path, counts: list[int]) -> list[str]:
+    import io
+    import tarfile
+
+    paths, i = [], 0
+    for s, n in enumerate(counts):
+        path = tmp_path / f"shard-{s:03d}.tar"
+        with tarfile.open(path, "w") as tar:
+            for _ in range(n):
+                for ext, payload in (("x", str(i).encode()), ("cls", str(i % 3).encode())):
+                    info = tarfile.TarInfo(f"{i:06d}.{ext}")
+                    info.size = len(payload)
+                    tar.addfile(info, io.BytesIO(payload))
+                i += 1
+        paths.append(str(path))
+    return paths
+
+
+def _decode(sample: dict) -> dict:
+    return {"i": torch.tensor(int(sample["x"])), "y": torch.tensor(int(sample["cls"]))}
+
+
+def test_tar_shards_load_every_sample_once_grouped_by_shard(tmp_path) -> None:
+    from flodl.streams import ShardStream
+
+    stream = ShardStream(_write_shards(tmp_path, [5, 7, 4]), decode=_decode)
+    assert len(stream) == 16 and stream[6]["i"].item() == 6 and stream[6]["y"].item() == 0
+    order = stream.epoch_order(0, 3).tolist()
+    assert sorted(order) == list(range(16)) and order == stream.epoch_order(0, 3).tolist()
+    shard_of = [next(s for s, (f, n) in enumerate(stream.bounds) if f <= i < f + n) for i in order]
+    assert sum(a != b for a, b in zip(shard_of, shard_of[1:], strict=False)) == 2  # 3 runs
+    source = BatchSource(stream, 4, 0, torch.device("cpu"))
+    path = data_path(source, LoaderConfig(num_workers=1))
+    try:
+        chunks = ((0, 9), (9, 7))  # two windows, as the controller would plan them
+        got = [b["i"].tolist() for k, c in enumerate(chunks) for b in path.batches((k, 0), 1, (c,))]
+    finally:
+        path.close()
+    assert sorted(i for b in got for i in b) == list(range(16))
+    assert [i for b in got for i in b] == stream.epoch_order(0, 1).tolist()
+
+
+def test_shards_through_fsspec_urls(tmp_path) -> None:
+    pytest.importorskip("fsspec")
+    from flodl.streams import ShardStream
+
+    import fsspec
+
+    (local,) = _write_shards(tmp_path, [3])
+    url = "memory://flodl-test/shard-000.tar"
+    with fsspec.open(url, "wb") as fh, open(local, "rb") as src:
+        fh.write(src.read())
+    stream = ShardStream([url], decode=_decode)
+    assert [stream[i]["i"].item() for i in range(3)] == [0, 1, 2]
+    with pytest.raises(ValueError, match="non-empty list"):
+        ShardStream("one.tar")
