@@ -91,10 +91,9 @@ def _dataset(work_ms: float | None) -> Any:
 
 
 def flodl_run(variant: str, epochs: int) -> dict[str, Any]:
+    from bench.common import WORKLOADS, ModelFactory, OptimFactory, step_fn
     from flodl import ClusterConfig, LoggerConfig, Trainer
     from flodl.config import ElCheConfig
-
-    from bench.common import ModelFactory, OptimFactory, WORKLOADS, step_fn
 
     spec = VARIANTS[variant]
     solo = spec.get("solo", False)
@@ -136,7 +135,7 @@ def plain_run(variant: str, epochs: int) -> dict[str, Any]:
     import torch
     from torch.utils.data import DataLoader
 
-    from bench.common import ModelFactory, OptimFactory, WORKLOADS, step_fn
+    from bench.common import WORKLOADS, ModelFactory, OptimFactory, step_fn
 
     spec = VARIANTS[variant]
     torch.manual_seed(SEED)

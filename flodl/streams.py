@@ -28,7 +28,7 @@ Sample = dict[str, bytes]
 def _open(url: str, mode: str = "rb") -> Any:
     """A local path with ``open``; anything with a scheme through fsspec (when installed)."""
     if "://" not in url or url.startswith("file://"):
-        return open(url.removeprefix("file://"), mode)  # noqa: SIM115 - the caller closes it
+        return open(url.removeprefix("file://"), mode)
     try:
         import fsspec
     except ImportError:

@@ -214,9 +214,9 @@ def test_tar_shards_load_every_sample_once_grouped_by_shard(tmp_path) -> None:
 
 def test_shards_through_fsspec_urls(tmp_path) -> None:
     pytest.importorskip("fsspec")
-    from flodl.streams import ShardStream
-
     import fsspec
+
+    from flodl.streams import ShardStream
 
     (local,) = _write_shards(tmp_path, [3])
     url = "memory://flodl-test/shard-000.tar"
