@@ -356,7 +356,7 @@ def loader_block(data: dict[str, Any]) -> str:
         ["workers=1 vs TensorDataset (~0.1 ms)", _num(goals.get("w1_vs_tensor")), ">= 0.9"],
         ["workers=0 vs TensorDataset (~0.1 ms)", _num(goals.get("w0_vs_tensor")), "(beside it)"],
         ["fast rank's share, workers=1", _num(goals.get("w1_fast_share")), "0.67 +- 0.03"],
-        ["workers=1 vs plain DataLoader(2) (~1 ms)", _num(goals.get("work1_vs_plain_dl2")), ">= 1.0"],
+        ["workers=1 vs DataLoader(2) (~1 ms)", _num(goals.get("work1_vs_plain_dl2")), ">= 1.0"],
     ]  # fmt: skip
     quick = " **Quick run (1 epoch, 1 repeat): a smoke test, not the goals' measurement.**"
     return "\n\n".join(
