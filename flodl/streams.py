@@ -81,12 +81,32 @@ class ShardStream(Dataset):
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_handles": {}}  # open files stay in their process
 
+    @property
+    def shard_sizes(self) -> list[int]:
+        """Samples per shard: the controller cuts chunks on shard boundaries with them."""
+        return [n for _, n in self.bounds]
+
     def epoch_order(self, seed: int, epoch: int) -> torch.Tensor:
         """The epoch's permutation every rank derives: shards shuffled, then each shard's
         samples shuffled in place, so a chunk of consecutive positions spans few shards."""
         g = torch.Generator().manual_seed(seed + epoch)
         parts = []
-        for s in torch.randperm(len(self.shards), generator=g).tolist():
+        for s in _shard_order(len(self.shards), g):
             first, n = self.bounds[s]
             parts.append(first + torch.randperm(n, generator=g))
         return torch.cat(parts)
+
+
+def _shard_order(n_shards: int, generator: torch.Generator) -> list[int]:
+    return [int(s) for s in torch.randperm(n_shards, generator=generator)]
+
+
+def shard_boundaries(sizes: Sequence[int], seed: int, epoch: int) -> list[int]:
+    """Where each shard starts in the epoch's order (:meth:`ShardStream.epoch_order`); the
+    controller derives it from the shard sizes the ranks report."""
+    g = torch.Generator().manual_seed(seed + epoch)
+    starts, pos = [], 0
+    for s in _shard_order(len(sizes), g):
+        starts.append(pos)
+        pos += sizes[s]
+    return starts

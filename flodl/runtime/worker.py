@@ -371,6 +371,7 @@ class Worker:
                 device=str(self.device),
                 n_samples=len(self.source),
                 batch_size=self.batch_size,
+                shard_sizes=tuple(getattr(self.source.dataset, "shard_sizes", ())),
             )
         )
 

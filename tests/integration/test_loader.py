@@ -68,7 +68,7 @@ def rank_process(rank: int) -> psutil.Process:
     raise LookupError(f"no process for rank {rank}")
 
 
-def loader_run(tmp_path, name, epochs=2, metrics_fn=None, **trainer):
+def loader_run(tmp_path, name, epochs=2, metrics_fn=None, dataset=None, **trainer):
     cfg = (
         Trainer.builder(big_model, optim_factory, dict_step)
         .batch_size(32)
@@ -89,7 +89,7 @@ def loader_run(tmp_path, name, epochs=2, metrics_fn=None, **trainer):
         optim_factory,
         dict_step,
         cfg,
-        dataset=partial(DictSamples, N),
+        dataset=dataset or partial(DictSamples, N),
         eval_dataset=partial(DictSamples, 256),
         eval_step=dict_eval,
         eval_loss=F.cross_entropy,
@@ -163,3 +163,57 @@ def test_resume_mid_epoch_with_workers(tmp_path, monkeypatch):
     )
     assert all(_epoch_ids(m) == EXACT for m in rest)
     assert _no_loader_workers_left()
+
+
+def write_shards(root, per_shard: list[int]) -> list[str]:
+    """webdataset-layout tar shards of the helpers' data: ``<id>.x`` (raw float32), ``<id>.y``."""
+    import io
+    import tarfile
+
+    x, y = data("train", N).tensors
+    paths, i = [], 0
+    for s, n in enumerate(per_shard):
+        path = root / f"train-{s:03d}.tar"
+        with tarfile.open(path, "w") as tar:
+            for _ in range(n):
+                for ext, blob in (("x", x[i].numpy().tobytes()), ("y", str(int(y[i])).encode())):
+                    info = tarfile.TarInfo(f"{i:06d}.{ext}")
+                    info.size = len(blob)
+                    tar.addfile(info, io.BytesIO(blob))
+                i += 1
+        paths.append(str(path))
+    return paths
+
+
+def decode_shard_sample(sample: dict) -> dict:
+    x = torch.frombuffer(bytearray(sample["x"]), dtype=torch.float32).view(*SHAPE)
+    key = float(sample["__key__"])
+    return {"x": x, "y": torch.tensor(int(sample["y"])), "id": torch.tensor(key).double()}
+
+
+def test_tar_shards_dispatched_whole_exactly_once_with_a_loss(tmp_path):
+    """12 tar shards through one worker per rank; rank 1 is SIGKILLed once epoch 1 closed: the
+    survivor trains its unfinished shards, every sample once per epoch."""
+    from flodl.streams import ShardStream
+
+    shards = write_shards(tmp_path, [128] * 12)
+    killed: list[int] = []
+
+    def metrics(m):
+        if m.epoch == 1 and not killed:
+            rank_process(1).kill()
+            killed.append(1)
+
+    handle = loader_run(
+        tmp_path, "shards", metrics_fn=metrics,
+        dataset=partial(ShardStream, shards, decode=decode_shard_sample),
+    )  # fmt: skip
+    handle.join(timeout=180)
+    result = handle.result
+    assert result.summary.status == "ok", result.summary.error
+    assert result.summary.lost_ranks == [1]
+    assert result.coverage_exact and result.summary.samples_seen == 2 * N
+    for m in result.epochs:
+        assert _epoch_ids(m) == EXACT
+    share = result.epochs[0].per_rank_batch_share  # whole shards, still throughput-weighted
+    assert 0.5 < share[0] < 0.9, share
