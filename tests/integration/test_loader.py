@@ -129,7 +129,8 @@ def test_workers_load_exactly_the_plan_keep_the_ratio_and_survive_a_kill(tmp_pat
     for m in result.epochs:  # every sample once per epoch as the workers loaded it, the lost
         assert _epoch_ids(m) == EXACT  # rank's unfinished chunks trained by the survivor
     calibrated = result.epochs[1].per_rank_batch_share  # epoch 2: both ranks, calibrated
-    assert calibrated[0] == pytest.approx(2 / 3, abs=0.04), calibrated
+    # 48 batches an epoch: whole-batch windows on shared cores (bench/loader.py measures 0.03)
+    assert calibrated[0] == pytest.approx(2 / 3, abs=0.06), calibrated
     assert result.summary.eval_value is not None  # dict batches reach eval_step as dicts
     assert _no_loader_workers_left()
 
