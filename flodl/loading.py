@@ -125,6 +125,8 @@ class PlanSampler:
 class PlannedLoader:
     """One rank's DataLoader over its planned chunks (``loader.num_workers`` > 0)."""
 
+    prefetches = True  # windows fed ahead are loaded ahead
+
     def __init__(
         self,
         source: BatchSource,
@@ -219,6 +221,8 @@ class PlannedLoader:
 
 class InlinePath:
     """Batches gathered in the training thread: resident tensors, or ``num_workers=0``."""
+
+    prefetches = False  # nothing to feed: the fast path pays no look at the inbox
 
     def __init__(self, source: BatchSource) -> None:
         self.source = source

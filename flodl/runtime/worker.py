@@ -497,6 +497,8 @@ class Worker:
     def feed(self, windows: Any = ()) -> None:
         """Hand ``windows`` and every planned window already waiting in the inbox to the loader,
         in the order they will run, so its workers load ahead (a no-op without workers)."""
+        if not self.data.prefetches:
+            return
         inbox = itertools.chain(self._pending, self.link.peek())
         waiting = [m for m in inbox if isinstance(m, Plan)]
         for window in itertools.chain(windows, *(m.windows for m in waiting)):

@@ -228,3 +228,20 @@ def test_shards_through_fsspec_urls(tmp_path) -> None:
     assert [stream[i]["i"].item() for i in range(3)] == [0, 1, 2]
     with pytest.raises(ValueError, match="non-empty list"):
         ShardStream("one.tar")
+
+
+def test_a_host_workers_loader_overrides_its_ranks() -> None:
+    from flodl.runtime.preflight import rank_loaders
+    from flodl.topology import resolve_topology
+
+    workers = [
+        {"host": "localhost", "devices": "cpu", "ranks": 2, "loader": {"placement": "resident"}},
+        {"host": "127.0.0.1", "devices": "cpu", "ranks": 1, "loader": {"num_workers": 3}},
+    ]
+    cfg = TrainerConfig(cluster={"kind": "hosts", "workers": workers})
+    loaders = rank_loaders(cfg, resolve_topology(cfg, probe_hosts=False))
+    assert [(c.placement, c.num_workers) for c in loaders] == [
+        ("resident", 0),
+        ("resident", 0),
+        ("auto", 3),
+    ]
