@@ -25,7 +25,7 @@ from flodl.evaluation import primary_name
 from flodl.metrics import EpochMetrics, RunSummary, SyncEvent
 from flodl.runtime.controller import Controller, ControllerResult, Hooks, RunFailed
 from flodl.runtime.links import in_process_link
-from flodl.runtime.preflight import format_lr_scaling, preflight, rank_batch_sizes
+from flodl.runtime.preflight import format_lr_scaling, preflight, rank_batch_sizes, rank_loaders
 from flodl.runtime.snapshots import Checkpointer, ResumePoint
 from flodl.runtime.spec import Callbacks, JobSpec
 from flodl.topology import Topology, resolve_topology
@@ -62,6 +62,7 @@ class Job:
         )
         self.run_info["lr_scaling"] = preflight(spec, self.topology)
         spec.batch_sizes = rank_batch_sizes(spec.config, self.topology)
+        spec.loaders = rank_loaders(spec.config, self.topology)
         self._stop = threading.Event()
         self.launcher: Any = None  # the process launcher, once a cohort is spawned
         self.cooperative = False
