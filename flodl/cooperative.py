@@ -90,7 +90,7 @@ class CooperativeWorker:
         while self._window is not None and self._window.epoch == epoch:
             window = self._window
             self._tally = self._core.begin_window(window)
-            batches = self._core.source.batches(window.epoch, window.chunks)
+            batches = self._core.window_batches(window)
             for batch in self._core.timed(batches, self._tally):
                 self._pending_loss = None
                 self._step_started = time.perf_counter()
@@ -145,8 +145,10 @@ class CooperativeWorker:
             msg = self._core.next_message()
             if isinstance(msg, Plan):
                 self._queue.extend(w for w in msg.windows if not self._core.is_void(w))
+                self._core.feed(self._queue)  # the loader's workers start on them now
             elif isinstance(msg, Stop):
                 self._core._finish(msg)
+                self._core.data.close()
                 self._finished = True
             elif isinstance(msg, Average):
                 self._core._apply_average(msg)

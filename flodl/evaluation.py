@@ -123,7 +123,9 @@ def evaluate(
 def _update(
     metrics: dict[str, Metric], spec: EvalSpec, step: EvalStep, model: nn.Module, batch: Any
 ) -> None:
-    n = int(batch[0].shape[0])
+    from flodl.data import batch_samples
+
+    n = batch_samples(batch) or 0
     if spec.eval_fn is not None:
         target = batch[1] if len(batch) > 1 else batch[0]
         metrics[spec.eval_fn_name].update(float(spec.eval_fn(model, batch[0], target)), n)

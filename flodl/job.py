@@ -29,7 +29,7 @@ from flodl.runtime.cohorts import open_cohort
 from flodl.runtime.control import new_controller
 from flodl.runtime.controller import Controller, ControllerResult, Hooks, RunFailed
 from flodl.runtime.env import ExternalRole
-from flodl.runtime.preflight import format_lr_scaling, preflight, rank_batch_sizes
+from flodl.runtime.preflight import format_lr_scaling, preflight, rank_batch_sizes, rank_loaders
 from flodl.runtime.snapshots import ResumePoint
 from flodl.runtime.spec import Callbacks, JobSpec
 from flodl.topology import Topology, resolve_topology
@@ -71,6 +71,7 @@ class Job:
         self.spec = replace(
             spec,
             batch_sizes=rank_batch_sizes(spec.config, topo),
+            loaders=rank_loaders(spec.config, topo),
             world_size=topo.world_size,
             speeds=topo.speeds,
             pace=topo.pace,

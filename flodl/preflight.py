@@ -39,7 +39,33 @@ def check_factories(run_cfg: Any) -> str | None:
         bind("scheduler", run_cfg.scheduler, positional=1)
     bind("dataset", run_cfg.dataset, positional=0, provided=("split",))
     _check_batch_size(run_cfg.dataset, run_cfg.trainer.batch_size)
+    _check_dataset_kind(run_cfg.dataset)
     return dry_build(run_cfg.model, run_cfg.optimizer, run_cfg.scheduler)
+
+
+def _check_dataset_kind(target: TargetConfig) -> None:
+    """A dataset target that builds a DataLoader or an IterableDataset (by its class or its
+    return annotation) is refused here, before any rank: the ranks would refuse it later."""
+    from torch.utils.data import DataLoader, IterableDataset
+
+    fn = resolve_dotted(target.target)
+    made = fn if isinstance(fn, type) else _hints(fn).get("return")
+    if not isinstance(made, type):
+        return
+    if issubclass(made, DataLoader):
+        raise ConfigError(
+            f"dataset._target_={target.target}: builds a DataLoader; point it at the dataset "
+            "and set the loader node (loader.num_workers, loader.collate_fn: the .loader(...) "
+            "knobs)"
+        )
+    if issubclass(made, IterableDataset):
+        from flodl.data import SHARD_API
+
+        raise ConfigError(
+            f"dataset._target_={target.target}: an IterableDataset without shards; the "
+            f"controller plans which samples each rank trains: give a map-style dataset or "
+            f"{SHARD_API}"
+        )
 
 
 def _target(key: str, target: TargetConfig) -> Callable[..., Any]:

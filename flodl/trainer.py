@@ -24,6 +24,7 @@ from flodl.config import (
     ClusterConfig,
     EarlyStoppingConfig,
     ElCheConfig,
+    LoaderConfig,
     LoggerConfig,
     MonitorConfig,
     TrainerConfig,
@@ -243,6 +244,17 @@ class TrainerBuilder:
     def logger(self, config: LoggerConfig) -> TrainerBuilder:
         return self._set("logger", config.model_dump())
 
+    def loader(self, config: LoaderConfig | None = None, **knobs: Any) -> TrainerBuilder:
+        """How each rank loads its planned chunks (:class:`LoaderConfig` fields as keywords:
+        ``num_workers``, ``prefetch_factor``, ``pin_memory``, ``persistent_workers``,
+        ``collate_fn`` (a dotted path or a function), ``eval_batch_size``, ``placement``,
+        ``ranks``)."""
+        collate = knobs.get("collate_fn")
+        if collate is not None and not isinstance(collate, str):
+            self._put("collate_fn", knobs.pop("collate_fn"))
+        base = config.model_dump() if config is not None else self._config.get("loader", {})
+        return self._set("loader", {**base, **knobs})
+
     def build_config(self) -> TrainerConfig:
         return validate_trainer_config(self._config)
 
@@ -317,6 +329,7 @@ class Trainer:
         eval_metric: str = "eval",
         run_info: dict[str, Any] | None = None,
         cooperative: bool = False,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
     ) -> RunHandle:
         """Start a run; returns at once with a handle (``.join()`` for the trained state).
 
@@ -325,9 +338,16 @@ class Trainer:
         """
         from flodl.evaluation import EvalSpec
         from flodl.job import Job
+        from flodl.loading import adopt
 
         placed = external_role()  # this process's placement, read once and passed down
         _follow_if_placed(config, cooperative, placed)
+        # A DataLoader is adopted (or refused) here, before any rank starts.
+        dataset, loader, adopted_collate = adopt(dataset, config.loader, config.batch_size)
+        if loader != config.loader:
+            config = config.with_(loader=loader)
+        if isinstance(eval_dataset, torch.utils.data.DataLoader):
+            eval_dataset = eval_dataset.dataset  # evaluation batches by loader.eval_batch_size
         evaluation = EvalSpec(
             metrics=dict(metrics or {}),
             eval_loss=eval_loss,
@@ -346,6 +366,7 @@ class Trainer:
             evaluation=evaluation,
             scheduler_factory=scheduler_factory,
             scheduler_interval=scheduler_interval,
+            collate_fn=collate_fn or adopted_collate,
             # cooperative: ranks re-execute the user's script, as torchrun does
             entry=list(sys.orig_argv[1:]) if cooperative else None,
         )

@@ -631,6 +631,7 @@ class Controller(Planning, Aggregation):
         if len(sizes) > 1:
             raise RunFailed(f"ranks loaded datasets of different sizes: {sorted(sizes)}")
         n_samples = sizes.pop()
+        self.shard_sizes = next(iter(self.ready.values())).shard_sizes
         self.batch_sizes = [  # a rank lost before it was ready gets no work: any size will do
             (self.ready[r].batch_size if r in self.ready else None) or self.cfg.batch_size
             for r in range(self.world)

@@ -10,6 +10,7 @@ of every epoch was trained exactly once.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ class EpochCursor:
     n_samples: int
     batch_size: int
     ranges: list[Chunk] = field(default_factory=list)
+    boundaries: Sequence[int] = ()  # sharded data: shard starts in the epoch's order (sorted)
 
     def __post_init__(self) -> None:
         if not self.ranges:
@@ -65,11 +67,23 @@ class EpochCursor:
                 self.ranges.pop(0)
                 count -= batches
             else:
-                cut = count * batch_size
+                cut = self._to_boundary(offset, count * batch_size, size)
+                if cut >= size:
+                    chunks.append((offset, size))
+                    self.ranges.pop(0)
+                    break
                 chunks.append((offset, cut))
                 self.ranges[0] = (offset + cut, size - cut)
                 count = 0
         return tuple(chunks)
+
+    def _to_boundary(self, offset: int, cut: int, size: int) -> int:
+        """Sharded data: the cut moved up to the next shard start, so a rank gets whole
+        shards (a window's share rounds up by less than one shard)."""
+        if not self.boundaries:
+            return cut
+        i = bisect.bisect_left(self.boundaries, offset + cut)
+        return size if i == len(self.boundaries) else min(size, self.boundaries[i] - offset)
 
     def give_back(self, chunks: Sequence[Chunk]) -> None:
         """Return ranges whose training was lost (a dead rank's work) to the front."""

@@ -34,6 +34,11 @@ class _InboxLink:
             raise ConnectionResetError("link closed")
         return msg
 
+    def peek(self) -> list[Any]:
+        """The messages waiting, oldest first, left in place (the loader reads plans ahead)."""
+        with self._inbox.mutex:
+            return list(self._inbox.queue)
+
     def poll(self) -> Any | None:
         try:
             return self.recv(timeout=0)

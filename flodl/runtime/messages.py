@@ -26,6 +26,7 @@ class Ready:
     device: str
     n_samples: int
     batch_size: int = 0  # this rank's batch size (configured or probed); 0: trainer.batch_size
+    shard_sizes: tuple[int, ...] = ()  # a sharded dataset's samples per shard (flodl.streams)
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ class Planning(Outbound):
     completed: int
     all_planned: bool
     stop_reason: str | None
+    shard_sizes: tuple[int, ...] = ()  # sharded data: samples per shard, from Ready
     regrouping: dict[int, bool]
     overshoot: tuple[int, int, int]
     batch_sizes: list[int]  # per rank, from their Ready messages
@@ -73,7 +74,14 @@ class Planning(Outbound):
         self.lookahead = max(self.lookahead, self.overshoot[0] + 1)
 
     def _new_epoch(self, epoch: int, n_samples: int, ranges: list | None = None) -> None:
-        self.cursors[epoch] = EpochCursor(epoch, n_samples, self.cfg.batch_size, list(ranges or []))
+        sizes, bounds = self.shard_sizes, []
+        if sizes:  # sharded data: chunks end on shard boundaries (flodl.streams)
+            from flodl.streams import shard_boundaries
+
+            bounds = shard_boundaries(sizes, self.cfg.seed, epoch)
+        self.cursors[epoch] = EpochCursor(
+            epoch, n_samples, self.cfg.batch_size, list(ranges or []), bounds
+        )
         self.epochs[epoch] = EpochTrack(epoch, self.world)
 
     def _fill(self) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from flodl import schedules
-from flodl.config import ConfigError, Mode, TrainerConfig
+from flodl.config import ConfigError, LoaderConfig, LoaderOverride, Mode, TrainerConfig
 from flodl.runtime.spec import JobSpec
 from flodl.topology import Topology
 
@@ -121,6 +121,32 @@ def rank_batch_sizes(config: TrainerConfig, topology: Topology) -> list[int | No
     return [None if b == "auto" else int(b) if b is not None else config.batch_size for b in sizes]
 
 
+def rank_loaders(config: TrainerConfig, topology: Topology) -> list[LoaderConfig]:
+    """Each rank's loader settings: the ``loader`` node with ``loader.ranks[r]`` (or its host
+    worker's ``loader``) applied."""
+    base, world = config.loader, topology.world_size
+    overrides: list[LoaderOverride | None]
+    if base.ranks is not None:
+        if len(base.ranks) != world and config.elche.mode is not Mode.SOLO:
+            raise ConfigError(
+                f"loader.ranks: {len(base.ranks)} entries but the run has {world} rank(s); "
+                "give one override per rank ({} inherits the loader node)"
+            )
+        overrides = list(base.ranks[:world])
+    elif config.cluster.kind == "hosts" and topology.placements:
+        overrides = [config.cluster.workers[p.worker or 0].loader for p in topology.placements]
+    else:
+        overrides = [None] * world
+    loaders = [base.for_rank(o) for o in overrides]
+    for rank, cfg in enumerate(loaders):
+        if cfg.prefetch_factor is not None and cfg.num_workers == 0:
+            raise ConfigError(
+                f"loader.prefetch_factor={cfg.prefetch_factor} (rank {rank}): prefetching needs "
+                "worker processes; set loader.num_workers > 0 or prefetch_factor: null"
+            )
+    return loaders
+
+
 def check_config(config: TrainerConfig) -> None:
     """The checks that need the topology but no factory: what a sweep refuses before any job
     (hosts are not contacted here)."""
@@ -129,6 +155,7 @@ def check_config(config: TrainerConfig) -> None:
     topology = resolve_topology(config, probe_hosts=False)
     check_precision(config.precision, rank_devices(topology, config.device))
     rank_batch_sizes(config, topology)
+    rank_loaders(config, topology)
 
 
 def preflight(spec: JobSpec, topology: Topology) -> dict[str, Any]:

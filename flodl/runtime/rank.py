@@ -24,6 +24,7 @@ from flodl.runtime import env as rank_env
 from flodl.runtime import groups
 from flodl.runtime.channel import Channel, connect
 from flodl.runtime.messages import Abort, Hello, RankError
+from flodl.runtime.store import join_store
 
 log = logging.getLogger("flodl.rank")
 
@@ -93,7 +94,7 @@ def report_failure(channel: Channel, rank: int, exc: BaseException) -> None:
 
 
 def join(
-    channel: Channel, role: rank_env.RankEnv, in_launcher: bool = False
+    channel: Channel, role: rank_env.RankEnv, secret: bytes, in_launcher: bool = False
 ) -> tuple[Any, Any, Any]:
     """Receive the job, pin threads and device, join the process group: (spec, link, device)."""
     import torch
@@ -117,7 +118,7 @@ def join(
     try:
         groups.form(
             spec.backend,
-            _data_store(spec, "generation0"),
+            _data_store(spec, secret, "generation0"),
             role.rank,
             role.world_size,
             cluster.start_timeout_s,
@@ -128,19 +129,19 @@ def join(
     return spec, link, device
 
 
-def _data_store(spec: Any, generation: str) -> Any:
-    """The data plane's rendezvous: the launcher's store, under this job's and generation's keys."""
-    import torch.distributed as dist
-
-    from flodl.runtime.store import client_store
-
-    store = client_store(spec.store_host, spec.store_port)
-    return dist.PrefixStore(f"{spec.store_prefix}/{generation}", store)
+def _data_store(spec: Any, secret: bytes, generation: str) -> Any:
+    """The data plane's rendezvous: the launcher's store, under this job's and generation's keys,
+    every value signed with the run's secret (:mod:`flodl.runtime.signed_store`)."""
+    prefix = f"{spec.store_prefix}/{generation}"
+    return join_store(
+        spec.store_host, spec.store_port, secret, prefix, spec.config.cluster.start_timeout_s
+    )
 
 
 def regroup(
     spec: Any,
     role: rank_env.RankEnv,
+    secret: bytes,
     members: tuple[int, ...],
     generation: int,
     doomed: Callable[[], bool] | None = None,
@@ -152,7 +153,7 @@ def regroup(
         return  # a lone survivor trains on alone
     groups.form(
         spec.backend,
-        _data_store(spec, f"generation{generation}"),
+        _data_store(spec, secret, f"generation{generation}"),
         members.index(role.rank),
         len(members),
         spec.config.cluster.start_timeout_s,
@@ -173,8 +174,8 @@ def run_managed(role: rank_env.RankEnv, secret: bytes, in_launcher: bool = False
     try:
         from flodl.runtime.worker import Worker
 
-        spec, link, device = join(channel, role, in_launcher)
-        Worker(spec, link, role.rank, device, regroup=partial(regroup, spec, role)).run()
+        spec, link, device = join(channel, role, secret, in_launcher)
+        Worker(spec, link, role.rank, device, regroup=partial(regroup, spec, role, secret)).run()
         return 0
     except BaseException as exc:
         report_failure(channel, role.rank, exc)
@@ -205,8 +206,8 @@ def cooperative_worker() -> Any:
 
     sys.excepthook = on_uncaught
     try:
-        spec, link, device = join(channel, role)
-        core = Worker(spec, link, role.rank, device, regroup=partial(regroup, spec, role))
+        spec, link, device = join(channel, role, secret)
+        core = Worker(spec, link, role.rank, device, regroup=partial(regroup, spec, role, secret))
         core.start()
     except BaseException as exc:
         report_failure(channel, role.rank, exc)

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from flodl.config import TrainerConfig
+from flodl.config import LoaderConfig, TrainerConfig
 from flodl.evaluation import EvalSpec
 
 
@@ -45,6 +45,14 @@ class JobSpec:
     store_port: int = 0
     store_prefix: str = "flodl"  # this job's keys in a store other jobs may share (torchrun's)
     entry: list[str] | None = None  # rank command after the interpreter (default: managed rank)
+    collate_fn: Callable[..., Any] | None = None  # an adopted DataLoader's (else loader.collate_fn)
+    loaders: list[LoaderConfig] | None = None  # per rank, overrides applied; launcher
+
+    def loader_for(self, rank: int) -> LoaderConfig:
+        """``rank``'s loader settings (the ``loader`` node with its per-rank override)."""
+        if self.loaders and rank < len(self.loaders):
+            return self.loaders[rank]
+        return self.config.loader.for_rank(None)
 
     @property
     def has_eval(self) -> bool:

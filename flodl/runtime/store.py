@@ -40,13 +40,6 @@ def serve_store(host: str, port: int = 0, timeout_s: float = 300.0) -> Any:
     )
 
 
-def client_store(host: str, port: int) -> Any:
-    """A rank's client of the launcher's store (the data plane's rendezvous)."""
-    from torch.distributed import TCPStore
-
-    return TCPStore(host, port, is_master=False, use_libuv=False)
-
-
 def shared_store(host: str, port: int, serve: bool, timeout_s: float) -> Any:
     """A store other jobs share (torchrun's at ``MASTER_ADDR:MASTER_PORT``): ``serve`` on the
     rank that hosts it when torchrun's agent does not; many clients per process."""
@@ -77,3 +70,13 @@ def rendezvous_store(host: str, port: int, world_size: int, serve: bool, timeout
         wait_for_workers=False,
         use_libuv=False,
     )
+
+
+def join_store(host: str, port: int, secret: bytes, prefix: str, timeout_s: float = 300.0) -> Any:
+    """A rank's view of the launcher's store: ``prefix``'s keys, values signed with ``secret``."""
+    from torch.distributed import PrefixStore, TCPStore
+
+    from flodl.runtime.signed_store import SignedStore
+
+    store = TCPStore(host, port, is_master=False, use_libuv=False)
+    return SignedStore(PrefixStore(prefix, store), secret, timeout_s)

@@ -120,6 +120,11 @@ class EpochTrack:
         self.loss_count -= report.loss_count
         self.rank_loss[r][0] -= report.loss_sum
         self.rank_loss[r][1] -= report.loss_count
+        for name, (total, count) in report.scalars.items():  # its record_scalar values too
+            acc = self.scalars.get(name)
+            if acc is not None:
+                acc[0] -= total
+                acc[1] -= count
 
     @property
     def closed(self) -> bool:

@@ -26,9 +26,11 @@ from torch import nn
 
 from flodl import evaluation, schedules
 from flodl.config import Mode
-from flodl.data import BatchSource, resolve_dataset
+from flodl.data import BatchSource, batch_samples, count_batches, resolve_dataset
+from flodl.loading import collate_for, data_path, eval_batches
 from flodl.metrics import drain_scalars
 from flodl.precision import StepRunner, compiled
+from flodl.residency import place
 from flodl.runtime import chaos, groups
 from flodl.runtime.averaging import FlatState, collective_average
 from flodl.runtime.messages import (
@@ -74,33 +76,17 @@ class WindowTally:
             self.loss_count += 1
 
 
+def _key(window: Window) -> tuple[int, int]:
+    """A window's identity for the loader: its index within its membership generation."""
+    return (window.index, window.generation)
+
+
 class _CohortBroke(RuntimeError):
     """A start-up collective failed or was given up: a member was lost."""
 
     def __init__(self, message: str, abandoned: bool) -> None:
         super().__init__(message)
         self.abandoned = abandoned
-
-
-def _batch_samples(batch: Any) -> int | None:
-    """Samples in a batch: the leading dimension of its first tensor (None: no tensor found)."""
-    first = batch[0] if isinstance(batch, (list, tuple)) and batch else batch
-    if isinstance(first, dict) and first:
-        first = next(iter(first.values()))
-    return int(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() else None
-
-
-def _with_last(items: Any) -> Any:
-    """``(item, is_last)`` pairs, looking one ahead."""
-    it = iter(items)
-    try:
-        current = next(it)
-    except StopIteration:
-        return
-    for following in it:
-        yield current, False
-        current = following
-    yield current, True
 
 
 class Worker:
@@ -167,14 +153,19 @@ class Worker:
                 else f"rank {self.rank}'s batch size {self.batch_size} (cluster.batch_sizes)"
             )
             raise ValueError(f"{key}: larger than the dataset ({len(dataset)} samples)")
-        self.source = BatchSource(dataset, self.batch_size, self.cfg.seed, self.device)
+        self.loader_cfg = self.spec.loader_for(self.rank)
+        collate = collate_for(self.loader_cfg, self.spec.collate_fn)
+        self.source = BatchSource(dataset, self.batch_size, self.cfg.seed, self.device, collate)
+        self.resident = place(self.source, self.loader_cfg)
+        self.data = data_path(self.source, self.loader_cfg)
         self._build_scheduler()
         self.eval_source = None
         if self.spec.has_eval:
             eval_set = resolve_dataset(self.spec.eval_dataset, "eval_dataset")
             self.eval_source = BatchSource(
-                eval_set, self.cfg.batch_size, self.cfg.seed, self.device
+                eval_set, self.cfg.batch_size, self.cfg.seed, self.device, collate
             )
+            place(self.eval_source, self.loader_cfg.model_copy(update={"placement": "auto"}))
             # Before calibration: a bad metric fails now, and torchmetrics' import (dearer than
             # torch's) does not land in the middle of paced training.
             self.spec.evaluation.build(self.device)
@@ -226,7 +217,7 @@ class Worker:
         if self.scheduler is None or not self.per_step:
             return
         before, in_window, own_total = self._clock
-        samples = _batch_samples(batch)
+        samples = batch_samples(batch)
         self._own_done += samples if samples is not None else self.batch_size
         done = schedules.global_samples(before, in_window, self._own_done, own_total)
         schedules.advance_to(self.scheduler, self.run_length.target_step(done))
@@ -247,7 +238,13 @@ class Worker:
         optimizer = self.spec.optim_factory(probe.parameters())
         n = self.cfg.cluster.warmup_steps
         chunk = ((0, min(len(self.source), self.batch_size * n)),)
-        batches = itertools.cycle(list(self.source.batches(0, chunk)))
+        # Loading in the training thread (num_workers=0, not resident) is part of every step,
+        # so the nominal step covers it; workers and resident data load outside the step.
+        batches: Any
+        if not self.source.fast and self.loader_cfg.num_workers == 0:
+            batches = (b for _ in itertools.count() for b in self.source.batches(0, chunk))
+        else:
+            batches = itertools.cycle(list(self.source.batches(0, chunk)))
 
         def step() -> None:
             optimizer.zero_grad(set_to_none=True)
@@ -271,10 +268,19 @@ class Worker:
 
     # -- loop ----------------------------------------------------------------------------------
     def run(self) -> None:
-        self.start()
+        try:
+            self.start()
+            self._loop()
+        finally:
+            data = getattr(self, "data", None)
+            if data is not None:
+                data.close()  # the loader's worker processes end with the rank
+
+    def _loop(self) -> None:
         while True:
             msg = self.next_message()
             if isinstance(msg, Plan):
+                self.feed(msg.windows)
                 for window in msg.windows:
                     self.run_window(window)
             elif isinstance(msg, Stop):
@@ -365,6 +371,7 @@ class Worker:
                 device=str(self.device),
                 n_samples=len(self.source),
                 batch_size=self.batch_size,
+                shard_sizes=tuple(getattr(self.source.dataset, "shard_sizes", ())),
             )
         )
 
@@ -486,23 +493,50 @@ class Worker:
         """Planned for an older membership after the window the cohort broke on: skip it."""
         return window.generation < self.generation and window.index > self._void_after
 
+    # -- data ---------------------------------------------------------------------------------
+    def feed(self, windows: Any = ()) -> None:
+        """Hand ``windows`` and every planned window already waiting in the inbox to the loader,
+        in the order they will run, so its workers load ahead (a no-op without workers)."""
+        if not self.data.prefetches:
+            return
+        inbox = itertools.chain(self._pending, self.link.peek())
+        waiting = [m for m in inbox if isinstance(m, Plan)]
+        for window in itertools.chain(windows, *(m.windows for m in waiting)):
+            if not self.is_void(window):
+                self.data.feed(_key(window), window.epoch, window.chunks)
+
+    def window_batches(self, window: Window) -> Any:
+        """``window``'s batches from the loader (planned chunks only, in plan order)."""
+        return self.data.batches(_key(window), window.epoch, window.chunks)
+
     def run_window(self, window: Window) -> None:
         if self.is_void(window):
+            self.data.cancel(_key(window))
             return
         tally = self.begin_window(window)
-        batches = self.timed(self.source.batches(window.epoch, window.chunks), tally)
-        for batch, last in _with_last(batches):
-            tally.add(self.pacer.run(partial(self.train_batch, batch, last)))
+        batches = self.timed(self.window_batches(window), tally)
+        n = count_batches(window.chunks, self.batch_size)
+        for i in range(n):
+            # Paced from the request for the batch: loading overlaps the padded step, as it
+            # overlaps device compute on a real rig; it is not added on top of the deadline.
+            loss, batch = self.pacer.run(partial(self._fetch_train, batches, i == n - 1))
+            tally.add(loss)
             self.tick(batch)
             self.log_step(tally)
             if tally.batches == 1:
                 chaos.point("window", self.rank)
         self.end_window(window, tally)
 
+    def _fetch_train(self, batches: Any, last: bool) -> tuple[float, Any]:
+        batch = next(batches)
+        return self.train_batch(batch, last), batch
+
     def timed(self, batches: Any, tally: WindowTally) -> Any:
-        """Yield ``batches``, adding the time spent waiting for each to the tally's data time."""
+        """Yield ``batches``, adding the time spent waiting for each to the tally's data time
+        (and feeding windows planned meanwhile to the loader)."""
         iterator = iter(batches)
         while True:
+            self.feed()
             t0 = time.perf_counter()
             batch = next(iterator, None)
             tally.data_ms += (time.perf_counter() - t0) * 1000.0
@@ -739,7 +773,7 @@ class Worker:
         start, stop = evaluation.shard_range(len(self.eval_source), shard, shards)
         parts = evaluation.evaluate(
             self.model,
-            self.eval_source.sequential(start=start, stop=stop),
+            eval_batches(self.eval_source, self.loader_cfg, start, stop),
             self.spec.evaluation,
             self.device,
         )

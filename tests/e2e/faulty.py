@@ -7,6 +7,7 @@ from typing import Any
 import fsspec
 from fsspec.implementations.memory import MemoryFileSystem
 from torch import nn
+from torch.utils.data import DataLoader, IterableDataset
 
 
 class PretrainedBackbone(nn.Module):
@@ -36,3 +37,18 @@ class FullDisk(MemoryFileSystem):
 
 
 fsspec.register_implementation("fulldisk", FullDisk, clobber=True)
+
+
+class StreamOnly(IterableDataset):
+    """A plain IterableDataset: refused in the launcher (the controller plans samples)."""
+
+    def __init__(self, split: str = "train", **_: Any) -> None:
+        self.split = split
+
+    def __iter__(self) -> Any:
+        return iter(())
+
+
+def wrapped_loader(split: str = "train", **_: Any) -> DataLoader:
+    """A dataset factory that builds a DataLoader: refused, naming the loader node."""
+    raise AssertionError("never called: refused by its return annotation")

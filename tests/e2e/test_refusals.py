@@ -73,3 +73,16 @@ def test_cluster_and_callback_knobs(tmp_path):
     args = ["trainer.callback_policy.kind=rank", "trainer.callback_policy.rank=2"]
     line, _ = refused(args, tmp_path / "rank")
     assert "trainer.callback_policy.rank=2: this run has 2 rank(s)" in line
+
+
+def test_datasets_the_controller_cannot_plan_are_refused(tmp_path):
+    cases = {
+        "dataset._target_=tests.e2e.faulty.StreamOnly": "IterableDataset without shards; the "
+        "controller plans which samples each rank trains: give a map-style dataset or "
+        "flodl.streams.ShardStream(shards",
+        "dataset._target_=tests.e2e.faulty.wrapped_loader": "builds a DataLoader",
+        "loader.prefetch_factor=4": "loader.prefetch_factor=4 (rank 0): prefetching needs",
+    }
+    for i, (override, expected) in enumerate(cases.items()):
+        line, _ = refused([override], tmp_path / str(i))
+        assert expected in line, line

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -65,3 +67,26 @@ def test_proportional_counts_sum_and_floor(ratios, total):
 
 def test_proportional_counts_follow_ratios():
     assert proportional_counts([1.0, 0.4], 70) == [50, 20]
+
+
+def test_sharded_cursor_hands_out_whole_shards_in_proportion() -> None:
+    from flodl.streams import shard_boundaries
+
+    sizes = [40, 25, 30, 50, 15, 40]  # 200 samples in 6 shards
+    bounds = shard_boundaries(sizes, seed=1, epoch=2)
+    assert sorted(bounds) == bounds and bounds[0] == 0 and len(bounds) == 6
+    cursor = EpochCursor(2, 200, 10, boundaries=bounds)
+    handed = []
+    while not cursor.done:
+        handed.extend(cursor.take([4, 2]))  # a 2:1 throughput split, in batches
+    edges = set(bounds) | {200}
+    for chunks in handed:
+        for offset, size in chunks:
+            assert offset in edges and offset + size in edges  # whole shards only
+    flat = sorted(c for chunks in handed for c in chunks)
+    assert sum(n for _, n in flat) == 200
+    assert all(a[0] + a[1] == b[0] for a, b in itertools.pairwise(flat))  # once each
+    lost = handed[0]
+    cursor.give_back(list(lost))  # a lost rank's shards go back whole, and out again whole
+    again = cursor.take([100, 0])[0]
+    assert again == lost

@@ -4,6 +4,8 @@ binds every interface)."""
 from __future__ import annotations
 
 import socket
+import threading
+import time
 
 import psutil
 import pytest
@@ -38,3 +40,38 @@ def test_a_busy_port_is_an_os_error_not_a_pybind_message():
         taken.listen(1)
         with pytest.raises(OSError):
             serve_store("127.0.0.1", taken.getsockname()[1])
+
+
+def _signed(secret: bytes = b"s" * 32, timeout_s: float = 2.0):
+    from flodl.runtime.signed_store import SignedStore
+
+    inner = dist.HashStore()
+    return inner, SignedStore(inner, secret, timeout_s)
+
+
+def test_signed_values_round_trip_and_are_unreadable_as_plain_values():
+    inner, store = _signed()
+    store.set("addr", b"10.0.0.1:1234")
+    assert store.get("addr") == b"10.0.0.1:1234"
+    assert inner.get("addr") != b"10.0.0.1:1234"  # a MAC travels with it
+    _, other_run = _signed(b"t" * 32)
+    other_run._inner = inner  # the same store, another run's secret: the value is refused
+    other_run._timeout_s = 0.1
+    with pytest.raises(PermissionError, match="addr"):
+        other_run.get("addr")
+
+
+def test_planted_garbage_waits_for_the_genuine_value():
+    inner, store = _signed()
+    inner.set("peer", b"\x00garbage\xff" * 10)  # a stranger got there first
+    threading.Timer(0.3, store.set, args=("peer", b"real")).start()
+    t0 = time.monotonic()
+    assert store.get("peer") == b"real"
+    assert time.monotonic() - t0 >= 0.25
+
+
+def test_garbage_that_stays_is_named_after_the_timeout():
+    inner, store = _signed(timeout_s=0.3)
+    inner.set("peer", b"short")
+    with pytest.raises(PermissionError, match="not signed with this run's secret"):
+        store.get("peer")
