@@ -23,9 +23,15 @@ import torch
 
 from flodl.evaluation import primary_name
 from flodl.metrics import EpochMetrics, RunSummary, SyncEvent
+from flodl.preflight import (
+    check_launch,
+    check_run,
+    format_lr_scaling,
+    model_signature,
+    rank_batch_sizes,
+)
 from flodl.runtime.controller import Controller, ControllerResult, Hooks, RunFailed
 from flodl.runtime.links import in_process_link
-from flodl.runtime.preflight import format_lr_scaling, preflight, rank_batch_sizes
 from flodl.runtime.snapshots import Checkpointer, ResumePoint
 from flodl.runtime.spec import Callbacks, JobSpec
 from flodl.topology import Topology, resolve_topology
@@ -53,14 +59,13 @@ class Job:
         self.eval_metric = eval_metric
         self.run_info = run_info
         self.topology: Topology = resolve_topology(spec.config)
-        from flodl.preflight import check_run
-
-        # Before any rank: the callback rank, a writable save_path, the resume bundle.
-        signature = run_info.pop("model_signature", None)
+        # Before any rank: the closures' dry build (Python API), the callback rank, a writable
+        # save_path, the resume bundle.
+        signature = model_signature(spec, run_info)
         self._resume: ResumePoint | None = check_run(
             spec.config, self.topology.world_size, signature
         )
-        self.run_info["lr_scaling"] = preflight(spec, self.topology)
+        self.run_info["lr_scaling"] = check_launch(spec, self.topology)
         spec.batch_sizes = rank_batch_sizes(spec.config, self.topology)
         self._stop = threading.Event()
         self.launcher: Any = None  # the process launcher, once a cohort is spawned

@@ -9,6 +9,7 @@ import pytest
 
 from flodl import preflight
 from flodl.config import ConfigError, TrainerConfig, validate_run_config
+from flodl.preflight import targets
 
 BASE = {
     "model": {"_target_": "recipes.models.MLP", "input_shape": [1, 8, 8], "num_classes": 10},
@@ -67,7 +68,59 @@ def test_the_dry_build_never_touches_cuda(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "init", no_cuda)
     monkeypatch.setattr(torch.cuda, "_lazy_init", no_cuda)
-    preflight.check_factories(validate_run_config(BASE))
+    assert preflight.check_factories(validate_run_config(BASE))  # built: a signature
+
+
+def test_a_factory_that_reaches_for_cuda_is_left_to_the_ranks(monkeypatch):
+    """`.cuda()` in a constructor: no dry build (None: no signature), and CUDA untouched."""
+    import torch
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: calls.append("init"))
+    data = copy.deepcopy(BASE)
+    data["model"] = {"_target_": "tests.unit.test_preflight.CudaModel"}
+    assert preflight.check_factories(validate_run_config(data)) is None
+    assert calls == [] and torch.cuda._lazy_init is not None
+    torch.cuda._lazy_init()  # the guard is gone again
+    assert calls == ["init"]
+
+
+class CudaModel(__import__("torch").nn.Linear):
+    def __init__(self) -> None:
+        super().__init__(64, 10)
+        self.cuda()
+
+
+@pytest.mark.parametrize(
+    ("section", "expected"),
+    [
+        ({"model": {"_target_": "recipes.models.Nope"}}, "model._target_=recipes.models.Nope: "),
+        (
+            {"task": {"train_step": "recipes.steps.nope_step"}},
+            "task.train_step=recipes.steps.nope_step: module 'recipes.steps' has no attribute",
+        ),
+        (
+            {
+                "task": {
+                    "metrics": {"f1": {"_target_": "torchmetrics.classification.F1"}},
+                    "eval_metric": "f1",
+                }
+            },
+            "task.metrics.f1._target_=torchmetrics.classification.F1: module",
+        ),
+    ],
+)
+def test_a_target_missing_from_its_module_is_named_with_its_key(section, expected):
+    """Validation locates modules without importing them (it checks the attribute only of a
+    module imported already); the launcher resolves every target, naming its key."""
+    data = {**copy.deepcopy(BASE), **section}
+    if "task" in section:
+        data["task"] = {**BASE["task"], **section["task"]}
+    with pytest.raises(ConfigError) as info:
+        run_cfg = validate_run_config(data)
+        preflight.check_factories(run_cfg)
+        preflight.check_task_targets(run_cfg.task)
+    assert expected in str(info.value) and "has no attribute" in str(info.value)
 
 
 def test_topology_bound_knobs_are_checked(tmp_path):
@@ -204,4 +257,4 @@ def test_hydra_nodes_bind_as_hydra_passes_them():
     preflight.bind("model", validate_run_config(data).model, positional=0)
     data["model"] = {"_target_": "torch.nn.Linear", "_args_": [64, 10]}
     preflight.check_factories(validate_run_config(data))  # positional `_args_` count as bound
-    preflight._check_type("model", "act", {"_target_": "torch.nn.ReLU"}, typing.Callable, "x")
+    targets._check_type("model", "act", {"_target_": "torch.nn.ReLU"}, typing.Callable, "x")
