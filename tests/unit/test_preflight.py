@@ -258,3 +258,106 @@ def test_hydra_nodes_bind_as_hydra_passes_them():
     data["model"] = {"_target_": "torch.nn.Linear", "_args_": [64, 10]}
     preflight.check_factories(validate_run_config(data))  # positional `_args_` count as bound
     targets._check_type("model", "act", {"_target_": "torch.nn.ReLU"}, typing.Callable, "x")
+
+
+def _python_api_run(tmp_path, model_factory, optim_factory=None, **extra):
+    from functools import partial
+
+    import torch
+
+    from flodl import ClusterConfig, LoggerConfig, Trainer
+    from recipes.datasets import synthetic
+    from recipes.steps import classification_step
+
+    data = partial(synthetic, "train", n_train=64, n_test=16, input_shape=[1, 8, 8])
+    builder = (
+        Trainer.builder(
+            model_factory,
+            optim_factory or (lambda params: torch.optim.SGD(params, lr=0.1)),
+            classification_step,
+        )
+        .dataset(data)
+        .cluster(ClusterConfig(kind="cpu_rig", ranks=2))
+        .logger(LoggerConfig(progress="off", tensorboard=False))
+        .output_dir(tmp_path / "run")
+    )
+    for key, value in extra.items():
+        builder = getattr(builder, key)(*value)
+    return builder.run()
+
+
+def test_python_api_closures_are_dry_built_before_any_rank(tmp_path):
+    """A model factory that raises, an optimizer factory the model's parameters break, a
+    scheduler factory with a bad value: each refused in the launcher, naming the closure and
+    the innermost cause; no rank process starts (no rank log, no child process)."""
+    import psutil
+    import torch
+
+    from recipes.models import MLP
+
+    def good_model(device):
+        return MLP([1, 8, 8], 10, hidden=16).to(device)
+
+    def pretrained(device):
+        try:
+            raise FileNotFoundError("pretrained/backbone.pt: no such file")
+        except FileNotFoundError as exc:
+            raise RuntimeError("could not build") from exc
+
+    def momentum(params):
+        return torch.optim.SGD(params, lr=0.1, momentum=-1.0)
+
+    def bad_step(optim):
+        return torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda="x")
+
+    cases = [
+        (
+            (pretrained, None, {}),
+            "model_factory test_python_api_closures_are_dry_built_before_any_rank.<locals>."
+            "pretrained refused on a dry build: FileNotFoundError: pretrained/backbone.pt",
+        ),
+        ((good_model, momentum, {}), "momentum refused on a dry build: ValueError: Invalid"),
+        (
+            (good_model, None, {"scheduler": (bad_step,)}),
+            "scheduler_factory test_python_api_closures_are_dry_built_before_any_rank.<locals>."
+            "bad_step refused on a dry build: TypeError",
+        ),
+    ]
+    for (model, optim, extra), expected in cases:
+        with pytest.raises(ConfigError) as info:
+            _python_api_run(tmp_path, model, optim, **extra)
+        assert expected in str(info.value), str(info.value)
+        assert not list(tmp_path.glob("**/rank_*.log"))
+        assert not psutil.Process().children(recursive=True)
+
+
+def test_python_api_signature_guards_resume():
+    """The closures' dry build yields the architecture signature a resume bundle must match."""
+    from flodl.preflight import launch
+    from flodl.runtime.spec import JobSpec
+
+    def model(device):
+        from recipes.models import MLP
+
+        return MLP([1, 8, 8], 10, hidden=16).to(device)
+
+    def wider(device):
+        from recipes.models import MLP
+
+        return MLP([1, 8, 8], 10, hidden=24).to(device)
+
+    def spec(factory):
+        import torch
+
+        return JobSpec(
+            config=TrainerConfig(),
+            model_factory=factory,
+            optim_factory=lambda p: torch.optim.SGD(p, lr=0.1),
+            train_step=None,
+            dataset=None,
+        )
+
+    first = launch.model_signature(spec(model), {})
+    assert first and first == launch.model_signature(spec(model), {})
+    assert first != launch.model_signature(spec(wider), {})
+    assert launch.model_signature(spec(wider), {"model_signature": "hydra"}) == "hydra"
