@@ -77,7 +77,7 @@ def dry_build_closures(spec: Any) -> str | None:
 def _dry_build(builders: Builders, names: tuple[tuple[str, str], ...], what: str) -> str | None:
     import torch
 
-    with _quiet(), _without_dynamo_import(), _no_cuda():
+    with _quiet(), without_dynamo_import(), _no_cuda():
         try:
             with torch.device("meta"):
                 return _build_all(builders, names, torch.device("meta"), explain=False)
@@ -170,7 +170,7 @@ def _no_cuda() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _without_dynamo_import() -> Iterator[None]:
+def without_dynamo_import() -> Iterator[None]:
     """``Optimizer.__init__`` imports ``torch._dynamo`` on its first call (1-2 s, more on a busy
     machine) only to exclude ``add_param_group`` from compilation; a dry build compiles nothing.
     torch's lazy wrapper caches the excluded function as ``__dynamo_disable``: seed that cache

@@ -156,10 +156,13 @@ def check_config(config: TrainerConfig) -> None:
 def check_launch(spec: JobSpec, topology: Topology) -> dict[str, Any]:
     """Run the launch-time checks (a refusal is a :class:`ConfigError`, before any rank).
     Returns the LR scaling, which the job announces and records in summary.json."""
+    from flodl.preflight.dry_build import without_dynamo_import
+
     check_precision(spec.config.precision, rank_devices(topology, spec.config.device))
-    optimizer = _dry_optimizer(spec)
-    base = float(optimizer.param_groups[0]["lr"]) if optimizer is not None else None
-    _check_scheduler(spec, optimizer)
+    with without_dynamo_import():  # the launcher trains nothing: torch._dynamo costs 1-3 s
+        optimizer = _dry_optimizer(spec)
+        base = float(optimizer.param_groups[0]["lr"]) if optimizer is not None else None
+        _check_scheduler(spec, optimizer)
     return lr_scaling(base, spec.config.lr_scale_ratio, topology.world_size)
 
 

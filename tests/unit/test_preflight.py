@@ -202,7 +202,8 @@ def test_a_sweeper_direction_against_the_objective_is_warned(caplog):
 
 def test_the_dry_build_stays_cheap_no_dynamo_import():
     """torch.optim imports torch._dynamo on the first optimizer (seconds); the launcher's dry
-    build avoids it, and a real optimizer built afterwards still gets it."""
+    builds (targets, closures, the LR announcement's optimizer) avoid it, and a real optimizer
+    built afterwards still gets it."""
     import subprocess
     import sys
 
@@ -212,6 +213,16 @@ def test_the_dry_build_stays_cheap_no_dynamo_import():
         "from flodl.config import validate_run_config\n"
         f"preflight.check_factories(validate_run_config({BASE!r}))\n"
         "assert 'torch._dynamo' not in sys.modules, 'dry build imported torch._dynamo'\n"
+        "from flodl.config import TrainerConfig\n"
+        "from flodl.runtime.spec import JobSpec\n"
+        "from flodl.topology import resolve_topology\n"
+        "spec = JobSpec(TrainerConfig(), lambda d: torch.nn.Linear(2, 2),\n"
+        "    lambda p: torch.optim.Adam(p, lr=0.1), None, None,\n"
+        "    scheduler_factory=lambda o: torch.optim.lr_scheduler.StepLR(o, 1))\n"
+        "assert preflight.model_signature(spec, {})\n"
+        "topology = resolve_topology(spec.config, probe_hosts=False)\n"
+        "assert preflight.check_launch(spec, topology)['base_lr'] == 0.1\n"
+        "assert 'torch._dynamo' not in sys.modules, 'launch checks imported torch._dynamo'\n"
         "torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)\n"
         "assert 'torch._dynamo' in sys.modules\n"
     )
