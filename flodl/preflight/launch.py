@@ -2,7 +2,8 @@
 API included; a refusal is a :class:`ConfigError`, exit code 2).
 
 :func:`check_config` (no factory: what a sweep refuses before any job) checks precision and
-per-rank batch sizes against the ranks' devices. :func:`check_run` checks the callback rank, a
+per-rank batch sizes against the ranks' devices, the callback rank and a writable ``save_path``
+(:func:`check_outputs`). :func:`check_run` checks the callback rank, a
 writable ``save_path`` and the resume bundle (exists, intact, same architecture, epochs left);
 :func:`model_signature` dry-builds the Python API's closures for that comparison
 (:mod:`.dry_build`). :func:`check_launch` announces the LR scaling with real numbers and warns
@@ -151,6 +152,7 @@ def check_config(config: TrainerConfig) -> None:
     topology = resolve_topology(config, probe_hosts=False)
     check_precision(config.precision, rank_devices(topology, config.device))
     rank_batch_sizes(config, topology)
+    check_outputs(config, topology.world_size)
 
 
 def check_launch(spec: JobSpec, topology: Topology) -> dict[str, Any]:
@@ -168,6 +170,13 @@ def check_launch(spec: JobSpec, topology: Topology) -> dict[str, Any]:
 
 def check_run(cfg: TrainerConfig, world_size: int, signature: str | None = None) -> Any:
     """Callback rank, save location and resume bundle; returns the loaded resume point."""
+    check_outputs(cfg, world_size)
+    return _resume(cfg, world_size, signature) if cfg.resume_from is not None else None
+
+
+def check_outputs(cfg: TrainerConfig, world_size: int) -> None:
+    """The callback rank inside the cohort; a writable ``save_path`` (a probe file is created
+    and deleted)."""
     policy = cfg.callback_policy
     if policy.kind == "rank" and policy.rank >= world_size:
         raise ConfigError(
@@ -183,7 +192,6 @@ def check_run(cfg: TrainerConfig, world_size: int, signature: str | None = None)
             raise ConfigError(
                 f"trainer.save_path={cfg.save_path}: {exc}; choose a writable location"
             ) from None
-    return _resume(cfg, world_size, signature) if cfg.resume_from is not None else None
 
 
 def _resume(cfg: TrainerConfig, world_size: int, signature: str | None) -> Any:

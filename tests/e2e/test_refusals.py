@@ -63,11 +63,9 @@ def test_run_py_refusals_exit_2_and_import_only_what_they_need(tmp_path):
 
 
 def test_a_refusal_after_the_config_checks_exits_2_through_run_py(tmp_path):
-    """save_path is probed per run, after the whole config was checked (metrics included)."""
-    (tmp_path / "a_file").write_text("not a directory")
-    unwritable = tmp_path / "a_file" / "ckpt" / "run"
-    line, _ = refused([f"trainer.save_path={unwritable}"], tmp_path / "run")
-    assert f"trainer.save_path={unwritable}: cannot write" in line, line
+    """resume_from is checked per run, once the factories' dry build gave the architecture."""
+    line, _ = refused([f"trainer.resume_from={tmp_path}/none"], tmp_path / "run")
+    assert f"trainer.resume_from={tmp_path}/none: no checkpoint" in line, line
 
 
 def launcher_refusal(overrides: list[str]) -> str:
@@ -106,6 +104,8 @@ def test_launcher_refusals_name_key_value_and_fix(tmp_path):
         f"trainer.resume_from={tmp_path}/none": f"trainer.resume_from={tmp_path}/none: no "
         "checkpoint",
         "trainer.save_path=''": "trainer.save_path=: empty",
+        f"trainer.save_path={tmp_path}/a_file/ckpt/run": f"trainer.save_path={tmp_path}/a_file/"
+        "ckpt/run: cannot write",
         "cluster.controller.port=65535": "cluster.controller.port=65535: must be at most 65534",
         "trainer.callback_policy.kind=rank trainer.callback_policy.rank=2": (
             "trainer.callback_policy.rank=2: this run has 2 rank(s)"
