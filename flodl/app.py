@@ -126,6 +126,7 @@ def _start(run_cfg: RunConfig, job_dir: Path, run_info: dict[str, Any]) -> Any:
     task = run_cfg.task
     has_eval = task.has_eval
     run_info["model_signature"] = preflight.check_factories(run_cfg)
+    preflight.check_task_targets(task)  # last: its metrics import torchmetrics
     return Trainer.run(
         partial(build_model, run_cfg.model),
         partial(build_optimizer, run_cfg.optimizer),

@@ -23,13 +23,20 @@ import torch
 
 from flodl.evaluation import primary_name
 from flodl.metrics import EpochMetrics, RunSummary, SyncEvent
+from flodl.preflight import (
+    check_launch,
+    check_run,
+    format_lr_scaling,
+    model_signature,
+    rank_batch_sizes,
+    rank_loaders,
+)
 from flodl.results import RunResult, TrainedState
 from flodl.runtime.cohort import Cohort, run_cohort
 from flodl.runtime.cohorts import open_cohort
 from flodl.runtime.control import new_controller
 from flodl.runtime.controller import Controller, ControllerResult, Hooks, RunFailed
 from flodl.runtime.env import ExternalRole
-from flodl.runtime.preflight import format_lr_scaling, preflight, rank_batch_sizes, rank_loaders
 from flodl.runtime.snapshots import ResumePoint
 from flodl.runtime.spec import Callbacks, JobSpec
 from flodl.topology import Topology, resolve_topology
@@ -58,14 +65,13 @@ class Job:
         self.eval_metric = eval_metric
         self.run_info = run_info
         self.topology: Topology = resolve_topology(spec.config, placed=placed)
-        from flodl.preflight import check_run
-
-        # Before any rank: the callback rank, a writable save_path, the resume bundle.
-        signature = run_info.pop("model_signature", None)
+        # Before any rank: the closures' dry build (Python API), the callback rank, a writable
+        # save_path, the resume bundle.
+        signature = model_signature(spec, run_info)
         self._resume: ResumePoint | None = check_run(
             spec.config, self.topology.world_size, signature
         )
-        self.run_info["lr_scaling"] = preflight(spec, self.topology)
+        self.run_info["lr_scaling"] = check_launch(spec, self.topology)
         topo = self.topology
         # The job as every rank receives it, complete from here on (frozen).
         self.spec = replace(

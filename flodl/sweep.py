@@ -17,7 +17,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import open_dict
 
 from flodl import app
-from flodl.config import ConfigError, validate_run_config
+from flodl.config import ConfigError, RunConfig, validate_run_config
 from flodl.failures import describe
 
 log = logging.getLogger("flodl")
@@ -25,8 +25,6 @@ log = logging.getLogger("flodl")
 
 def launch_sweep(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_idx: int):
     from hydra.core.utils import configure_log, setup_globals
-
-    from flodl.preflight import check_factories
 
     setup_globals()
     config, ctx = launcher.config, launcher.hydra_context
@@ -42,11 +40,7 @@ def launch_sweep(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
             job_cfg.hydra.job.num = idx
         _require_flodl_job(job_cfg)
         try:  # every job of the batch, before any of them starts a rank
-            run_cfg = validate_run_config(app.plain_config(job_cfg))
-            check_factories(run_cfg)
-            from flodl.runtime.preflight import check_config
-
-            check_config(run_cfg.trainer_config())
+            run_cfg = check_job(job_cfg)
         except ConfigError as exc:
             where = f" (job {idx}: {' '.join(overrides)})" if several else ""
             print(f"error: {exc}{where}", file=sys.stderr)
@@ -82,6 +76,18 @@ def _launch(launcher: Any, ctx: Any, jobs: list, sweep_dir: Path, logger: Any) -
         return _run_jobs(launcher, ctx, jobs, sweep_dir)
     finally:
         _linger(dashboard, logger.keep_serving)
+
+
+def check_job(job_cfg: Any) -> RunConfig:
+    """Validate one composed job, cheapest check first: a pure-config refusal exits before
+    torch is imported, and only a good job imports its metrics (torchmetrics, scipy)."""
+    from flodl.preflight import check_config, check_factories, check_task_targets
+
+    run_cfg = validate_run_config(app.plain_config(job_cfg))
+    check_config(run_cfg.trainer_config())
+    check_factories(run_cfg)
+    check_task_targets(run_cfg.task)
+    return run_cfg
 
 
 def _require_flodl_job(job_cfg: Any) -> None:
