@@ -45,6 +45,7 @@ from flodl.runtime.messages import (
 )
 from flodl.runtime.planning import Planning
 from flodl.runtime.snapshots import Checkpointer, PendingSave, ResumePoint, ShardWriteFailed
+from flodl.runtime.sums import SnapshotSums
 from flodl.runtime.tracking import ControllerResult, EpochTrack, WindowTrack
 
 log = logging.getLogger(__name__)
@@ -126,6 +127,7 @@ class Controller(Planning, Aggregation):
         self.all_planned = False
         self.final: Final | None = None
         self.center: Any = None
+        self.sums = SnapshotSums(config.elche.gamma) if self.mode.via_controller else None
         self.outer: Any = None
         self.overshoot = (0, 0, 0)  # cpu_async: (current, initial, cap) averages in flight
         self.batch_sizes = [config.batch_size] * world_size
@@ -670,6 +672,8 @@ class Controller(Planning, Aggregation):
         ]
         if self.checkpointer is not None:
             self.checkpointer.signature = signatures.pop()
+        if self.sums is not None:
+            self.sums.n_params = next(iter(self.ready.values())).n_params
         start, ranges = self._resume_ranks(n_samples)
         if start >= self.cfg.num_epochs:
             raise RunFailed(

@@ -753,6 +753,8 @@ class Worker:
     def _apply_average(self, msg: Average) -> None:
         if msg.window in self._outstanding:
             self._outstanding.remove(msg.window)
+        if msg.flat is None:  # the controller could not average this round: keep our weights
+            return
         center = msg.flat.to(self.device)
         before = self.state.current()  # read before the load: no copy of the weights
         alpha = self.cfg.elche.effective_easgd_alpha
