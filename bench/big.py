@@ -93,7 +93,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out", default="big")
     args = ap.parse_args(argv)
     rows = args.params // WIDTH
-    out: dict[str, Any] = {"machine": machine(), "command": " ".join(["bench.big", *argv])}
+    out: dict[str, Any] = {
+        "machine": machine(),
+        "command": " ".join(["python -m bench.big", *argv]),
+    }
     with tempfile.TemporaryDirectory(prefix="flodl-bench-big-") as tmp:
         root = Path(tmp)
         stem = str(root / "ckpt" / "run")

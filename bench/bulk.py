@@ -169,6 +169,7 @@ def memory(params: int, modes: list[str]) -> list[dict[str, Any]]:
             # import baseline the launcher has) is extra copies of the weights
             base = result["launcher_baseline_mb"]
             result["rank_extra_copies"] = (result["rank_peak_mb"] - base - 4 * p) / p
+        result.setdefault("mode", mode)
         log(f"  {result}")
         rows.append(result)
     return rows
@@ -332,7 +333,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--disk-dir", default=tempfile.gettempdir())
     ap.add_argument("--out", default="bulk")
     args = ap.parse_args(argv)
-    result: dict[str, Any] = {"machine": machine(), "command": " ".join(["bench.bulk", *argv])}
+    result: dict[str, Any] = {
+        "machine": machine(),
+        "command": " ".join(["python -m bench.bulk", *argv]),
+    }
     if "memory" in args.only:  # first: later phases allocate in this (driver) process
         result["memory"] = memory(args.params, args.modes)
     if "disk" in args.only:
