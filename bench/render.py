@@ -392,10 +392,23 @@ def _ddp_bench() -> str:
     return "_No results yet: run the command above._"
 
 
+def _bulk(stem: str, block: str) -> str:
+    from bench import bulk_report
+
+    data = _load(stem)
+    if not data:
+        return "_No results yet: run the command above._"
+    return getattr(bulk_report, block)(data, _machine)
+
+
 def render() -> dict[str, str]:
     hetero, overhead, convergence = _load("hetero"), _load("overhead"), _load("convergence")
     missing = "_No results yet: run the command above._"
     return {
+        "bulk": _bulk("bulk", "bulk_block"),
+        "bulk_cpu_sync": _bulk("bulk_cpu_sync", "bulk_block"),
+        "bulk_disk": _bulk("bulk_disk", "bulk_block"),
+        "big": _bulk("big", "big_block"),
         "ddp_bench": _ddp_bench(),
         "hetero": hetero_block(hetero) if hetero else missing,
         "overhead": overhead_block(overhead) if overhead else missing,

@@ -149,7 +149,7 @@ class ControlPlane:
     def _read(self, rank: int, channel: Channel) -> None:
         while True:
             try:
-                msg = channel.recv()
+                msg = channel.recv(route=self.controller.route)  # cpu_*: snapshots summed
             except (OSError, EOFError, ConnectionError) as exc:
                 if not self._closing:
                     self.controller.post(rank, Disconnected(str(exc) or type(exc).__name__))

@@ -113,6 +113,9 @@ class Stop:
     checkpoint: bool = False  # every rank writes its shard first (final or graceful save)
     save_tag: str = ""
     write_weights: bool = False
+    # Keep the final weights until a later Stop releases this rank or asks it to send them
+    # (the sender was lost after Stop: every survivor holds the same averaged weights).
+    hold: bool = False
 
 
 @dataclass(frozen=True)

@@ -376,30 +376,53 @@ class Worker:
         )
 
     def _finish(self, msg: Stop) -> None:
+        """Save and send what Stop asks; a held rank then waits for the controller's next Stop:
+        its release, or the order to take over from a lost sender (its weights are the same)."""
         while self._outstanding:  # cpu_async: take the averages still in flight
             reply = self.link.recv()
             if isinstance(reply, Average):
                 self._apply_average(reply)
-        if msg.checkpoint:
-            self.save_shards(-1, msg.save_tag, msg.write_weights)
-        if msg.send_state:
-            params, buffers = self.weights()
-            self.link.send(Final(rank=self.rank, params=params, buffers=buffers))
+        saved = ""  # the save this rank's own shard went to (a takeover adds the weights)
+        while True:
+            if msg.checkpoint:
+                if msg.write_weights:
+                    chaos.point("final_save", self.rank)
+                own = saved != msg.save_tag
+                self.save_shards(-1, msg.save_tag, msg.write_weights, own=own)
+                saved = msg.save_tag
+            if msg.send_state:
+                chaos.point("final", self.rank)
+                params, buffers = self.weights()
+                self.link.send(Final(rank=self.rank, params=params, buffers=buffers))
+            if not msg.hold:
+                return
+            msg = self._next_stop()
+
+    def _next_stop(self) -> Stop:
+        while True:
+            msg = self.next_message()
+            if isinstance(msg, Stop):
+                return msg
 
     def weights(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """Parameters and buffers by name, on CPU."""
+        """Parameters and buffers by name, on CPU (the model's own tensors when the link
+        serialises them while sending: no copy of the weights; else copies)."""
         buffer_names = {n for n, _ in self.model.named_buffers()}
-        state = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        serialises = getattr(self.link, "serialises", False)
+        state = {
+            k: v.detach().cpu() if serialises else v.detach().cpu().clone()
+            for k, v in self.model.state_dict().items()
+        }
         params = {k: v for k, v in state.items() if k not in buffer_names}
         return params, {k: v for k, v in state.items() if k in buffer_names}
 
     # -- checkpoints ---------------------------------------------------------------------------
-    def save_shards(self, window: int, tag: str, write_weights: bool) -> None:
-        """Write this rank's shard (and the weights, if asked) and tell the controller."""
+    def save_shards(self, window: int, tag: str, write_weights: bool, own: bool = True) -> None:
+        """Write this rank's shard (``own``) and the weights, if asked; tell the controller."""
         stem = self.cfg.save_path
         assert stem is not None
         relay = process_local(stem)  # the launcher's own store: stream the payloads there
-        payloads = {rank_shard(self.rank): self.rank_payload()}
+        payloads = {rank_shard(self.rank): self.rank_payload()} if own else {}
         if write_weights:
             payloads[MODEL] = self.model_payload(copy=relay)
         try:
@@ -569,7 +592,7 @@ class Worker:
         compute_ms = (time.perf_counter() - tally.start) * 1000.0
         loss_sum, loss_count, batches = tally.loss_sum, tally.loss_count, tally.batches
         self._sync_started = time.perf_counter()
-        snapshot = self.state.flatten().cpu() if self.mode.via_controller else None
+        snapshot = self._snapshot() if self.mode.via_controller else None
         self.link.send(
             Report(
                 rank=self.rank,
@@ -591,6 +614,7 @@ class Worker:
                 steps=tuple(tally.steps),
             )
         )
+        del snapshot  # sent: nothing of it is kept while the average is awaited
         chaos.point("report", self.rank)
         if self.average(window) and window.settle:
             self.link.send(Settled(self.rank, window.index))
@@ -599,6 +623,13 @@ class Worker:
             self.save_shards(window.index, window.save_tag, window.write_weights)
         if window.eval_after:
             self.evaluate(window)
+
+    def _snapshot(self) -> torch.Tensor:
+        """The weights for the controller: the flat storage itself when the link serialises
+        while sending (nothing changes it before ``send`` returns), else a copy."""
+        if getattr(self.link, "serialises", False):
+            return self.state.current().cpu()
+        return self.state.flatten().cpu()
 
     def peak_memory(self) -> int:
         """Peak device memory in bytes: CUDA's max allocated, else this process's peak RSS."""
@@ -756,6 +787,8 @@ class Worker:
     def _apply_average(self, msg: Average) -> None:
         if msg.window in self._outstanding:
             self._outstanding.remove(msg.window)
+        if msg.flat is None:  # the controller could not average this round: keep our weights
+            return
         center = msg.flat.to(self.device)
         before = self.state.current()  # read before the load: no copy of the weights
         alpha = self.cfg.elche.effective_easgd_alpha

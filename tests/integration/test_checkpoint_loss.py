@@ -141,3 +141,32 @@ def test_rank_lost_while_writing_its_shard(tmp_path, monkeypatch, caplog, victim
         [r for r in range(3) if r != victim],
     )
     assert all(torch.equal(payload["params"][k], v) for k, v in result.state.params.items())
+
+
+@pytest.mark.parametrize(
+    ("mode", "moment"), [("nccl_cadence", "final"), ("cpu_async", "final_save")]
+)
+def test_rank_lost_while_sending_the_final_weights(tmp_path, monkeypatch, caplog, mode, moment):
+    """Rank 0 owes the final weights after Stop and dies before sending them ("final", its
+    shards written) or before writing the save's weights ("final_save"). Was: the run failed.
+    Now rank 1, held with the same weights, sends them and writes the save's weights."""
+    monkeypatch.setenv("FLODL_CHAOS", f"0:{moment}")
+    stem = str(tmp_path / "ckpt" / "run")
+    with caplog.at_level("WARNING"):
+        handle, last_epoch = run(
+            tmp_path, "chaos", 3, 2, mode=mode, save_path=stem, checkpoint_every=1
+        )
+    tail_s = time.perf_counter() - last_epoch
+    result = handle.result
+    assert result.summary.status == "ok", result.summary.error
+    assert result.summary.lost_ranks == [0] and result.coverage_exact
+    assert tail_s < 15.0, f"the run took {tail_s:.1f} s to end after its last epoch"
+    assert "rank 1 sends them" in caplog.text
+    assert ("rank 1 writes them instead" in caplog.text) == (moment == "final_save")
+    payload, meta = load_bundle(stem)
+    saved = [0, 1, 2] if moment == "final" else [1, 2]  # rank 0's own shard, if it wrote it
+    assert (meta.save_reason, meta.epoch, meta.extra["ranks"]) == ("final", 2, saved)
+    final = result.state
+    assert final is not None and set(final.params) == set(payload["params"])
+    for key, value in final.params.items():  # the same weights, whoever wrote or sent them
+        assert torch.equal(payload["params"][key], value), key
