@@ -4,8 +4,8 @@
     .venv/bin/python -m bench.render --stdout   # prints them instead
 
 Each block sits between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` (NAME: hetero,
-overhead, convergence, targets, accuracy, ddp_bench) and carries the machine the numbers came
-from and the command that reproduces them. Nothing in a block is typed by hand.
+overhead, convergence, targets, accuracy, ddp_bench, scale_sim) and carries the machine the
+numbers came from and the command that reproduces them. Nothing in a block is typed by hand.
 """
 
 from __future__ import annotations
@@ -334,6 +334,36 @@ def targets_block(
 # --- README surgery -----------------------------------------------------------------------------
 
 
+def scale_sim_block(data: dict[str, Any]) -> str:
+    """The simulated grid: efficiency vs the limit and vs lock-step DDP, controller cost."""
+    st = data["settings"]
+    comm, work = st["allreduce"], st["workload"]
+    rows = [
+        [
+            str(r["ranks"]),
+            r["scenario"],
+            _num(r["efficiency"]),
+            _num(r["lockstep_efficiency"]),
+            _num(r["efficiency"] / r["lockstep_efficiency"], ".2f") + "\u00d7",
+            _num(r["controller_ms_per_window"], ".2f"),
+            _num(r["syncs_per_epoch"], ".1f"),
+            "yes" if r["coverage_exact"] else "**no**",
+        ]
+        for r in data["rows"]
+    ]
+    header = ["ranks", "scenario", "efficiency", "lock-step", "vs lock-step",
+              "controller ms/window", "syncs/epoch", "coverage exact"]  # fmt: skip
+    model = (
+        f"Model: ring all-reduce {comm['alpha_ms']} ms + 2(N\u22121)/N \u00b7 "
+        f"{comm['n_bytes'] / 1e6:.0f} MB / {comm['beta_gb_s']} GB/s; a batch {work['base_ms']} ms"
+        f" / speed, jitter \u03c3 {work['jitter']}; lock-step hides the all-reduce behind "
+        f"{work['backward_fraction']:.2f} of the slowest step; {st['epochs']} epochs of "
+        f"{st['batches_per_rank']} batches per rank; controller \u2192 rank latency "
+        f"{st['latency_ms']} ms."
+    )
+    return _machine(data) + "\n\n" + model + "\n\n" + _table(header, rows)
+
+
 def replace_block(text: str, name: str, body: str) -> str:
     pattern = re.compile(rf"(<!-- {name}:begin -->\n).*?(\n<!-- {name}:end -->)", re.DOTALL)
     if not pattern.search(text):
@@ -353,6 +383,7 @@ def _ddp_bench() -> str:
 
 def render() -> dict[str, str]:
     hetero, overhead, convergence = _load("hetero"), _load("overhead"), _load("convergence")
+    sim = _load("scale_sim")
     missing = "_No results yet: run the command above._"
     return {
         "ddp_bench": _ddp_bench(),
@@ -361,6 +392,7 @@ def render() -> dict[str, str]:
         "convergence": convergence_block(convergence) if convergence else missing,
         "targets": targets_block(hetero, overhead, _load("hetero_long")),
         "accuracy": accuracy_block(hetero, _load("hetero_long")),
+        "scale_sim": scale_sim_block(sim) if sim else missing,
     }
 
 
