@@ -33,7 +33,7 @@ CHUNK_BYTES = 64 << 20
 _TAG = "flodl-tensor"
 
 #: Messages that never hold a tensor: sent without the tensor-extracting pickler (whose Python
-#: ``persistent_id`` runs on every object), since a controller of 128 ranks sends 128 plans a window.
+#: ``persistent_id`` runs on every object): a controller of 128 ranks sends 128 plans a window.
 _NO_TENSORS = frozenset(
     {
         messages.Plan,

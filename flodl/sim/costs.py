@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class RingAllReduce:
-    """Ring all-reduce of ``n_bytes`` over ``n`` ranks: ``α + 2(n−1)/n · bytes/β``."""
+    """Ring all-reduce of ``n_bytes`` over ``n`` ranks: ``alpha + 2(n-1)/n * bytes/beta``."""
 
     alpha_ms: float = 0.05  # fixed latency of one collective
     beta_gb_s: float = 12.5  # bus bandwidth, GB/s (100 Gb/s links)

@@ -142,10 +142,13 @@ class Simulator:
         latency_ms: float = 0.2,
         seed: int = 0,
         elche: dict[str, Any] | None = None,
+        n_samples: int | None = None,
+        speed_hint: bool = False,
     ) -> None:
         self.n, self.work, self.comm = ranks, work or Workload(), comm or RingAllReduce()
         self.latency_ms, self.seed, self.epochs = latency_ms, seed, epochs
-        self.n_samples = batches_per_rank * ranks * self.work.batch_size
+        per_epoch = batches_per_rank * ranks * self.work.batch_size
+        self.n_samples = n_samples if n_samples is not None else per_epoch
         total = self.n_samples * epochs
         nominal = total * self.work.base_ms / (self.work.batch_size * ranks)
         self.scenario = make_scenario(scenario, ranks, nominal, seed)
@@ -168,7 +171,10 @@ class Simulator:
         self._seq = itertools.count()
         self.ranks = [_Rank(r, tuple(range(ranks))) for r in range(ranks)]
         self.collectives: dict[tuple, _Collective] = {}
-        self.ctl = Controller(self.cfg, ranks, [1.0] * ranks, has_eval=False)
+        # The launcher hands the controller the configured device speeds (a CPU rig's, or a
+        # benchmark's): with speed_hint the first windows are shaped by the true speeds at t=0.
+        hint = [self.scenario.speed(r, 0.0) for r in range(ranks)] if speed_hint else [1.0] * ranks
+        self.ctl = Controller(self.cfg, ranks, hint, has_eval=False)
         for r in range(ranks):
             self.ctl.attach(r, _Link(self, r))
 

@@ -27,7 +27,8 @@ def test_the_simulator_runs_the_controllers_own_planning(monkeypatch):
     assert base.windows == len(calls)  # one ElChe cycle per planned window
 
     # Every rank forced to one batch per window: many more (lock-step-like) windows.
-    monkeypatch.setattr(planning, "whole_steps", lambda counts, cfg: [1 if c else 0 for c in counts])
+    one_each = lambda counts, cfg: [1 if c else 0 for c in counts]  # noqa: E731
+    monkeypatch.setattr(planning, "whole_steps", one_each)
     forced = Simulator(4, "two_tiers", batches_per_rank=40).run()
     assert forced.windows > 3 * base.windows
     assert forced.coverage_exact
