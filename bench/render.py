@@ -361,7 +361,15 @@ def scale_sim_block(data: dict[str, Any]) -> str:
         f"{st['batches_per_rank']} batches per rank; controller \u2192 rank latency "
         f"{st['latency_ms']} ms."
     )
-    return _machine(data) + "\n\n" + model + "\n\n" + _table(header, rows)
+    checks = [
+        f"vs `{c['real']}` (real 2-rank nccl_cadence on [1.0, 0.4], load average "
+        f"{_list(c['real_load_average'])}): real {_num(c['real_efficiency'])}, simulated "
+        f"{_num(c['sim_efficiency'])} ({c['relative_gap'] * 100:+.1f} %), syncs "
+        f"{c['real_syncs']:.0f} / {c['sim_syncs']}"
+        for c in data.get("real_check", [])
+    ]
+    check = ("\n\nChecked against real runs: " + "; ".join(checks) + ".") if checks else ""
+    return _machine(data) + "\n\n" + model + check + "\n\n" + _table(header, rows)
 
 
 def replace_block(text: str, name: str, body: str) -> str:
