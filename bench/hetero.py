@@ -186,6 +186,9 @@ def summarise(
                                 "others_busy_cores",
                                 "waited_s",
                                 "startup_s",
+                                "mean_sync_ms",
+                                "window_anchor",
+                                "window_overhead",
                                 "error",
                             )
                             if k in r
