@@ -647,6 +647,8 @@ class Worker:
                 if not averaged:
                     self._unaveraged = window.index
                     self._await_regroup()
+                elif self.outer is not None:  # the same update on every rank: still in step
+                    self.state.load(self.outer.step(self.state.flatten()))
                 return averaged
             guard = not self.mode.is_sync
             before = self.state.flatten() if guard and self.outer is not None else None
