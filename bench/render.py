@@ -4,8 +4,8 @@
     .venv/bin/python -m bench.render --stdout   # prints them instead
 
 Each block sits between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` (NAME: hetero,
-overhead, convergence, targets, accuracy, ddp_bench, scale_sim) and carries the machine the
-numbers came from and the command that reproduces them. Nothing in a block is typed by hand.
+overhead, convergence, targets, accuracy, ddp_bench, scale_sim, comm_heavy) and carries the
+machine the numbers came from and the command that reproduces them. Nothing in a block is typed by hand.
 """
 
 from __future__ import annotations
@@ -117,6 +117,22 @@ def hetero_block(data: dict[str, Any]) -> str:
             ]
         )
     return "\n".join(lines) + "\n" + _table(header, rows)
+
+
+def comm_heavy_block(data: dict[str, Any]) -> str:
+    """The hetero table of the communication-heavy rig, its all-reduce share and its plot."""
+    s = data["settings"]
+    share = s.get("allreduce_fraction")
+    lines = [
+        hetero_block(data),
+        "",
+        f"One parameter all-reduce = {_num(share)} of a step (the nccl_cadence runs' mean "
+        "averaging time over step + averaging)."
+        + (" **Quick run** (1 repeat, 1 epoch)." if s.get("quick") else ""),
+    ]
+    if s.get("plot"):
+        lines += ["", f"![{s['plot']}](results/{s['plot']})"]
+    return "\n".join(lines)
 
 
 def overhead_block(data: dict[str, Any]) -> str:
@@ -392,6 +408,7 @@ def _ddp_bench() -> str:
 def render() -> dict[str, str]:
     hetero, overhead, convergence = _load("hetero"), _load("overhead"), _load("convergence")
     sim = _load("scale_sim")
+    comm = _load("comm_heavy") or _load("comm_heavy_quick")  # the full run when there is one
     missing = "_No results yet: run the command above._"
     return {
         "ddp_bench": _ddp_bench(),
@@ -401,6 +418,7 @@ def render() -> dict[str, str]:
         "targets": targets_block(hetero, overhead, _load("hetero_long")),
         "accuracy": accuracy_block(hetero, _load("hetero_long")),
         "scale_sim": scale_sim_block(sim) if sim else missing,
+        "comm_heavy": comm_heavy_block(comm) if comm else missing,
     }
 
 
