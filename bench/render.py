@@ -5,7 +5,8 @@
 
 Each block sits between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` (NAME: hetero,
 overhead, convergence, targets, accuracy, ddp_bench, scale_sim, comm_heavy) and carries the
-machine the numbers came from and the command that reproduces them. Nothing in a block is typed by hand.
+machine the numbers came from and the command that reproduces them. Nothing in a block is
+typed by hand.
 """
 
 from __future__ import annotations
