@@ -130,6 +130,28 @@ def collective_average(
     return divergence
 
 
+def collective_average_buffers(
+    state: FlatState, buffer_weight: float, doomed: Callable[[], bool] | None = None
+) -> None:
+    """The float buffers' weighted all-reduce alone (nccl_sync: the parameters already agree,
+    their gradients were all-reduced); nothing when the model has none. Lands only on success."""
+    if not state.buffers:
+        return
+    with torch.no_grad():
+        scaled = torch.cat([b.detach().reshape(-1).to(torch.float32) for b in state.buffers])
+        scaled *= buffer_weight
+    if doomed is not None and dist.get_backend() == "gloo":
+        groups.wait(dist.all_reduce(scaled, op=dist.ReduceOp.SUM, async_op=True), doomed)
+    else:
+        dist.all_reduce(scaled, op=dist.ReduceOp.SUM)
+    with torch.no_grad():
+        pos = 0
+        for b in state.buffers:
+            n = b.numel()
+            b.copy_(scaled[pos : pos + n].view_as(b).to(b.dtype))
+            pos += n
+
+
 def weighted_mean(
     flats: Sequence[torch.Tensor],
     weights: Sequence[float],

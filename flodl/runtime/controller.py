@@ -50,6 +50,7 @@ from flodl.runtime.tracking import ControllerResult, EpochTrack, WindowTrack
 
 log = logging.getLogger(__name__)
 _STALL_S = 1.0  # a gap between two liveness checks longer than this is the judge's own stall
+_LIVENESS_S = 0.05  # how often silent ranks are looked for
 
 __all__ = ["Controller", "ControllerResult", "Disconnected", "Exited", "Hooks", "RunFailed"]
 
@@ -151,6 +152,7 @@ class Controller(Planning, Aggregation):
         self.stopped_early: dict[str, Any] | None = None
         self._t_start = time.perf_counter()
         self._last_check = time.monotonic()
+        self._last_liveness = 0.0
         self._t_train = 0.0
         self._t_end = 0.0
         self._restore_controller_state()
@@ -241,10 +243,14 @@ class Controller(Planning, Aggregation):
         if self._failure is not None and now >= self._failure[0]:
             self._deferred_failure_due()
         timeout = self.cfg.cluster.start_timeout_s
-        missing = sorted(set(self.alive) - set(self.ready))
-        if missing and self.coverage is None and now - self._t_start > timeout:
-            raise RunFailed(f"ranks {missing} did not get ready within {timeout:.0f} s")
-        if not self._stop_sent:
+        if self.coverage is None and now - self._t_start > timeout:
+            missing = sorted(set(self.alive) - set(self.ready))
+            if missing:
+                raise RunFailed(f"ranks {missing} did not get ready within {timeout:.0f} s")
+        # Liveness is O(ranks): judged every _LIVENESS_S, not on every message (a 128-rank
+        # window brings 128 reports), which is far finer than any heartbeat timeout.
+        if not self._stop_sent and now - self._last_liveness >= _LIVENESS_S:
+            self._last_liveness = now
             for rank in self.members.stale():
                 log.warning(
                     "rank %d: no heartbeat for %.0f s; dropping it",

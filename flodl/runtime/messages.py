@@ -48,6 +48,7 @@ class Window:
     settle: bool = False  # the epoch's last window: acknowledge its averaging (Settled)
     progress: int = 0  # global progress clock: samples of the run dispatched before this window
     window_samples: int = 0  # samples of this window over all ranks
+    grad_sync: bool = False  # nccl_sync: gradients all-reduced in backward (every rank steps)
 
 
 @dataclass(frozen=True)

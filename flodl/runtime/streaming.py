@@ -26,10 +26,28 @@ from typing import Any
 import cloudpickle
 import torch
 
+from flodl.runtime import messages
+
 #: Bytes per frame of a streamed tensor or skeleton (well under the channel's frame bound).
 CHUNK_BYTES = 64 << 20
 
 _TAG = "flodl-tensor"
+
+#: Messages that never hold a tensor: sent without the tensor-extracting pickler (whose Python
+#: ``persistent_id`` runs on every object): a controller of 128 ranks sends 128 plans a window.
+_NO_TENSORS = frozenset(
+    {
+        messages.Plan,
+        messages.Stop,
+        messages.Regroup,
+        messages.Heartbeat,
+        messages.Settled,
+        messages.Regrouped,
+        messages.Hello,
+        messages.Ready,
+        messages.Abort,
+    }
+)
 
 
 def _detached(t: torch.Tensor) -> torch.Tensor:
@@ -98,6 +116,8 @@ def peek(skeleton: bytes) -> Any:
 
 def split(msg: Any, code: bool = False) -> tuple[bytes, list[torch.Tensor]]:
     """The pickled skeleton and the tensors it refers to (``code``: cloudpickle, for closures)."""
+    if not code and type(msg) in _NO_TENSORS:  # the control plane's bulk: plain pickle, 3x faster
+        return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), []
     buf = io.BytesIO()
     pickler_class = _CodePickler if code else _Pickler
     pickler = pickler_class(buf, protocol=pickle.HIGHEST_PROTOCOL)

@@ -32,7 +32,8 @@ from flodl.metrics import drain_scalars
 from flodl.precision import StepRunner, compiled
 from flodl.residency import place
 from flodl.runtime import chaos, groups
-from flodl.runtime.averaging import FlatState, collective_average
+from flodl.runtime.averaging import FlatState, collective_average, collective_average_buffers
+from flodl.runtime.gradsync import GradSync
 from flodl.runtime.messages import (
     Average,
     EvalResult,
@@ -123,6 +124,9 @@ class Worker:
         self._nonfinite = 0
         self._unaveraged = -1  # a window whose averaging failed, until the controller knows
         self._step = 0  # this rank's optimizer steps so far (per-step logging)
+        self.grad_sync: GradSync | None = None  # nccl_sync's gradient all-reduce (built later)
+        self._grad_window = False  # this window's gradients are all-reduced in backward
+        self._grad_failed = False  # ...and that all-reduce failed (a peer is gone)
 
     # -- set-up ------------------------------------------------------------------------------
     def build(self) -> None:
@@ -142,6 +146,8 @@ class Worker:
             self.cfg.max_grad_norm,
         )
         self.optimizer = self.spec.optim_factory(self.model.parameters())
+        if self.mode is Mode.NCCL_SYNC and self.spec.world_size > 1:
+            self.grad_sync = GradSync(self.model, doomed=self._doomed)
         self._scale_lr()
         self.outer = make_outer(self.cfg.elche, self.state.n_params)
         dataset = resolve_dataset(self.spec.dataset)
@@ -583,6 +589,10 @@ class Worker:
             elapsed = (time.perf_counter() - self._sync_started) * 1000.0
             self._last_sync_ms = max(0.0, elapsed - self._eval_ms)
         self._eval_ms = 0.0
+        self._grad_window = window.grad_sync and self.grad_sync is not None and self.distributed
+        self._grad_failed = False
+        if self.grad_sync is not None:
+            self.grad_sync.weight = window.weight  # this rank's share of the step's samples
         own = sum(size for _, size in window.chunks)
         self._clock, self._own_done = (window.progress, window.window_samples, own), 0
         return WindowTally(time.perf_counter())
@@ -640,6 +650,8 @@ class Worker:
     def train_batch(self, batch: list[torch.Tensor], last: bool = False) -> float:
         """One micro-batch: forward in the run's precision, backward, and the optimizer step once
         ``accumulate_grad_batches`` micro-batches are in (or ``last``: the window ends)."""
+        if self._grad_window and self.grad_sync is not None:  # the step's last micro-batch
+            self.grad_sync.armed = last or self.runner.pending + 1 >= self.runner.accumulate
         with self.runner.autocast():
             loss = self.spec.train_step(self.train_model, batch)
         value = float(loss.detach())
@@ -653,6 +665,8 @@ class Worker:
 
     def optimizer_step(self) -> None:
         """Step over the pending micro-batches; a GradScaler skip counts as a non-finite step."""
+        if self._grad_window and self.grad_sync is not None and not self._grad_failed:
+            self._grad_failed = not self._collective(self.grad_sync.finish, "gradient all-reduce")
         if not self.runner.step(self.model, self.optimizer):
             self._skip_nonfinite(
                 "non-finite gradients (16-mixed: the GradScaler lowered its scale)"
@@ -688,6 +702,19 @@ class Worker:
         if not self.mode.via_controller:
             # The guard reads divergence; lock-step sync modes never consult it. Without an
             # outer step it is measured inside the average (no copy of the weights kept).
+            if self._grad_window:  # the parameters already agree: the float buffers are left
+                averaged = not self._grad_failed and self._collective(
+                    lambda: collective_average_buffers(
+                        self.state, window.buffer_weight, doomed=self._doomed
+                    ),
+                    "averaging",
+                )
+                if not averaged:
+                    self._unaveraged = window.index
+                    self._await_regroup()
+                elif self.outer is not None:  # the same update on every rank: still in step
+                    self.state.load(self.outer.step(self.state.flatten()))
+                return averaged
             guard = not self.mode.is_sync
             before = self.state.flatten() if guard and self.outer is not None else None
             if not self._averaged(window.weight, window.buffer_weight, measure=guard):
@@ -734,6 +761,28 @@ class Worker:
         log.warning(
             "rank %d: averaging failed in generation %d (%s); waiting to regroup",
             self.rank,
+            self.generation,
+            failure,
+        )
+        if self.regroup_fn is not None:
+            groups.release(abandoned)
+        return False
+
+    def _collective(self, run: Callable[[], Any], what: str) -> bool:
+        """Run one of the step's collectives; False when a peer is gone (the group released)."""
+        failure, abandoned = None, False
+        try:
+            run()
+        except groups.Abandoned as exc:
+            failure, abandoned = str(exc), not exc.settled
+        except (RuntimeError, dist.DistBackendError) as exc:  # a peer is gone
+            failure = str(exc)
+        if failure is None:
+            return True
+        log.warning(
+            "rank %d: %s failed in generation %d (%s); waiting to regroup",
+            self.rank,
+            what,
             self.generation,
             failure,
         )
