@@ -46,22 +46,16 @@ class _Sum:
         """Add ``piece`` (elements ``offset..``, within one lock cell) scaled by ``weights``."""
         cell = offset * 4 // PIECE_BYTES
         end = offset + piece.numel()
+        # The sum starts at zero: a cell may be entered in several pieces (frames need not be
+        # piece-aligned), so "the first piece initialises the cell" would leave part of it unset.
         with self.locks[cell]:
-            first = not self.touched[cell]
             self.touched[cell] = True
             for lo, hi, w in (
                 (offset, min(end, self.n_params), weights[0]),
                 (max(offset, self.n_params), end, weights[1]),
             ):
-                if hi <= lo:
-                    continue
-                src, dst = piece[lo - offset : hi - offset], self.flat[lo:hi]
-                if first and w:
-                    torch.mul(src, w, out=dst)
-                elif first:
-                    dst.zero_()
-                elif w:
-                    dst.add_(src, alpha=w)
+                if hi > lo and w:
+                    self.flat[lo:hi].add_(piece[lo - offset : hi - offset], alpha=w)
 
 
 class SnapshotSums:
@@ -93,7 +87,7 @@ class SnapshotSums:
             if total is None:
                 cells = max(1, -(-n * 4 // PIECE_BYTES))
                 total = _Sum(
-                    torch.empty(n),
+                    torch.zeros(n),
                     self.n_params,
                     [threading.Lock() for _ in range(cells)],
                     [False] * cells,
