@@ -102,15 +102,17 @@ def test_work_of_a_rank_lost_while_averaging_is_trained_again(tmp_path, monkeypa
 
 
 def _plant_garbage(store_port: int, done: threading.Event) -> None:
-    """A stranger on the store's port: lists the keys, overwrites every one with garbage and
-    plants garbage where the next generations' rendezvous will look."""
+    """A stranger on the store's port: lists the keys of the first rendezvous (gloo's keys hold
+    ``//``) and plants garbage where the next generations' rendezvous will look. (Overwriting a
+    key between its write and its read only delays a rendezvous: README, "Rendezvous store".)"""
     import torch.distributed as dist
 
     deadline = time.monotonic() + 60
+    keys: list[str] = []
     while time.monotonic() < deadline:
         try:
             store = dist.TCPStore("127.0.0.1", store_port, is_master=False, use_libuv=False)
-            keys = [k for k in store.list_keys() if "generation0" in k]
+            keys = [k for k in store.list_keys() if "generation0" in k and "//" in k]
         except Exception:  # not up yet
             keys = []
         if len(keys) >= 3:
@@ -118,7 +120,7 @@ def _plant_garbage(store_port: int, done: threading.Event) -> None:
         time.sleep(0.2)
     garbage = b"\x00garbage\xff" * 64
     for key in keys:
-        for generation in range(4):
+        for generation in range(1, 4):
             store.set(key.replace("generation0", f"generation{generation}"), garbage)
     done.set()
 
