@@ -76,20 +76,20 @@ def test_nesterov_outer_trains_and_changes_the_trajectory(tmp_path, mode):
 
 
 def test_a_callback_slower_than_the_heartbeat_timeout_drops_no_rank(tmp_path):
-    """metrics_fn runs on the controller's thread; a 2.5 s one with a 1 s heartbeat timeout used
+    """metrics_fn runs on the controller's thread; a 5 s one with a 2 s heartbeat timeout used
     to get both healthy ranks dropped as stale."""
     seen: list[EpochMetrics] = []
 
     def slow(m: EpochMetrics) -> None:
         seen.append(m)
-        time.sleep(2.5)
+        time.sleep(5.0)
 
     handle = (
         _builder(tmp_path)
         .num_epochs(2)
         .cluster(
             ClusterConfig(
-                kind="cpu_rig", ranks=2, speeds=[1.0, 0.5], warmup_steps=3, heartbeat_timeout_s=1.0
+                kind="cpu_rig", ranks=2, speeds=[1.0, 0.5], warmup_steps=3, heartbeat_timeout_s=2.0
             )
         )
         .metrics_fn(slow)
