@@ -3,6 +3,7 @@
     python -m tests.chaos.matrix                 # the full matrix (about 40 min on 2 cores)
     python -m tests.chaos.matrix --modes nccl_cadence --victims 1 --moments report,eval
     python -m tests.chaos.matrix --cohort ssh    # the same cells, ranks on ssh hosts
+    python -m tests.chaos.matrix --render tests/chaos/ssh_result.json   # README's table
 
 ``--cohort ssh`` runs every cell through two fake hosts (network namespaces with their own
 sshd, tests/netns_hosts.py; needs root and OpenSSH): rank 0 on the first, ranks 1 and 2 on the
@@ -84,9 +85,7 @@ def classify(out: dict | None, victims: set[int], ckpt: bool, timed_out: bool = 
     return "broken"
 
 
-def run_cell(
-    mode: str, victim: str, moment: str, ckpt: bool, timeout_s: float, hosts=None
-) -> dict:
+def run_cell(mode: str, victim: str, moment: str, ckpt: bool, timeout_s: float, hosts=None) -> dict:
     """One cell in its own process; ``hosts`` (a tests.netns_hosts.TestHosts): through ssh."""
     with tempfile.TemporaryDirectory(prefix="flodl-chaos-") as tmp:
         cmd = [
@@ -161,8 +160,35 @@ def _cohort(kind: str):
         return
     from tests.netns_hosts import test_hosts
 
-    with tempfile.TemporaryDirectory(prefix="flodl-chaos-hosts-") as tmp, test_hosts(2, Path(tmp)) as hosts:
+    with (
+        tempfile.TemporaryDirectory(prefix="flodl-chaos-hosts-") as tmp,
+        test_hosts(2, Path(tmp)) as hosts,
+    ):
         yield hosts
+
+
+def render(path: Path) -> str:
+    """README's table for one result file: pass counts per moment, and what ran."""
+    record = json.loads(path.read_text())
+    cells = record["cells"]
+
+    def values(key: str) -> str:
+        return ", ".join(sorted({str(c[key]) for c in cells}))
+
+    ckpt = {True: "on", False: "off"}
+    lines = [
+        f"`{path.name}` (cohort {record.get('cohort', 'local')}): modes {values('mode')}; "
+        f"victims {values('victim')}; checkpoints "
+        f"{', '.join(sorted({ckpt[c['checkpoints']] for c in cells}))}; {len(cells)} cells",
+        "",
+        "| moment | completed | not reached | hang / broken / stopped |",
+        "|---|---|---|---|",
+    ]
+    for moment, counts in record["summary"].items():
+        bad = sum(n for v, n in counts.items() if v not in ("completed", "not-reached"))
+        done, unreached = counts.get("completed", 0), counts.get("not-reached", 0)
+        lines.append(f"| `{moment}` | {done} | {unreached} | {bad} |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,7 +200,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds before 'hang'")
     parser.add_argument("--cohort", choices=("local", "ssh"), default="local")
     parser.add_argument("--out", default="", help="result file (default: by cohort)")
+    parser.add_argument("--render", metavar="RESULT", help="print README's table for a result")
     args = parser.parse_args(argv)
+    if args.render:
+        print(render(Path(args.render)))
+        return 0
     out = Path(args.out or (SSH_RESULT if args.cohort == "ssh" else RESULT))
     ckpts = {"off": [False], "on": [True], "both": [False, True]}[args.checkpoints]
     cells = []

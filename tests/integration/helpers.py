@@ -80,13 +80,17 @@ def is_rank_itself(proc: psutil.Process, rank: int | None = None) -> bool:
     or other helpers: those inherit its FLODL_ROLE/FLODL_RANK, but their parent has them too."""
     try:
         env = proc.environ()
-        if env.get("FLODL_ROLE") != "rank" or (rank is not None and env.get("FLODL_RANK") != str(rank)):
+        if env.get("FLODL_ROLE") != "rank" or (
+            rank is not None and env.get("FLODL_RANK") != str(rank)
+        ):
             return False
         parent = proc.parent()
         parent_env = parent.environ() if parent is not None else {}
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return False
-    return parent_env.get("FLODL_ROLE") != "rank" or parent_env.get("FLODL_RANK") != env["FLODL_RANK"]
+    return (
+        parent_env.get("FLODL_ROLE") != "rank" or parent_env.get("FLODL_RANK") != env["FLODL_RANK"]
+    )
 
 
 def rank_pid(rank: int) -> int:

@@ -7,7 +7,6 @@ import os
 import signal
 from functools import partial
 
-import psutil
 import pytest
 
 from flodl import ClusterConfig, ElCheConfig, LoggerConfig, Trainer

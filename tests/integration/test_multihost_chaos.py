@@ -78,7 +78,9 @@ def assert_no_rank_left(hosts):
     )
 
 
-def test_a_remote_rank_killed_while_a_checkpoint_is_collected(tmp_path, monkeypatch, make_test_hosts):
+def test_a_remote_rank_killed_while_a_checkpoint_is_collected(
+    tmp_path, monkeypatch, make_test_hosts
+):
     """Rank 1 (host 1) dies with its state for epoch 0's checkpoint not yet sent: the partial
     checkpoint is discarded and retried with the survivors; the last bundle loads."""
     hosts = make_test_hosts(2)

@@ -51,7 +51,8 @@ def test_rank_lookup_skips_a_loader_worker_that_inherited_the_rank(monkeypatch):
     worker does): the lookup returns the rank, never the child, whichever is listed first."""
     monkeypatch.setenv("FLODL_ROLE", "rank")
     monkeypatch.setenv("FLODL_RANK", "7")
-    child = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); time.sleep(30)"
+    sleep = "import time; time.sleep(30)"
+    child = f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {sleep!r}]); {sleep}"
     rank = subprocess.Popen([sys.executable, "-c", child])
     try:
         me = psutil.Process(rank.pid)
