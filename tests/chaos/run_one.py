@@ -57,8 +57,9 @@ def ssh_cluster(ranks: int, hosts_file: str) -> ClusterConfig:
             nccl_socket_ifname=hosts["interface"],
             env={"PYTHONPATH": str(ROOT)},  # the ranks unpickle tests.integration.helpers
         )
+    start_s = 3 * START_S  # python + torch started over ssh: slow on shared cores
     return builder.options(
-        warmup_steps=2, heartbeat_timeout_s=HEARTBEAT_S, start_timeout_s=START_S
+        warmup_steps=2, heartbeat_timeout_s=HEARTBEAT_S, start_timeout_s=start_s
     ).build()
 
 
