@@ -177,7 +177,8 @@ def render(path: Path) -> str:
 
     ckpt = {True: "on", False: "off"}
     lines = [
-        f"`{path.name}` (cohort {record.get('cohort', 'local')}): modes {values('mode')}; "
+        f"`tests/chaos/{path.name}` (cohort {record.get('cohort', 'local')}): modes "
+        f"{values('mode')}; "
         f"victims {values('victim')}; checkpoints "
         f"{', '.join(sorted({ckpt[c['checkpoints']] for c in cells}))}; {len(cells)} cells",
         "",
