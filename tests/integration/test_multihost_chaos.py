@@ -91,13 +91,14 @@ def test_a_remote_rank_killed_while_a_checkpoint_is_collected(
     assert_no_rank_left(hosts)
 
 
-def test_a_remote_rank_frozen_mid_window_is_dropped(tmp_path, monkeypatch, make_test_hosts):
+def test_a_remote_rank_frozen_mid_window_is_dropped(tmp_path, monkeypatch, make_test_hosts, caplog):
     """Rank 2 (host 1) is SIGSTOPped after the first batch of its second window: alive, its ssh
     session open, but silent. It is dropped after heartbeat_timeout_s, the run completes, and
     the frozen process is ended at teardown (a stopped process never reads its stdin lifeline)."""
     hosts = make_test_hosts(2)
     result, wall_s = chaos_on_hosts(tmp_path, monkeypatch, hosts, "2:window:2:stop")
     assert_survived(result, [2])
+    assert f"rank 2: no heartbeat for {HEARTBEAT_S:.0f} s; dropping it" in caplog.text
     assert wall_s < START_S + 30.0  # start-up + a run; the loss costs about HEARTBEAT_S
     assert_no_rank_left(hosts)
 
