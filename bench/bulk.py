@@ -10,7 +10,8 @@ all-reduce, and a checkpoint shard against the disk's sequential write speed.
   (``ru_maxrss`` of its children), against the parameter bytes. ``solo`` trains in the launcher.
 * ``speed``: two rank processes on loopback; the median of 3 gloo all-reduces of the flat
   parameter vector, and the median of 3 cpu_* rounds through flodl's control channel (both ranks
-  send their snapshot, the controller averages, both receive the average), timed on rank 0.
+  send their snapshot in a Report, the controller sums them as they arrive, both receive the
+  Average), timed on rank 0. Both are measured in the same processes, one after the other.
 * ``disk``: the median of 3 ``flodl.shards.write_shard`` of the vector against 3 plain sequential
   writes of the same bytes in 64 MiB blocks, both fsync'd, interleaved, same directory.
 """
@@ -168,6 +169,7 @@ def memory(params: int, modes: list[str]) -> list[dict[str, Any]]:
             # import baseline the launcher has) is extra copies of the weights
             base = result["launcher_baseline_mb"]
             result["rank_extra_copies"] = (result["rank_peak_mb"] - base - 4 * p) / p
+        result.setdefault("mode", mode)
         log(f"  {result}")
         rows.append(result)
     return rows
@@ -187,23 +189,23 @@ def _rank_speed(rank: int, n: int, store_port: int, ctl_port: int, secret: bytes
     import torch.distributed as dist
 
     from flodl.runtime.channel import connect
+    from flodl.runtime.messages import Report
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", store_port, 2, is_master=rank == 0, use_libuv=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     flat = torch.randn(n)
     reduce_s, round_s = [], []
-    for _ in range(3):
+    channel = connect("127.0.0.1", ctl_port, secret)
+    for i in range(3):  # interleaved: an all-reduce, then a round, under the same load
         dist.barrier()
         t0 = time.perf_counter()
         dist.all_reduce(flat)
         reduce_s.append(time.perf_counter() - t0)
-    channel = connect("127.0.0.1", ctl_port, secret)
-    for _ in range(3):
         dist.barrier()
         t0 = time.perf_counter()
-        channel.send({"rank": rank, "snapshot": flat})
-        flat = channel.recv()["flat"]
+        channel.send(Report(rank, i, 0, ((0, 64),), 2, 64, 1.0, 0.0, 0, snapshot=flat))
+        flat = channel.recv().flat
         round_s.append(time.perf_counter() - t0)
     dist.barrier()
     if rank == 0:
@@ -213,36 +215,34 @@ def _rank_speed(rank: int, n: int, store_port: int, ctl_port: int, secret: bytes
 
 
 def _controller(listener: Any, secret: bytes, n: int) -> None:
-    from flodl.runtime.averaging import weighted_mean
+    """As the launcher does it: one reader per rank sums the snapshots as they arrive
+    (flodl.runtime.sums), the mean goes back to both ranks at once."""
     from flodl.runtime.channel import Channel
+    from flodl.runtime.messages import Average
+    from flodl.runtime.sums import SnapshotSums
 
     channels = []
     for _ in range(2):
         ch = Channel(listener.accept(timeout_s=120))
         ch.authenticate_as_server(secret)
         channels.append(ch)
-    for _ in range(3):
-        mean = weighted_mean(_recv_all(channels), [0.5, 0.5], [0.5, 0.5], n)
-        senders = [threading.Thread(target=ch.send, args=({"flat": mean},)) for ch in channels]
+    sums = SnapshotSums(gamma=1.0)
+    sums.n_params = n
+    for i in range(3):
+        readers = [
+            threading.Thread(target=ch.recv, kwargs={"route": sums.route}) for ch in channels
+        ]
+        for t in readers:
+            t.start()
+        for t in readers:
+            t.join()
+        mean = sums.take(i, [0, 1])
+        senders = [threading.Thread(target=ch.send, args=(Average(i, mean),)) for ch in channels]
         for t in senders:  # as the controller does (Outbound._send_each): at once
             t.start()
         for t in senders:
             t.join()
-
-
-def _recv_all(channels: list[Any]) -> list[Any]:
-    """Both snapshots, received at once (the controller has one reader thread per rank)."""
-    got: list[Any] = [None] * len(channels)
-
-    def read(i: int) -> None:
-        got[i] = channels[i].recv()["snapshot"]
-
-    readers = [threading.Thread(target=read, args=(i,)) for i in range(len(channels))]
-    for t in readers:
-        t.start()
-    for t in readers:
-        t.join()
-    return got
+        del mean
 
 
 def speed(params: int) -> dict[str, Any]:
@@ -333,7 +333,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--disk-dir", default=tempfile.gettempdir())
     ap.add_argument("--out", default="bulk")
     args = ap.parse_args(argv)
-    result: dict[str, Any] = {"machine": machine(), "command": " ".join(["bench.bulk", *argv])}
+    result: dict[str, Any] = {
+        "machine": machine(),
+        "command": " ".join(["python -m bench.bulk", *argv]),
+    }
     if "memory" in args.only:  # first: later phases allocate in this (driver) process
         result["memory"] = memory(args.params, args.modes)
     if "disk" in args.only:
@@ -345,6 +348,7 @@ def main(argv: list[str]) -> int:
         result["speed"] = speed(args.params)
         log(f"  {result['speed']}")
     result["load_average_end"] = list(os.getloadavg())
+    result["machine"]["load_average_end"] = result["load_average_end"]
     log(f"wrote {write_result(args.out, result)}")
     return 0
 

@@ -46,6 +46,7 @@ class Workload:
     higher_is_better: bool
     optimizer: str  # conf/optimizer/<name>.yaml
     dataset_kwargs: tuple[tuple[str, Any], ...] = ()
+    model_kwargs: tuple[tuple[str, Any], ...] = ()
 
 
 WORKLOADS: dict[str, Workload] = {
@@ -65,6 +66,12 @@ WORKLOADS: dict[str, Workload] = {
         "ConvAE", "mnist5k", (1, 28, 28), 10, "reconstruction_step", "reconstruction_mse", "mse",
         False, "adam",
     ),
+    # Communication-heavy (issue 16): 12.7 M parameters (784 -> 16000 -> 10), so at a small
+    # batch one all-reduce of the parameters is a large share of a step (bench/comm_heavy.py).
+    "mlp_wide": Workload(
+        "MLP", "mnist5k", (1, 28, 28), 10, "classification_step", "accuracy", "accuracy", True,
+        "adam", (), (("hidden", 16000),),
+    ),
     # CIFAR-shaped synthetic data (offline); throughput only, the accuracy is not meaningful.
     "resnet": Workload(
         "ResNet20", "synthetic", (3, 32, 32), 10, "classification_step", "accuracy", "accuracy",
@@ -83,7 +90,8 @@ class ModelFactory:
         import recipes.models
 
         w = WORKLOADS[self.name]
-        return getattr(recipes.models, w.model)(list(w.input_shape), w.num_classes)
+        model = getattr(recipes.models, w.model)
+        return model(list(w.input_shape), w.num_classes, **dict(w.model_kwargs))
 
 
 class OptimFactory:
@@ -294,6 +302,8 @@ def run_flodl(
         "calibrated_step_ms": step_ms,
         "nominal_step_ms": step_ms * pace_margin if (step_ms is not None and paced) else None,
         "final_anchor": s.anchor,
+        "window_anchor": [e.anchor for e in result.events],
+        "window_overhead": [e.overhead for e in result.events],
         "launcher_cpu_train_s": launcher_cpu_s,
         "load_before": load_before,
         "load_after": load_after,

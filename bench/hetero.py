@@ -48,45 +48,47 @@ VARIANTS = ("solo_fast", "solo_slow", "ddp", *MODES)
 def run_one(payload: dict[str, Any]) -> dict[str, Any]:
     """One measured run, in its own process (``--one``)."""
     kind, speeds, epochs = payload["kind"], payload["speeds"], payload["epochs"]
+    workload, batch = payload.get("workload", WORKLOAD), payload.get("batch_size", BATCH)
     if kind == "ddp":
         from bench.ddp import run_ddp
 
         return run_ddp(
             speeds,
             epochs=epochs,
-            workload=WORKLOAD,
-            batch_size=BATCH,
+            workload=workload,
+            batch_size=batch,
             seed=SEED,
             pace_margin=PACE_MARGIN,
         )
     from bench.common import run_flodl
 
     return run_flodl(
-        WORKLOAD,
+        workload,
         kind,
         epochs=epochs,
-        batch_size=BATCH,
+        batch_size=batch,
         speeds=speeds,
         pace_margin=PACE_MARGIN,
         seed=SEED,
     )
 
 
-def plan(rigs: list[list[float]]) -> list[tuple[str, list[float]]]:
+def plan(rigs: list[list[float]], modes: list[str] | None = None) -> list[tuple[str, list[float]]]:
     """The distinct runs of one repeat: solo per distinct speed, then DDP and modes per rig."""
+    modes = list(modes) if modes else list(MODES)
     solo_speeds = sorted({s for rig in rigs for s in (max(rig), min(rig))}, reverse=True)
     runs: list[tuple[str, list[float]]] = [("solo", [s]) for s in solo_speeds]
     for rig in rigs:
-        runs += [("ddp", rig)] + [(mode, rig) for mode in MODES]
+        runs += [("ddp", rig)] + [(mode, rig) for mode in modes]
     return runs
 
 
-def _paced_ideal(result: dict[str, Any], speeds: list[float]) -> float | None:
+def _paced_ideal(result: dict[str, Any], speeds: list[float], batch: int = BATCH) -> float | None:
     """Samples/s a perfectly paced run of this run's own nominal step would reach."""
     t_ms = result.get("nominal_step_ms")
     if not t_ms:
         return None
-    return BATCH * sum(speeds) / (t_ms / 1000.0)
+    return batch * sum(speeds) / (t_ms / 1000.0)
 
 
 def _work(result: dict[str, Any]) -> float | None:
@@ -100,7 +102,9 @@ def _sum(a: float | None, b: float | None) -> float | None:
 
 
 def summarise(
-    rigs: list[list[float]], repeats: list[dict[tuple[str, tuple[float, ...]], dict[str, Any]]]
+    rigs: list[list[float]],
+    repeats: list[dict[tuple[str, tuple[float, ...]], dict[str, Any]]],
+    batch: int = BATCH,
 ) -> list[dict[str, Any]]:
     """One row per (rig, variant): medians over repeats; ratios taken per repeat, then median."""
     rows = []
@@ -114,6 +118,8 @@ def summarise(
             else:
                 key = (variant, tuple(rig))
             runs = [rep.get(key) for rep in repeats]
+            if not any(runs):
+                continue  # a variant left out (--variants)
             ok = [r for r in runs if r and r.get("status") == "ok"]
             eff, eff_m, eff_t, vs_ddp, vs_ddp_m, vs_ddp_wall = [], [], [], [], [], []
             for rep, run in zip(repeats, runs, strict=True):
@@ -127,7 +133,7 @@ def summarise(
                         ratio(_work(run), _sum(_work(sf), _work(ss)))  # at equal T (see README)
                     )
                 speeds_used = list(key[1])
-                eff_t.append(ratio(run["samples_per_s"], _paced_ideal(run, speeds_used)))
+                eff_t.append(ratio(run["samples_per_s"], _paced_ideal(run, speeds_used, batch)))
                 if ddp and ddp.get("status") == "ok":
                     vs_ddp.append(run["samples_per_s"] / ddp["samples_per_s"])
                     vs_ddp_m.append(ratio(_work(run), _work(ddp)))
@@ -180,6 +186,9 @@ def summarise(
                                 "others_busy_cores",
                                 "waited_s",
                                 "startup_s",
+                                "mean_sync_ms",
+                                "window_anchor",
+                                "window_overhead",
                                 "error",
                             )
                             if k in r
@@ -217,6 +226,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--max-wait", type=float, default=10.0, help="at most this long (s)")
     parser.add_argument("--out", default="hetero", help="results file stem under bench/results")
+    parser.add_argument("--workload", default=WORKLOAD, help="a bench.common workload")
+    parser.add_argument("--batch-size", type=int, default=BATCH, help="per rank")
+    parser.add_argument(
+        "--variants", nargs="+", default=None, help="only these modes (and ddp, solo)"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.repeats, args.epochs = 1, 1
@@ -225,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     rigs = [[float(s) for s in rig.split(",")] for rig in args.rigs]
     if any(len(rig) != 2 for rig in rigs):
         parser.error("each rig needs two speeds (fast,slow)")
-    runs = plan(rigs)
+    runs = plan(rigs, args.variants)
     info = machine()
     started = time.perf_counter()
     repeats: list[dict[tuple[str, tuple[float, ...]], dict[str, Any]]] = []
@@ -235,7 +249,13 @@ def main(argv: list[str] | None = None) -> int:
         order = runs[shift:] + runs[:shift]
         results: dict[tuple[str, tuple[float, ...]], dict[str, Any]] = {}
         for kind, speeds in order:
-            payload = {"kind": kind, "speeds": speeds, "epochs": args.epochs}
+            payload = {
+                "kind": kind,
+                "speeds": speeds,
+                "epochs": args.epochs,
+                "workload": args.workload,
+                "batch_size": args.batch_size,
+            }
             quiet = wait_quiet(args.quiet_cores, args.max_wait)
             t0 = time.perf_counter()
             res = run_isolated("bench.hetero", payload, args.timeout)
@@ -254,15 +274,15 @@ def main(argv: list[str] | None = None) -> int:
                 log(str(res.get("log", ""))[-2000:])
         repeats.append(results)
         # written after every repeat: a run cut short still leaves its finished repeats
-        rows = summarise(rigs, repeats)
+        rows = summarise(rigs, repeats, args.batch_size)
         info["load_average_end"] = list(os.getloadavg())
         data = {
             "benchmark": "hetero",
             "machine": info,
             "settings": {
-                "workload": WORKLOAD,
+                "workload": args.workload,
                 "dataset": "mnist5k (4000 train / 1000 test)",
-                "batch_size": BATCH,
+                "batch_size": args.batch_size,
                 "epochs": args.epochs,
                 "samples_per_run": 4000 * args.epochs,
                 "pace_margin": PACE_MARGIN,

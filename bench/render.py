@@ -4,8 +4,9 @@
     .venv/bin/python -m bench.render --stdout   # prints them instead
 
 Each block sits between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` (NAME: hetero,
-overhead, convergence, targets, accuracy, ddp_bench) and carries the machine the numbers came
-from and the command that reproduces them. Nothing in a block is typed by hand.
+overhead, convergence, targets, accuracy, ddp_bench, scale_sim, comm_heavy) and carries the
+machine the numbers came from and the command that reproduces them. Nothing in a block is
+typed by hand.
 """
 
 from __future__ import annotations
@@ -117,6 +118,22 @@ def hetero_block(data: dict[str, Any]) -> str:
             ]
         )
     return "\n".join(lines) + "\n" + _table(header, rows)
+
+
+def comm_heavy_block(data: dict[str, Any]) -> str:
+    """The hetero table of the communication-heavy rig, its all-reduce share and its plot."""
+    s = data["settings"]
+    share = s.get("allreduce_fraction")
+    lines = [
+        hetero_block(data),
+        "",
+        f"One parameter all-reduce = {_num(share)} of a step (the nccl_cadence runs' mean "
+        "averaging time over step + averaging)."
+        + (" **Quick run** (1 repeat, 1 epoch)." if s.get("quick") else ""),
+    ]
+    if s.get("plot"):
+        lines += ["", f"![{s['plot']}](results/{s['plot']})"]
+    return "\n".join(lines)
 
 
 def overhead_block(data: dict[str, Any]) -> str:
@@ -375,6 +392,44 @@ def loader_block(data: dict[str, Any]) -> str:
 # --- README surgery -----------------------------------------------------------------------------
 
 
+def scale_sim_block(data: dict[str, Any]) -> str:
+    """The simulated grid: efficiency vs the limit and vs lock-step DDP, controller cost."""
+    st = data["settings"]
+    comm, work = st["allreduce"], st["workload"]
+    rows = [
+        [
+            str(r["ranks"]),
+            r["scenario"],
+            _num(r["efficiency"]),
+            _num(r["lockstep_efficiency"]),
+            _num(r["efficiency"] / r["lockstep_efficiency"], ".2f") + "\u00d7",
+            _num(r["controller_ms_per_window"], ".2f"),
+            _num(r["syncs_per_epoch"], ".1f"),
+            "yes" if r["coverage_exact"] else "**no**",
+        ]
+        for r in data["rows"]
+    ]
+    header = ["ranks", "scenario", "efficiency", "lock-step", "vs lock-step",
+              "controller ms/window", "syncs/epoch", "coverage exact"]  # fmt: skip
+    model = (
+        f"Model: ring all-reduce {comm['alpha_ms']} ms + 2(N\u22121)/N \u00b7 "
+        f"{comm['n_bytes'] / 1e6:.0f} MB / {comm['beta_gb_s']} GB/s; a batch {work['base_ms']} ms"
+        f" / speed, jitter \u03c3 {work['jitter']}; lock-step hides the all-reduce behind "
+        f"{work['backward_fraction']:.2f} of the slowest step; {st['epochs']} epochs of "
+        f"{st['batches_per_rank']} batches per rank; controller \u2192 rank latency "
+        f"{st['latency_ms']} ms."
+    )
+    checks = [
+        f"vs `{c['real']}` (real 2-rank nccl_cadence on [1.0, 0.4], load average "
+        f"{_list(c['real_load_average'])}): real {_num(c['real_efficiency'])}, simulated "
+        f"{_num(c['sim_efficiency'])} ({c['relative_gap'] * 100:+.1f} %), syncs "
+        f"{c['real_syncs']:.0f} / {c['sim_syncs']}"
+        for c in data.get("real_check", [])
+    ]
+    check = ("\n\nChecked against real runs: " + "; ".join(checks) + ".") if checks else ""
+    return _machine(data) + "\n\n" + model + check + "\n\n" + _table(header, rows)
+
+
 def replace_block(text: str, name: str, body: str) -> str:
     pattern = re.compile(rf"(<!-- {name}:begin -->\n).*?(\n<!-- {name}:end -->)", re.DOTALL)
     if not pattern.search(text):
@@ -392,10 +447,25 @@ def _ddp_bench() -> str:
     return "_No results yet: run the command above._"
 
 
+def _bulk(stem: str, block: str) -> str:
+    from bench import bulk_report
+
+    data = _load(stem)
+    if not data:
+        return "_No results yet: run the command above._"
+    return getattr(bulk_report, block)(data, _machine)
+
+
 def render() -> dict[str, str]:
     hetero, overhead, convergence = _load("hetero"), _load("overhead"), _load("convergence")
+    sim = _load("scale_sim")
+    comm = _load("comm_heavy") or _load("comm_heavy_quick")  # the full run when there is one
     missing = "_No results yet: run the command above._"
     return {
+        "bulk": _bulk("bulk", "bulk_block"),
+        "bulk_cpu_sync": _bulk("bulk_cpu_sync", "bulk_block"),
+        "bulk_disk": _bulk("bulk_disk", "bulk_block"),
+        "big": _bulk("big", "big_block"),
         "ddp_bench": _ddp_bench(),
         "hetero": hetero_block(hetero) if hetero else missing,
         "overhead": overhead_block(overhead) if overhead else missing,
@@ -403,6 +473,8 @@ def render() -> dict[str, str]:
         "targets": targets_block(hetero, overhead, _load("hetero_long")),
         "accuracy": accuracy_block(hetero, _load("hetero_long")),
         "loader": _loader(missing),
+        "scale_sim": scale_sim_block(sim) if sim else missing,
+        "comm_heavy": comm_heavy_block(comm) if comm else missing,
     }
 
 

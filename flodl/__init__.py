@@ -29,7 +29,7 @@ from flodl.metrics import EpochMetrics, RunSummary, SyncEvent, record_scalar
 # The trainer pulls in torch; keep `import flodl.sys` / `flodl.monitor` / the Hydra plugin light.
 _LAZY = {
     "RunHandle": "flodl.trainer",
-    "TrainedState": "flodl.trainer",
+    "TrainedState": "flodl.results",
     "Trainer": "flodl.trainer",
     "TrainerBuilder": "flodl.trainer",
     "Ddp": "flodl.ddp",

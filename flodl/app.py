@@ -8,7 +8,6 @@ configuration error (nothing started), 1 when a job failed.
 from __future__ import annotations
 
 import difflib
-import json
 import logging
 import os
 import sys
@@ -20,48 +19,46 @@ from typing import Any
 from pydantic import BaseModel
 
 from flodl import config as schema
-from flodl.config import ConfigError, RunConfig, TargetConfig, resolve_dotted
+from flodl.config import ConfigError, RunConfig, resolve_dotted
+from flodl.factories import (  # module-level: they pickle by reference to the ranks
+    build_dataset,
+    build_metric,
+    build_model,
+    build_optimizer,
+    build_scheduler,
+)
 
 log = logging.getLogger("flodl")
 
-# Set by the launcher plugin (whether a sweep started, how many jobs it has) and by train()
-# (how many jobs failed, under any launcher).
-STATE: dict[str, int] = {"launched": 0, "failed": 0, "jobs": 0}
-# Each finished job's summary row by job number: the A/B report's input.
-ROWS: dict[int, dict[str, Any]] = {}
+
+class Objective(float):
+    """A job's objective (what an optimizing sweeper sees) carrying the job's summary row (what
+    the flodl launcher's A/B report reads): the task's return value, no module state."""
+
+    row: dict[str, Any]
+
+    def __new__(cls, value: float, row: dict[str, Any]) -> Objective:
+        made = super().__new__(cls, value)
+        made.row = row
+        return made
+
+    def __reduce__(self) -> Any:  # other launchers pickle the return value
+        return (Objective, (float(self), self.row))
 
 
-# -- factories (module-level so they pickle by reference to the ranks) ---------------------------
-def _instantiate(target: TargetConfig, *args: Any, **extra: Any) -> Any:
-    from hydra.utils import instantiate
+class JobsFailed(SystemExit):
+    """Raised after a sweep whose jobs failed (counted from their summaries): exit code 1."""
 
-    return instantiate({"_target_": target.target, **target.kwargs(), **extra}, *args)
-
-
-def build_model(target: TargetConfig, device: Any) -> Any:
-    return _instantiate(target).to(device)
+    def __init__(self, failed: int) -> None:
+        super().__init__(1)
+        self.failed = failed
 
 
-def build_optimizer(target: TargetConfig, params: Any) -> Any:
-    return _instantiate(target, params)
+class LaunchFailed(SystemExit):
+    """The launcher itself failed after composition succeeded: exit code 1, not 2."""
 
-
-def build_dataset(target: TargetConfig, split: str) -> Any:
-    return _instantiate(target, split=split)
-
-
-def build_scheduler(target: TargetConfig, optimizer: Any, total_steps: int | None = None) -> Any:
-    """``total_steps: auto`` (or left out where the target needs it) becomes the run's length."""
-    from flodl.schedules import fill_total_steps
-
-    kwargs = fill_total_steps(resolve_dotted(target.target), target.kwargs(), total_steps)
-    from hydra.utils import instantiate
-
-    return instantiate({"_target_": target.target, **kwargs}, optimizer)
-
-
-def build_metric(target: TargetConfig) -> Any:
-    return _instantiate(target)
+    def __init__(self) -> None:
+        super().__init__(1)
 
 
 # -- the job -----------------------------------------------------------------------------------
@@ -77,21 +74,17 @@ def plain_config(cfg: Any) -> dict[str, Any]:
     return {str(k): v for k, v in data.items()}
 
 
-def train(cfg: Any) -> float:
-    """Run one job; return its objective (for optimizing sweepers: Optuna, Nevergrad, Ax).
+def train(cfg: Any) -> Objective:
+    """Run one job; return its objective (for optimizing sweepers: Optuna, Nevergrad, Ax)
+    carrying its summary row (for the A/B report).
 
-    The job's summary row goes to :data:`ROWS` (the A/B report); a failed job is a failed row
-    and a NaN objective, never an aborted sweep. A configuration error exits with code 2
-    before any rank starts.
+    A failed job is a failed row and a NaN objective, never an aborted sweep. A configuration
+    error exits with code 2 before any rank starts.
     """
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
     run_cfg = schema.validate_run_config(plain_config(cfg))
-    if STATE.get("serving"):  # the sweep serves one dashboard over all jobs
-        run_cfg = run_cfg.model_copy(
-            update={"logger": run_cfg.logger.model_copy(update={"serve": None})}
-        )
     logging.getLogger("flodl").setLevel(run_cfg.logger.level)
     hydra_cfg = HydraConfig.get()
     job_dir = Path(hydra_cfg.runtime.output_dir)
@@ -105,23 +98,24 @@ def train(cfg: Any) -> float:
     except ConfigError as exc:
         where = (
             f" (job {run_info['job']}: {' '.join(run_info['overrides'])})"
-            if STATE.get("jobs", 0) > 1
+            if hydra_cfg.job.num
             else ""
         )
         print(f"error: {exc}{where}", file=sys.stderr)
         sys.exit(2)
     try:
         handle.join()
-        summary = handle.result.summary.to_dict()
     except Exception as exc:
         log.error("job %s failed: %s (outputs in %s)", run_info["job"], exc, job_dir)
         if os.environ.get("FLODL_FULL_ERROR"):
             log.exception("full traceback")
-        STATE["failed"] += 1
-        summary = _read_summary(job_dir)
-    row = summary | {"job": run_info["job"]}
-    ROWS[int(hydra_cfg.job.num)] = row
-    return objective(row, run_cfg.task)
+    summary = handle.summary
+    written = summary.to_dict() if summary is not None else _NO_SUMMARY
+    row = written | {"job": run_info["job"]}
+    return Objective(objective(row, run_cfg.task), row)
+
+
+_NO_SUMMARY: dict[str, Any] = {"status": "failed", "error": "no summary written"}
 
 
 def _start(run_cfg: RunConfig, job_dir: Path, run_info: dict[str, Any]) -> Any:
@@ -132,6 +126,7 @@ def _start(run_cfg: RunConfig, job_dir: Path, run_info: dict[str, Any]) -> Any:
     task = run_cfg.task
     has_eval = task.has_eval
     run_info["model_signature"] = preflight.check_factories(run_cfg)
+    preflight.check_task_targets(task)  # last: its metrics import torchmetrics
     return Trainer.run(
         partial(build_model, run_cfg.model),
         partial(build_optimizer, run_cfg.optimizer),
@@ -186,13 +181,6 @@ def objective_maximized(task: schema.TaskConfig) -> bool:
 
 def _optional(path: str | None) -> Any:
     return resolve_dotted(path) if path is not None else None
-
-
-def _read_summary(job_dir: Path) -> dict[str, Any]:
-    try:
-        return json.loads((job_dir / "summary.json").read_text())
-    except (OSError, ValueError):
-        return {"status": "failed", "error": "no summary written"}
 
 
 # -- command line --------------------------------------------------------------------------------
@@ -268,18 +256,20 @@ def cli(main: Callable[[], Any]) -> None:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
-    except SystemExit as exc:
-        # Hydra exits 1 when composition fails (unknown group option, bad override syntax)
-        # before our launcher ran: that is a configuration error too.
-        if exc.code == 1 and not STATE["launched"]:
-            sys.exit(2)
-        raise
-    if STATE["failed"]:
+    except JobsFailed as exc:
         print(
-            f"error: {STATE['failed']} job(s) failed; see summary.json in their job directories",
+            f"error: {exc.failed} job(s) failed; see summary.json in their job directories",
             file=sys.stderr,
         )
         sys.exit(1)
+    except LaunchFailed:
+        raise
+    except SystemExit as exc:
+        # Hydra exits 1 when composition fails (unknown group option, bad override syntax)
+        # before our launcher ran: that is a configuration error too.
+        if exc.code == 1:
+            sys.exit(2)
+        raise
 
 
 __all__ = ["RunConfig", "build_dataset", "build_model", "build_optimizer", "cli", "train"]

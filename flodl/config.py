@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.machinery
+import importlib.util
 import json
 import re
+import sys
 from collections.abc import Mapping
 from enum import Enum
 from typing import Any, Literal
@@ -134,28 +137,57 @@ class ElCheConfig(_Schema):
 
     # Presets, the tutorial's shape: ElCheConfig.nccl_cadence().model_copy(update={...}).
     @classmethod
+    def preset(cls, mode: Mode | str, **kw: Any) -> ElCheConfig:
+        """``mode``'s preset (:data:`ELCHE_PRESETS`, as its YAML), ``kw`` on top."""
+        mode = Mode(mode)
+        return cls(**{"mode": mode, **ELCHE_PRESETS[mode], **kw})
+
+    @classmethod
     def nccl_sync(cls, **kw: Any) -> ElCheConfig:
-        return cls(mode=Mode.NCCL_SYNC, **{"anchor": 1, **kw})
+        return cls.preset(Mode.NCCL_SYNC, **kw)
 
     @classmethod
     def nccl_cadence(cls, **kw: Any) -> ElCheConfig:
-        return cls(mode=Mode.NCCL_CADENCE, **kw)
+        return cls.preset(Mode.NCCL_CADENCE, **kw)
 
     @classmethod
     def cpu_sync(cls, **kw: Any) -> ElCheConfig:
-        return cls(mode=Mode.CPU_SYNC, **{"anchor": 1, **kw})
+        return cls.preset(Mode.CPU_SYNC, **kw)
 
     @classmethod
     def cpu_cadence(cls, **kw: Any) -> ElCheConfig:
-        return cls(mode=Mode.CPU_CADENCE, **kw)
+        return cls.preset(Mode.CPU_CADENCE, **kw)
 
     @classmethod
     def cpu_async(cls, **kw: Any) -> ElCheConfig:
-        return cls(mode=Mode.CPU_ASYNC, **{"overhead_target": 0.05, **kw})
+        return cls.preset(Mode.CPU_ASYNC, **kw)
 
     @classmethod
     def solo(cls, **kw: Any) -> ElCheConfig:
-        return cls(mode=Mode.SOLO, **kw)
+        return cls.preset(Mode.SOLO, **kw)
+
+
+#: What each ElChe preset changes from :class:`ElCheConfig`'s defaults: the one table behind
+#: ``ElCheConfig.<mode>()`` and ``conf/elche/<mode>.yaml`` (which states just these keys; the
+#: rest comes from the schema, registered for Hydra as ``elche/_schema``).
+ELCHE_PRESETS: dict[Mode, dict[str, Any]] = {
+    Mode.NCCL_SYNC: {"anchor": 1},  # sync every step
+    Mode.NCCL_CADENCE: {},
+    Mode.CPU_SYNC: {"anchor": 1},
+    Mode.CPU_CADENCE: {},
+    Mode.CPU_ASYNC: {"anchor": 1},
+    Mode.SOLO: {},
+}
+
+
+def preset_yaml_keys(mode: Mode) -> dict[str, Any]:
+    """The keys ``conf/elche/<mode>.yaml`` states: the mode and what its preset changes."""
+    return {"mode": mode.value, **ELCHE_PRESETS[mode]}
+
+
+def elche_schema_node() -> dict[str, Any]:
+    """Every ElChe key at its schema default, as plain data: Hydra's base for the presets."""
+    return ElCheConfig().model_dump(mode="json")
 
 
 class ControllerAddress(_Schema):
@@ -608,7 +640,7 @@ class TargetConfig(_Schema):
     @field_validator("target")
     @classmethod
     def _importable(cls, v: str) -> str:
-        resolve_dotted(v)
+        check_locatable(v)
         return v
 
     def kwargs(self) -> dict[str, Any]:
@@ -670,7 +702,7 @@ class TaskConfig(_Schema):
     @classmethod
     def _importable(cls, v: str | None) -> str | None:
         if v is not None:
-            resolve_dotted(v)
+            check_locatable(v)
         return v
 
     @property
@@ -755,6 +787,48 @@ def resolve_dotted(path: str) -> Any:
         return getattr(module, attr)
     except AttributeError:
         raise ValueError(f"module {module_name!r} has no attribute {attr!r}") from None
+
+
+def check_locatable(path: str) -> None:
+    """What validation can say about ``pkg.module.attr`` without importing anything: the module
+    exists; the attribute is checked only when the module is already imported. Importing targets
+    to validate them would import torch and torchmetrics (~2 s) before a pure-config refusal; the
+    launcher resolves every target later (:mod:`flodl.preflight`), naming its key."""
+    module_name, _, attr = path.rpartition(".")
+    if not module_name:
+        raise ValueError(f"{path!r} is not a dotted path like 'package.module.name'")
+    module = sys.modules.get(module_name)
+    if module is not None:
+        if not hasattr(module, attr):
+            raise ValueError(f"module {module_name!r} has no attribute {attr!r}")
+    elif not _module_found(module_name):
+        resolve_dotted(path)  # not found on disk: the real import says why (or finds it after all)
+
+
+def _module_found(name: str) -> bool:
+    """Whether ``name`` is on the import path, found without executing any package's code
+    (``importlib.util.find_spec`` would import every parent package)."""
+    search: Any = None
+    parts = name.split(".")
+    for depth in range(1, len(parts) + 1):
+        prefix = ".".join(parts[:depth])
+        loaded = sys.modules.get(prefix)
+        try:
+            spec = loaded.__spec__ if loaded is not None else _find(prefix, search)
+        except (ImportError, ValueError):
+            return False
+        if spec is None:
+            return False
+        search = spec.submodule_search_locations
+        if search is None and depth < len(parts):
+            return False  # a plain module has no submodules
+    return True
+
+
+def _find(name: str, search: Any) -> Any:
+    if search is None:  # top level: every finder on sys.meta_path (editable installs included)
+        return importlib.util.find_spec(name)
+    return importlib.machinery.PathFinder.find_spec(name, list(search))
 
 
 def _format_location(loc: tuple[Any, ...], prefix: str) -> str:

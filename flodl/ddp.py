@@ -26,7 +26,6 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -38,6 +37,7 @@ from torch import nn
 
 from flodl.elche.weights import averaging_weights
 from flodl.runtime.averaging import FlatState, collective_average
+from flodl.runtime.store import rendezvous_store
 
 _BACKENDS = ("gloo", "nccl")
 
@@ -80,21 +80,22 @@ class Rendezvous:
         """Read torchrun's ``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK`` (and
         ``LOCAL_RANK`` when set) from ``environ`` (default ``os.environ``).
 
-        This is the only place in the bypass tier that reads the environment. Under torchrun the
+        The variables are read by :mod:`flodl.runtime.env`, the one reader of rank
+        environment. Under torchrun the
         agent serves the store (``TORCHELASTIC_USE_AGENT_STORE=True``) and every rank is a
         client; otherwise rank 0 serves it, as with ``init_method="env://"``.
         Raises ``RuntimeError`` naming the missing or malformed variable.
         """
-        env = os.environ if environ is None else environ
-        rank = _env_int(env, "RANK")
-        local = env.get("LOCAL_RANK")
+        from flodl.runtime.env import torchrun_vars
+
+        found = torchrun_vars(environ)
         return cls(
-            host=_env_str(env, "MASTER_ADDR"),
-            port=_env_int(env, "MASTER_PORT"),
-            world_size=_env_int(env, "WORLD_SIZE"),
-            is_host=rank == 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") != "True",
-            rank=rank,
-            local_rank=_env_int(env, "LOCAL_RANK") if local else None,
+            host=found.master_addr,
+            port=found.master_port,
+            world_size=found.world_size,
+            is_host=found.rank == 0 and not found.agent_store,
+            rank=found.rank,
+            local_rank=found.local_rank,
             timeout_s=timeout_s,
         )
 
@@ -407,37 +408,17 @@ def _check_existing_group(rank: int, world_size: int, device: torch.device) -> N
         raise ValueError(f"device=cpu: the initialised process group uses {backend}, not gloo")
 
 
-def _env_str(env: Mapping[str, str], name: str) -> str:
-    value = env.get(name)
-    if not value:
-        raise RuntimeError(
-            f"{name} is not set: start this process under torchrun, or build the rendezvous "
-            "with Rendezvous.tcp(host, port, world_size, is_host)"
-        )
-    return value
-
-
-def _env_int(env: Mapping[str, str], name: str) -> int:
-    value = _env_str(env, name)
-    try:
-        return int(value)
-    except ValueError:
-        raise RuntimeError(f"{name}={value!r}: must be an integer") from None
-
-
 # -- process group and flat buffers --------------------------------------------------------------
 def _join(rendezvous: Rendezvous, rank: int, device: torch.device, backend: str) -> None:
     timeout = timedelta(seconds=rendezvous.timeout_s)
     where = f"{rendezvous.host}:{rendezvous.port}"
     try:
-        store = dist.TCPStore(
+        store = rendezvous_store(
             rendezvous.host,
             rendezvous.port,
-            world_size=rendezvous.world_size,
-            is_master=rendezvous.is_host,
-            timeout=timeout,
-            wait_for_workers=False,
-            use_libuv=False,
+            rendezvous.world_size,
+            rendezvous.is_host,
+            rendezvous.timeout_s,
         )
     except (RuntimeError, OSError) as exc:
         role = "serve" if rendezvous.is_host else "reach"

@@ -7,7 +7,6 @@ Outputs per job directory: ``summary.json``, ``model.pt`` (the :class:`TrainedSt
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -16,6 +15,7 @@ import queue
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +23,23 @@ import torch
 
 from flodl.evaluation import primary_name
 from flodl.metrics import EpochMetrics, RunSummary, SyncEvent
+from flodl.preflight import (
+    check_launch,
+    check_run,
+    format_lr_scaling,
+    model_signature,
+    rank_batch_sizes,
+    rank_loaders,
+)
+from flodl.results import RunResult, TrainedState
+from flodl.runtime.cohort import Cohort, run_cohort
+from flodl.runtime.cohorts import open_cohort
+from flodl.runtime.control import new_controller
 from flodl.runtime.controller import Controller, ControllerResult, Hooks, RunFailed
-from flodl.runtime.links import in_process_link
-from flodl.runtime.preflight import format_lr_scaling, preflight, rank_batch_sizes, rank_loaders
-from flodl.runtime.snapshots import Checkpointer, ResumePoint
+from flodl.runtime.env import ExternalRole
+from flodl.runtime.snapshots import ResumePoint
 from flodl.runtime.spec import Callbacks, JobSpec
 from flodl.topology import Topology, resolve_topology
-from flodl.trainer import RunResult, TrainedState
 
 log = logging.getLogger(__name__)
 
@@ -46,30 +56,40 @@ class Job:
         job_dir: str | Path | None,
         eval_metric: str,
         run_info: dict[str, Any],
+        placed: ExternalRole | None = None,
+        cooperative: bool = False,
     ) -> None:
         self.spec = spec
         self.callbacks = callbacks
         self.job_dir = Path(job_dir) if job_dir is not None else default_job_dir()
         self.eval_metric = eval_metric
         self.run_info = run_info
-        self.topology: Topology = resolve_topology(spec.config)
-        from flodl.preflight import check_run
-
-        # Before any rank: the callback rank, a writable save_path, the resume bundle.
-        signature = run_info.pop("model_signature", None)
+        self.topology: Topology = resolve_topology(spec.config, placed=placed)
+        # Before any rank: the closures' dry build (Python API), the callback rank, a writable
+        # save_path, the resume bundle.
+        signature = model_signature(spec, run_info)
         self._resume: ResumePoint | None = check_run(
             spec.config, self.topology.world_size, signature
         )
-        self.run_info["lr_scaling"] = preflight(spec, self.topology)
-        spec.batch_sizes = rank_batch_sizes(spec.config, self.topology)
-        spec.loaders = rank_loaders(spec.config, self.topology)
+        self.run_info["lr_scaling"] = check_launch(spec, self.topology)
+        topo = self.topology
+        # The job as every rank receives it, complete from here on (frozen).
+        self.spec = replace(
+            spec,
+            batch_sizes=rank_batch_sizes(spec.config, topo),
+            loaders=rank_loaders(spec.config, topo),
+            world_size=topo.world_size,
+            speeds=topo.speeds,
+            pace=topo.pace,
+            backend=topo.backend,
+        )
         self._stop = threading.Event()
-        self.launcher: Any = None  # the process launcher, once a cohort is spawned
-        self.cooperative = False
+        self.cohort: Cohort | None = None  # once the ranks are started
+        self.cooperative = cooperative
         self._local_worker: queue.Queue[Any] = queue.Queue()
         self._done = threading.Event()
         self._result_state: TrainedState | None = None
-        self._interrupted_summary: RunSummary | None = None
+        self.summary: RunSummary | None = None  # once written: ok, interrupted or failed
         self._curve: list[tuple[float, float]] = []
         self._t0 = time.perf_counter()
 
@@ -81,10 +101,6 @@ class Job:
         cfg = self.spec.config
         topo = self.topology
         self.job_dir.mkdir(parents=True, exist_ok=True)
-        self.spec.world_size = topo.world_size
-        self.spec.speeds = topo.speeds
-        self.spec.pace = topo.pace
-        self.spec.backend = topo.backend
         logging.getLogger("flodl").setLevel(cfg.logger.level)
         log.info("flodl: %s | mode %s", topo.description, cfg.elche.mode.value)
         dashboard = None
@@ -93,64 +109,37 @@ class Job:
             # Everything that can refuse the run does so before any rank (or server) starts.
             if self.spec.has_eval:
                 self.spec.evaluation.build(torch.device("cpu"))  # a bad metric fails here
-            controller = Controller(
-                cfg,
-                topo.world_size,
-                topo.speeds,
-                self.spec.has_eval,
-                self._hooks(),
-                checkpointer=self._checkpointer(),
-                resume=self._resume,
-                eval_metric=self.eval_metric,
+            controller = new_controller(
+                self.spec, topo, self._hooks(), self._resume, self.eval_metric
             )
             dashboard = self._serve()
             self._open_outputs()
-            return self._finish(self._train(controller))
+            run = self._finish(self._train(controller))
         except BaseException as exc:
-            self._write_summary(self._failed_summary(exc))
+            self.summary = self._failed_summary(exc)
+            self._write_summary(self.summary)
             raise
         finally:
             self._done.set()
             self._close_outputs()
             if dashboard is not None and not cfg.logger.keep_serving:
                 dashboard.stop()
-
-    def control_only(self) -> ControllerResult:
-        """Run just the controller and this process's rank (task 0 of a ``controller: rank0``
-        SLURM job): the submitting launcher writes the outputs from the returned result."""
-        topo = self.topology
-        self.spec.world_size, self.spec.speeds = topo.world_size, topo.speeds
-        self.spec.pace, self.spec.backend = topo.pace, topo.backend
-        controller = Controller(
-            self.spec.config,
-            topo.world_size,
-            topo.speeds,
-            self.spec.has_eval,
-            Hooks(),
-            checkpointer=self._checkpointer(),
-            resume=self._resume,
-            eval_metric=self.eval_metric,
-        )
-        from flodl.runtime.external import ExternalCohort
-
-        self.job_dir.mkdir(parents=True, exist_ok=True)
-        cohort = ExternalCohort(self.spec, controller, self.job_dir, topo)
-        return cohort.run(self._stop.is_set)
+        if run.summary.status == "failed":  # a failed save: stopped cleanly, summary written
+            raise RunFailed(run.summary.error or "the run failed")
+        return run  # ok, or interrupted (a graceful stop: what was trained, what was saved)
 
     def _train(self, controller: Controller) -> ControllerResult:
-        if self.topology.in_process:
-            return self._run_in_process(controller)
-        from flodl.runtime.launcher import ProcessLauncher
-
-        launcher_class: Any = ProcessLauncher
-        if self.topology.kind == "external":
-            from flodl.runtime.external import ExternalCohort as launcher_class
-        elif self.topology.kind == "slurm":
-            from flodl.runtime.slurm import SlurmLauncher as launcher_class
-        self.launcher = launcher_class(
-            self.spec, controller, self.job_dir, self.topology, echo=self._rank_line
+        on_cooperative = self._hand_over if self.cooperative else None
+        self.cohort = open_cohort(
+            self.spec, controller, self.job_dir, self.topology, self._rank_line, on_cooperative
         )
-        return self.launcher.run(self._stop.is_set)
+        return run_cohort(self.cohort, self._stop.is_set)
+
+    def _hand_over(self, core: Any) -> None:
+        """Cooperative and in-process: the caller's thread drives the only rank."""
+        from flodl.cooperative import CooperativeWorker
+
+        self._local_worker.put(CooperativeWorker(core, finish_hook=self._finish_cooperative))
 
     def _rank_line(self, line: str) -> None:
         """A rank's warning or print: above the progress bar when one is drawn."""
@@ -178,13 +167,6 @@ class Job:
             if output is not None:
                 output.close()
 
-    def _checkpointer(self) -> Checkpointer | None:
-        cfg = self.spec.config
-        if cfg.save_path is None:
-            return None
-        digest = hashlib.sha256(cfg.model_dump_json().encode()).hexdigest()[:16]
-        return Checkpointer(cfg.save_path, cfg.checkpoint_every, digest, self.topology.world_size)
-
     def _serve(self) -> Any:
         logger = self.spec.config.logger
         if logger.serve is None:
@@ -194,44 +176,6 @@ class Job:
         dashboard = Dashboard.start(self.job_dir / "tb", logger.serve, logger.host)
         print(f"dashboard: {dashboard.url}", flush=True)
         return dashboard
-
-    def _run_in_process(self, controller: Controller) -> ControllerResult:
-        from flodl.runtime.worker import Worker
-
-        rank_end, controller_end = in_process_link(controller.post)
-        controller.attach(0, controller_end)
-        device = _in_process_device(self.spec.config.device)
-        cluster = self.spec.config.cluster
-        if cluster.kind == "cpu_rig":  # the rig simulates one device per rank: pin its threads
-            torch.set_num_threads(cluster.threads_per_rank)
-        failure: list[BaseException] = []
-
-        def work() -> None:
-            try:
-                Worker(self.spec, rank_end, 0, device).run()
-            except BaseException as exc:
-                from flodl.failures import describe
-                from flodl.runtime.messages import RankError
-
-                failure.append(exc)
-                controller.post(0, RankError(0, describe(exc), ""))
-
-        if self.cooperative:
-            from flodl.cooperative import CooperativeWorker
-
-            core = Worker(self.spec, rank_end, 0, device)
-            self._local_worker.put(CooperativeWorker(core, finish_hook=self._finish_cooperative))
-            return controller.run(self._stop.is_set)
-        thread = threading.Thread(target=work, name="flodl-rank0", daemon=True)
-        thread.start()
-        try:
-            return controller.run(self._stop.is_set)
-        except RunFailed as exc:
-            if failure:  # the rank's own exception stays reachable for API callers
-                raise exc from failure[0]
-            raise
-        finally:
-            thread.join(timeout=5.0)
 
     def wait_cooperative_worker(self) -> Any:
         """The in-process cooperative worker (started), or None for a process cohort."""
@@ -303,15 +247,13 @@ class Job:
             summary.error = (
                 f"{result.save_error}; the trained state was saved to {self.job_dir / 'model.pt'}"
             )
-            self._interrupted_summary = summary
-            raise RunFailed(summary.error)
-        if result.stopped is not None and result.stopped_early is None:
+        elif result.stopped is not None and result.stopped_early is None:
             summary.status = "interrupted"
             summary.error = f"stopped ({result.stopped}); saved: {result.saved or 'nothing'}"
-            self._interrupted_summary = summary
-            raise KeyboardInterrupt(result.stopped)
+        self.summary = summary
         self._write_summary(summary)
-        self._log_hparams(summary)
+        if summary.status == "ok":
+            self._log_hparams(summary)
         return RunResult(
             state, summary, result.epochs, result.events, coverage_exact=_coverage_exact(result)
         )
@@ -361,8 +303,8 @@ class Job:
 
     def _failed_summary(self, exc: BaseException) -> RunSummary:
         message = str(exc) or type(exc).__name__
-        if self._interrupted_summary is not None:
-            return self._interrupted_summary  # a clean stop (signal, failed save) wrote it
+        if self.summary is not None and self.summary.status != "ok":
+            return self.summary  # the run ended cleanly (a failed save) and wrote it
         if isinstance(exc, KeyboardInterrupt):
             message = "interrupted"
         return RunSummary(
@@ -431,9 +373,3 @@ def _telemetry(result: ControllerResult) -> list[dict[str, Any]]:
 
 def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
-
-
-def _in_process_device(kind: str) -> torch.device:
-    if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", 0)
-    return torch.device("cpu")

@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
+from omegaconf import open_dict
 
 from flodl import app
-from flodl.config import ConfigError, validate_run_config
+from flodl.config import ConfigError, RunConfig, validate_run_config
 from flodl.failures import describe
 
 log = logging.getLogger("flodl")
@@ -24,16 +25,13 @@ log = logging.getLogger("flodl")
 
 def launch_sweep(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_idx: int):
     from hydra.core.utils import configure_log, setup_globals
-    from omegaconf import open_dict
-
-    from flodl.preflight import check_factories
 
     setup_globals()
     config, ctx = launcher.config, launcher.hydra_context
     configure_log(config.hydra.hydra_logging, config.hydra.verbose)  # as BasicLauncher does
     sweep_dir = Path(str(config.hydra.sweep.dir))
     jobs, loggers = [], []
-    app.STATE["jobs"] = max(app.STATE["jobs"], initial_job_idx + len(job_overrides))
+    several = initial_job_idx + len(job_overrides) > 1
     for offset, overrides in enumerate(job_overrides):
         idx = initial_job_idx + offset
         job_cfg = ctx.config_loader.load_sweep_config(config, list(overrides))
@@ -42,13 +40,9 @@ def launch_sweep(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
             job_cfg.hydra.job.num = idx
         _require_flodl_job(job_cfg)
         try:  # every job of the batch, before any of them starts a rank
-            run_cfg = validate_run_config(app.plain_config(job_cfg))
-            check_factories(run_cfg)
-            from flodl.runtime.preflight import check_config
-
-            check_config(run_cfg.trainer_config())
+            run_cfg = check_job(job_cfg)
         except ConfigError as exc:
-            where = f" (job {idx}: {' '.join(overrides)})" if app.STATE["jobs"] > 1 else ""
+            where = f" (job {idx}: {' '.join(overrides)})" if several else ""
             print(f"error: {exc}{where}", file=sys.stderr)
             sys.exit(2)
         jobs.append((idx, list(overrides), job_cfg))
@@ -56,20 +50,44 @@ def launch_sweep(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
         if offset == 0 and initial_job_idx == 0:
             _check_direction(config, run_cfg.task)
 
-    app.STATE["launched"] = 1
-    follower = _follower()
-    if follower is not None:  # torchrun / srun placed us: rank 0 runs the sweep, we serve it
-        return _follow_jobs(follower, jobs)
-    sweep_dir.mkdir(parents=True, exist_ok=True)
-    logger = loggers[0]
-    dashboard = _serve(sweep_dir, logger) if logger.serve is not None else None
     try:
-        returns = _run_jobs(launcher, ctx, jobs, sweep_dir)
+        return _launch(launcher, ctx, jobs, sweep_dir, loggers[0])
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception:  # composition succeeded: this is no configuration error (exit 1, not 2)
+        log.exception("the flodl launcher failed")
+        raise app.LaunchFailed() from None
+
+
+def _launch(launcher: Any, ctx: Any, jobs: list, sweep_dir: Path, logger: Any) -> list:
+    from flodl.runtime.env import external_role
+
+    role = external_role()  # this process's placement, read once
+    if role is not None and role.world_size > 1 and not role.is_controller:
+        return _follow_jobs(role, jobs)  # torchrun / srun placed us: rank 0 runs the sweep
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    if logger.serve is None:
+        return _run_jobs(launcher, ctx, jobs, sweep_dir)
+    dashboard = _serve(sweep_dir, logger)
+    for _, _, job_cfg in jobs:  # the sweep serves one dashboard over all jobs
+        with open_dict(job_cfg):
+            job_cfg.logger.serve = None
+    try:
+        return _run_jobs(launcher, ctx, jobs, sweep_dir)
     finally:
-        if dashboard is not None:
-            _linger(dashboard, logger.keep_serving)
-            app.STATE["serving"] = 0
-    return returns
+        _linger(dashboard, logger.keep_serving)
+
+
+def check_job(job_cfg: Any) -> RunConfig:
+    """Validate one composed job, cheapest check first: a pure-config refusal exits before
+    torch is imported, and only a good job imports its metrics (torchmetrics, scipy)."""
+    from flodl.preflight import check_config, check_factories, check_task_targets
+
+    run_cfg = validate_run_config(app.plain_config(job_cfg))
+    check_config(run_cfg.trainer_config())
+    check_factories(run_cfg)
+    check_task_targets(run_cfg.task)
+    return run_cfg
 
 
 def _require_flodl_job(job_cfg: Any) -> None:
@@ -113,14 +131,6 @@ def _check_direction(config: Any, task: Any) -> None:
         )
 
 
-def _follower() -> Any:
-    """This process's torchrun / srun role when it is a rank other than 0 (else ``None``)."""
-    from flodl.runtime.env import external_role
-
-    role = external_role()
-    return role if role is not None and role.world_size > 1 and not role.is_controller else None
-
-
 def _follow_jobs(role: Any, jobs: list) -> list:
     """Train every job of the sweep as a worker of rank 0 (which writes every output)."""
     from flodl.runtime.external import follow
@@ -135,7 +145,7 @@ def _follow_jobs(role: Any, jobs: list) -> list:
         log.info("job %d: rank %d finished with exit code %d", idx, role.rank, code)
         codes.append(code)
     if any(codes):
-        app.STATE["failed"] += sum(1 for c in codes if c)
+        raise app.JobsFailed(sum(1 for c in codes if c))
     return []
 
 
@@ -147,7 +157,6 @@ def _serve(sweep_dir: Path, logger: Any) -> Any:
     except OSError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(1)
-    app.STATE["serving"] = 1
     print(f"dashboard: {dashboard.url}", flush=True)
     return dashboard
 
@@ -178,8 +187,8 @@ def _run_jobs(launcher: Any, ctx: Any, jobs: list, sweep_dir: Path) -> list:
         )
         row = _row(ret, idx, overrides)
         launcher.rows[idx] = row
-        if ret.status != JobStatus.COMPLETED:  # raised out of the task (train() counts its own)
-            app.STATE["failed"] += 1
+        if ret.status != JobStatus.COMPLETED:  # raised out of the task: leave its failed row
+            _write_failed(Path(str(ret.working_dir or sweep_dir / str(idx))), row)
         # A failed job is a failed row (NaN objective), not an aborted sweep.
         objective = ret._return_value if ret.status == JobStatus.COMPLETED else float("nan")
         returns.append(
@@ -207,16 +216,26 @@ def _run_jobs(launcher: Any, ctx: Any, jobs: list, sweep_dir: Path) -> list:
 def _row(ret: Any, idx: int, overrides: list[str]) -> dict[str, Any]:
     from hydra.core.utils import JobStatus
 
-    row = app.ROWS.pop(idx, None)
-    if row is not None and ret.status == JobStatus.COMPLETED:
-        row = dict(row)
+    value = ret._return_value
+    if ret.status == JobStatus.COMPLETED and isinstance(value, app.Objective):
+        row = dict(value.row)
     else:
-        value = ret._return_value
         error = describe(value) if isinstance(value, BaseException) else str(value)
         row = {"status": "failed", "error": error}
     row.setdefault("job", str(idx))
     row.setdefault("overrides", overrides)
     return row
+
+
+def _write_failed(job_dir: Path, row: dict[str, Any]) -> None:
+    """A job that raised before writing its summary: write the failed row as its summary, so
+    :class:`FailedJobs` counts it like any other failed job."""
+    import json
+
+    path = job_dir / "summary.json"
+    if not path.exists():
+        job_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(row, indent=2, default=str) + "\n", encoding="utf-8")
 
 
 class FailedJobs(Callback):
@@ -232,7 +251,8 @@ class FailedJobs(Callback):
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         failed = count_failed(Path(str(config.hydra.sweep.dir)), since=self._t0)
-        app.STATE["failed"] = max(app.STATE["failed"], failed)
+        if failed:
+            raise app.JobsFailed(failed)
 
 
 def count_failed(sweep_dir: Path, since: float) -> int:

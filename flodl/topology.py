@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from types import EllipsisType
 
 from flodl.config import ClusterConfig, ConfigError, Mode, TrainerConfig, WorkerConfig
 from flodl.runtime import env as rank_env
@@ -67,8 +68,15 @@ def _local(world: int, backend: str, speeds: list[float], pace: bool, desc: str)
     return Topology(world, backend, speeds, pace, world == 1, desc, places)
 
 
-def resolve_topology(config: TrainerConfig, probe_hosts: bool = True) -> Topology:
-    """Decide the cohort from the environment and the cluster section.
+def resolve_topology(
+    config: TrainerConfig,
+    probe_hosts: bool = True,
+    placed: rank_env.ExternalRole | EllipsisType | None = ...,
+) -> Topology:
+    """Decide the cohort from this process's placement and the cluster section.
+
+    ``placed``: what another launcher said of this process, as the entry point read it from the
+    environment (:func:`flodl.runtime.env.external_role`); ``...`` reads it here.
 
     Precedence (as torchrun users expect): ranks placed by another launcher (torchrun / srun
     environment) > ``cluster.kind`` > auto-promote (>= 2 GPUs, probed without touching CUDA) >
@@ -77,7 +85,7 @@ def resolve_topology(config: TrainerConfig, probe_hosts: bool = True) -> Topolog
     """
     cluster = config.cluster
     solo = config.elche.mode is Mode.SOLO
-    external = rank_env.external_role()
+    external = rank_env.external_role() if isinstance(placed, EllipsisType) else placed
     if external is not None and external.world_size > 1 and not solo:
         return _external(cluster, external)
     if cluster.kind == "cpu_rig":

@@ -14,7 +14,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,43 +30,13 @@ from flodl.config import (
     TrainerConfig,
     validate_trainer_config,
 )
-from flodl.metrics import EpochMetrics, RunSummary, SyncEvent
+from flodl.metrics import EpochMetrics, RunSummary
+from flodl.results import RunResult, TrainedState
+from flodl.runtime.env import ExternalRole, external_role
 from flodl.runtime.spec import Callbacks, JobSpec
 from flodl.signals import sigterm_as_interrupt
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TrainedState:
-    """The averaged parameters and buffers, on CPU."""
-
-    params: dict[str, torch.Tensor]
-    buffers: dict[str, torch.Tensor]
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {**self.params, **self.buffers}
-
-    def load_into(self, model: nn.Module, strict: bool = True) -> nn.Module:
-        model.load_state_dict(self.state_dict(), strict=strict)
-        return model
-
-    def save(self, path: str | Path) -> None:
-        torch.save({"params": self.params, "buffers": self.buffers}, path)
-
-    @classmethod
-    def load(cls, path: str | Path) -> TrainedState:
-        blob = torch.load(path, map_location="cpu", weights_only=True)
-        return cls(params=blob["params"], buffers=blob["buffers"])
-
-
-@dataclass
-class RunResult:
-    state: TrainedState | None
-    summary: RunSummary
-    epochs: list[EpochMetrics] = field(default_factory=list)
-    events: list[SyncEvent] = field(default_factory=list)
-    coverage_exact: bool = False
 
 
 class RunHandle:
@@ -125,6 +94,9 @@ class RunHandle:
         if self._error is not None:
             raise self._error
         assert self._result is not None and self._result.state is not None
+        summary = self._result.summary
+        if summary.status == "interrupted":  # stopped gracefully: the caller sees the stop
+            raise KeyboardInterrupt(summary.error)
         return self._result.state
 
     def _wait_for_cleanup(self, timeout_s: float = 60.0) -> None:
@@ -146,6 +118,12 @@ class RunHandle:
                     "stopping already: saving what is trained and ending every rank "
                     "(one more stop signal aborts without saving)"
                 )
+
+    @property
+    def summary(self) -> RunSummary | None:
+        """The run's summary as written to ``summary.json`` (ok, interrupted or failed), once
+        the run ended; None when it ended before writing one."""
+        return self._job.summary  # type: ignore[no-any-return]
 
     @property
     def result(self) -> RunResult:
@@ -300,11 +278,8 @@ class TrainerBuilder:
         return LauncherView(handle.join())
 
 
-def _follow_if_placed(config: TrainerConfig, cooperative: bool) -> None:
+def _follow_if_placed(config: TrainerConfig, cooperative: bool, role: ExternalRole | None) -> None:
     """Under torchrun / srun, every rank but 0 becomes a worker of rank 0's job, then exits."""
-    from flodl.runtime.env import external_role
-
-    role = external_role()
     if role is None or role.world_size == 1:
         return
     if cooperative:
@@ -365,7 +340,8 @@ class Trainer:
         from flodl.job import Job
         from flodl.loading import adopt
 
-        _follow_if_placed(config, cooperative)
+        placed = external_role()  # this process's placement, read once and passed down
+        _follow_if_placed(config, cooperative, placed)
         # A DataLoader is adopted (or refused) here, before any rank starts.
         dataset, loader, adopted_collate = adopt(dataset, config.loader, config.batch_size)
         if loader != config.loader:
@@ -391,12 +367,19 @@ class Trainer:
             scheduler_factory=scheduler_factory,
             scheduler_interval=scheduler_interval,
             collate_fn=collate_fn or adopted_collate,
+            # cooperative: ranks re-execute the user's script, as torchrun does
+            entry=list(sys.orig_argv[1:]) if cooperative else None,
         )
         callbacks = Callbacks(metrics_fn, eval_result_fn, epoch_fn)
-        if cooperative:  # ranks re-execute the user's script, as torchrun does
-            spec.entry = list(sys.orig_argv[1:])
-        job = Job(spec, callbacks, job_dir, eval_metric=eval_metric, run_info=run_info or {})
-        job.cooperative = cooperative
+        job = Job(
+            spec,
+            callbacks,
+            job_dir,
+            eval_metric=eval_metric,
+            run_info=run_info or {},
+            placed=placed,
+            cooperative=cooperative,
+        )
         if run_info is None:  # the Python API: say where the outputs go (Hydra prints its own)
             print(f"flodl: outputs in {job.job_dir}", file=sys.stderr, flush=True)
         return RunHandle(job)

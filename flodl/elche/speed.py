@@ -41,11 +41,13 @@ class SpeedTracker:
             else [[] for _ in range(world_size)]
         )
         self._zero_streaks = list(zero_streaks) if zero_streaks is not None else [0] * world_size
+        self._smoothed: list[float | None] | None = None  # cache of smoothed(), until update()
         if len(self._windows) != world_size or len(self._zero_streaks) != world_size:
             raise ValueError(f"speed windows must have one entry per rank ({world_size})")
 
     def update(self, compute_ms: Sequence[float], batches: Sequence[int]) -> bool:
         """Add one report; True when at least one rank delivered a timing sample."""
+        self._smoothed = None
         timed = False
         for rank, (ms, n) in enumerate(zip(compute_ms, batches, strict=True)):
             if n > 0:
@@ -63,8 +65,11 @@ class SpeedTracker:
         return timed
 
     def smoothed(self) -> list[float | None]:
-        """Trust-window mean ms/batch per rank (None while a rank has no sample)."""
-        return [math.fsum(w) / len(w) if w else None for w in self._windows]
+        """Trust-window mean ms/batch per rank (None while a rank has no sample); a fresh list
+        each call (ElChe asks several times per report: the means are computed once)."""
+        if self._smoothed is None:
+            self._smoothed = [math.fsum(w) / len(w) if w else None for w in self._windows]
+        return list(self._smoothed)
 
     def windows(self) -> list[list[float]]:
         """A copy of the raw samples, oldest first (for the resumable state)."""

@@ -6,20 +6,24 @@ A mixin of :class:`flodl.runtime.controller.Controller` (see ``planning.py`` for
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
 from typing import Any
 
 from flodl.config import Mode, Outer, TrainerConfig
-from flodl.elche import ElChe, averaging_weights, buffer_weights, step_max_overshoot
+from flodl.elche import ElChe, step_max_overshoot
 from flodl.metrics import EpochMetrics, SyncEvent
 from flodl.runtime.dispatch import Coverage, EpochCursor
 from flodl.runtime.links import Outbound
 from flodl.runtime.membership import Membership
 from flodl.runtime.messages import Average, Final, Ready, Report
 from flodl.runtime.snapshots import Checkpointer
+from flodl.runtime.sums import SnapshotSums
 from flodl.runtime.tracking import ControllerResult, EpochTrack, WindowTrack, shares
+
+log = logging.getLogger(__name__)
 
 
 class Aggregation(Outbound):
@@ -42,6 +46,7 @@ class Aggregation(Outbound):
     final: Final | None
     center: Any
     outer: Any
+    sums: SnapshotSums | None  # cpu_* modes: the running sums of the snapshots
     overshoot: tuple[int, int, int]
     stop_reason: str | None
     _t_train: float
@@ -92,18 +97,27 @@ class Aggregation(Outbound):
             )
             self.lookahead = max(self.lookahead, self.overshoot[0] + 1)
 
-    def _average(self, track: WindowTrack, reports: list[Report]) -> None:
-        from flodl.runtime.averaging import weighted_mean  # torch only where averaging happens
+    def route(self, msg: Any, descriptors: list) -> dict:
+        """For the launcher's readers: a cpu_* snapshot is summed as it arrives (no copy)."""
+        return self.sums.route(msg, descriptors) if self.sums is not None else {}
 
-        batches = [r.batches for r in reports]
-        weights = averaging_weights([r.samples for r in reports], self.cfg.elche.gamma)
-        bweights = buffer_weights(batches)
-        n_params = self.ready[reports[0].rank].n_params
+    def _average(self, track: WindowTrack, reports: list[Report]) -> None:
+        assert self.sums is not None
+        for report in reports:
+            if report.snapshot is not None:  # arrived whole (an in-process rank)
+                self.sums.add_whole(report)
+        mean = self.sums.take(track.index, [r.rank for r in reports])
+        self.sums.drop(track.index)  # older sums: windows voided by a loss
+        if mean is None:
+            log.warning(
+                "window %d: a snapshot was cut off by a rank loss, so its sum is incomplete; "
+                "this round averages nothing (every rank keeps its weights; the next averages)",
+                track.index,
+            )
+            self._send_each([r.rank for r in reports], Average(track.index, None))
+            return
         alpha = self.cfg.elche.effective_easgd_alpha
-        # The snapshots are consumed: the first becomes the mean (memory: one round's snapshots)
-        mean = weighted_mean(
-            [r.snapshot for r in reports], weights, bweights, n_params, in_place=True
-        )
+        n_params = self.sums.n_params
         if alpha is not None and self.center is not None:
             self.center.mul_(1 - alpha).add_(mean, alpha=alpha)
         elif self.cfg.elche.outer is Outer.NESTEROV:

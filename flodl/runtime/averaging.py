@@ -7,6 +7,7 @@ Everything travels as one flat vector: one collective per window, whatever the m
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -14,6 +15,8 @@ import torch.distributed as dist
 from torch import nn
 
 from flodl.runtime import groups
+
+_SPAN = 1 << 22  # elements per step of a chunked pass over the flat state (16 MiB of float32)
 
 
 class FlatState:
@@ -83,11 +86,19 @@ class FlatState:
             t.copy_(flat[pos : pos + n].view_as(t).to(t.dtype))
             pos += n
 
+    @torch.no_grad()
     def divergence(self, before: torch.Tensor, after: torch.Tensor) -> float:
-        """``||W_before - W_after|| / ||W_after||`` over parameters (the guard's signal)."""
+        """``||W_before - W_after|| / ||W_after||`` over parameters (the guard's signal),
+        taken span by span: the difference never exists as a whole vector (no weight copy)."""
         b, a = before[: self.n_params], after[: self.n_params]
         denom = float(torch.linalg.vector_norm(a))
-        return float(torch.linalg.vector_norm(b - a)) / denom if denom > 0 else 0.0
+        if denom <= 0:
+            return 0.0
+        squares = 0.0
+        for lo in range(0, self.n_params, _SPAN):
+            diff = torch.sub(b[lo : lo + _SPAN], a[lo : lo + _SPAN])
+            squares += float(torch.linalg.vector_norm(diff)) ** 2
+        return math.sqrt(squares) / denom
 
 
 def collective_average(
@@ -117,6 +128,28 @@ def collective_average(
     divergence = state.divergence(state.current(), scaled) if measure else None
     state.load(scaled)
     return divergence
+
+
+def collective_average_buffers(
+    state: FlatState, buffer_weight: float, doomed: Callable[[], bool] | None = None
+) -> None:
+    """The float buffers' weighted all-reduce alone (nccl_sync: the parameters already agree,
+    their gradients were all-reduced); nothing when the model has none. Lands only on success."""
+    if not state.buffers:
+        return
+    with torch.no_grad():
+        scaled = torch.cat([b.detach().reshape(-1).to(torch.float32) for b in state.buffers])
+        scaled *= buffer_weight
+    if doomed is not None and dist.get_backend() == "gloo":
+        groups.wait(dist.all_reduce(scaled, op=dist.ReduceOp.SUM, async_op=True), doomed)
+    else:
+        dist.all_reduce(scaled, op=dist.ReduceOp.SUM)
+    with torch.no_grad():
+        pos = 0
+        for b in state.buffers:
+            n = b.numel()
+            b.copy_(scaled[pos : pos + n].view_as(b).to(b.dtype))
+            pos += n
 
 
 def weighted_mean(

@@ -18,9 +18,14 @@ import pickle
 import socket
 import struct
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from flodl.runtime import streaming
+
+PIECE_BYTES = 16 << 20  # a consumed tensor arrives in pieces of this size (aligned)
+Consume = Callable[[int, memoryview], None]
+Route = Callable[[Any, list], dict[int, Consume]]
 
 _HEADER = struct.Struct("!4sQ")
 _MAGIC = b"FDL1"
@@ -56,6 +61,7 @@ class Channel:
         self.max_frame = max_frame
         self._send_lock = threading.Lock()
         self._closed = False
+        self._piece: bytearray | None = None  # receive buffer of consumed (summed) tensors
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small frames, low latency
 
@@ -134,20 +140,49 @@ class Channel:
         """Send an object that may hold closures or ``__main__`` functions (cloudpickle)."""
         self.send(obj, code=True)
 
-    def recv(self) -> Any:
+    def recv(self, route: Route | None = None) -> Any:
+        """The next message. ``route`` (for a streamed message) may claim some of its tensors:
+        given the message with placeholders, it returns ``{index: consume}``; each claimed
+        tensor's bytes then go to ``consume(byte_offset, piece)`` piece by piece (nothing is
+        allocated for it) and the message carries None in its place."""
         magic, size = self._header(self.max_frame)
         if magic == _MAGIC:
             return pickle.loads(self._recv_exact(size))
         n_skeleton, descriptors = pickle.loads(self._recv_exact(size))
         skeleton = bytearray(n_skeleton)
         self._recv_region(memoryview(skeleton))
+        claimed: dict[int, Consume] = {}
+        if route is not None:
+            peeked = streaming.peek(bytes(skeleton))
+            claimed = route(peeked, descriptors) if peeked is not None else {}
         try:
-            tensors = streaming.allocate(descriptors)
+            tensors: list[Any] = streaming.allocate(descriptors, skip=set(claimed))
         except (TypeError, ValueError) as exc:
             raise FrameError(f"bad streamed message: {exc}") from None
-        for t in tensors:
-            self._recv_region(streaming.tensor_bytes(t))
+        for i, t in enumerate(tensors):
+            if i in claimed:
+                self._recv_consumed(streaming.nbytes(descriptors[i]), claimed[i])
+            else:
+                self._recv_region(streaming.tensor_bytes(t))
         return streaming.join(bytes(skeleton), tensors)
+
+    def _recv_consumed(self, n: int, consume: Consume) -> None:
+        """``n`` bytes from consecutive frames, handed on in pieces aligned on
+        :data:`flodl.runtime.sums.PIECE_BYTES` through one reused buffer."""
+        if self._piece is None:
+            self._piece = bytearray(PIECE_BYTES)
+        buf = memoryview(self._piece)
+        pos = 0
+        while pos < n:
+            magic, size = self._header(min(self.max_frame, n - pos))
+            if magic != _MAGIC or size == 0:
+                raise FrameError("a streamed message was interrupted by another frame")
+            end = pos + size
+            while pos < end:
+                k = min(PIECE_BYTES - pos % PIECE_BYTES, end - pos)
+                self._recv_into(buf[:k])
+                consume(pos, buf[:k])
+                pos += k
 
     def close(self) -> None:
         if self._closed:

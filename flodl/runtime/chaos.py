@@ -31,6 +31,8 @@ RANK_MOMENTS = (
     "eval",  # this rank was elected and its eval is pending
     "checkpoint",  # a checkpoint is due and this rank's state not yet sent
     "regroup",  # a Regroup arrived and the new group is being formed
+    "final_save",  # Stop arrived; this rank owes the weights shard of the save at Stop
+    "final",  # Stop arrived; this rank owes the final weights and has not sent them yet
 )
 LAUNCHER_MOMENTS = (
     "checkpoint_write",  # every state collected, the bundle not yet written

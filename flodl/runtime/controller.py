@@ -45,10 +45,12 @@ from flodl.runtime.messages import (
 )
 from flodl.runtime.planning import Planning
 from flodl.runtime.snapshots import Checkpointer, PendingSave, ResumePoint, ShardWriteFailed
+from flodl.runtime.sums import SnapshotSums
 from flodl.runtime.tracking import ControllerResult, EpochTrack, WindowTrack
 
 log = logging.getLogger(__name__)
 _STALL_S = 1.0  # a gap between two liveness checks longer than this is the judge's own stall
+_LIVENESS_S = 0.05  # how often silent ranks are looked for
 
 __all__ = ["Controller", "ControllerResult", "Disconnected", "Exited", "Hooks", "RunFailed"]
 
@@ -126,6 +128,7 @@ class Controller(Planning, Aggregation):
         self.all_planned = False
         self.final: Final | None = None
         self.center: Any = None
+        self.sums = SnapshotSums(config.elche.gamma) if self.mode.via_controller else None
         self.outer: Any = None
         self.overshoot = (0, 0, 0)  # cpu_async: (current, initial, cap) averages in flight
         self.batch_sizes = [config.batch_size] * world_size
@@ -149,6 +152,7 @@ class Controller(Planning, Aggregation):
         self.stopped_early: dict[str, Any] | None = None
         self._t_start = time.perf_counter()
         self._last_check = time.monotonic()
+        self._last_liveness = 0.0
         self._t_train = 0.0
         self._t_end = 0.0
         self._restore_controller_state()
@@ -239,10 +243,14 @@ class Controller(Planning, Aggregation):
         if self._failure is not None and now >= self._failure[0]:
             self._deferred_failure_due()
         timeout = self.cfg.cluster.start_timeout_s
-        missing = sorted(set(self.alive) - set(self.ready))
-        if missing and self.coverage is None and now - self._t_start > timeout:
-            raise RunFailed(f"ranks {missing} did not get ready within {timeout:.0f} s")
-        if not self._stop_sent:
+        if self.coverage is None and now - self._t_start > timeout:
+            missing = sorted(set(self.alive) - set(self.ready))
+            if missing:
+                raise RunFailed(f"ranks {missing} did not get ready within {timeout:.0f} s")
+        # Liveness is O(ranks): judged every _LIVENESS_S, not on every message (a 128-rank
+        # window brings 128 reports), which is far finer than any heartbeat timeout.
+        if not self._stop_sent and now - self._last_liveness >= _LIVENESS_S:
+            self._last_liveness = now
             for rank in self.members.stale():
                 log.warning(
                     "rank %d: no heartbeat for %.0f s; dropping it",
@@ -320,7 +328,7 @@ class Controller(Planning, Aggregation):
         elif isinstance(msg, EvalResult):
             self._on_eval(msg)
         elif isinstance(msg, Final):
-            self.final = msg
+            self._on_final(msg)
         elif isinstance(msg, RankState):
             self._on_rank_state(msg)
         elif isinstance(msg, Settled):
@@ -363,14 +371,45 @@ class Controller(Planning, Aggregation):
             self._failure = (time.perf_counter() + grace_s, message, rank)
 
     def _lose_while_stopping(self, rank: int, why: str) -> bool:
-        """A rank lost after Stop: fine unless it owed the final weights (True: handled)."""
-        if self.final is None and rank == self._head():
-            return False  # the final weights are gone with it: fail with its message
+        """A rank lost after Stop (True: handled). If it owed the final weights, the next
+        survivor, held until now with the same weights, sends them (and writes the save's)."""
+        sender = self.final is None and rank == self._head()
+        if sender and len(self.alive) < 2:
+            return False  # the final weights are gone with the last rank: fail with its message
         if not self.members.lose(rank):
             return True
         log.warning("lost rank %d while stopping (%s)", rank, why)
         self._saves_after_loss(rank)
+        if sender:
+            self._hand_over_final(rank)
         return True
+
+    def _hand_over_final(self, lost: int) -> None:
+        """Ask the new head for the final weights, and for the save's weights if it writes
+        them now (every survivor holds the last average; cpu_async: its own EASGD blend)."""
+        head = self._head()
+        log.warning(
+            "rank %d, which was sending the final weights, was lost; rank %d sends them", lost, head
+        )
+        save = self.checkpointer.pending.get(-1) if self.checkpointer is not None else None
+        rewrite = save is not None and save.writer == head
+        self._send(
+            head,
+            Stop(
+                self.stop_reason or "done",
+                send_state=True,
+                checkpoint=rewrite,
+                save_tag=save.tag if save is not None and rewrite else "",
+                write_weights=rewrite,
+            ),
+        )
+
+    def _on_final(self, msg: Final) -> None:
+        """The final weights arrived: release the ranks held in case their sender was lost."""
+        self.final = msg
+        for rank in self.alive:
+            if rank != msg.rank:
+                self._send(rank, Stop(self.stop_reason or "done"))
 
     def _lose(self, rank: int, why: str) -> None:
         if not self.members.lose(rank):
@@ -516,6 +555,7 @@ class Controller(Planning, Aggregation):
                 checkpoint=bool(tag),
                 save_tag=tag,
                 write_weights=rank == head,
+                hold=rank != head,
             )
             self._send(rank, stop)
 
@@ -532,8 +572,9 @@ class Controller(Planning, Aggregation):
     def _saves_after_loss(self, rank: int) -> None:
         if self.checkpointer is None:
             return
+        successor = self._head() if self._stop_sent else None
         try:
-            for save in self.checkpointer.lose(rank):
+            for save in self.checkpointer.lose(rank, successor):
                 self._commit(save)
         except Exception as exc:
             self._save_failed(exc, mid_run=not self._stop_sent)
@@ -638,6 +679,8 @@ class Controller(Planning, Aggregation):
         ]
         if self.checkpointer is not None:
             self.checkpointer.signature = signatures.pop()
+        if self.sums is not None:
+            self.sums.n_params = next(iter(self.ready.values())).n_params
         start, ranges = self._resume_ranks(n_samples)
         if start >= self.cfg.num_epochs:
             raise RunFailed(

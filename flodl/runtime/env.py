@@ -2,8 +2,14 @@
 
 A rank process learns who it is from ``FLODL_*`` variables set by our launcher, or from the
 torchrun/SLURM variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
-``MASTER_PORT``) when another launcher placed it. The per-run secret never travels in the
-environment or on a command line: it arrives on stdin.
+``MASTER_PORT``) when another launcher placed it. Each entry point reads them here once into a
+frozen value and passes it down: :class:`RankEnv` (a rank our launcher started),
+:class:`ExternalRole` (a process torchrun, srun or submitit placed) or :class:`TorchrunVars`
+(the bypass tier, :mod:`flodl.ddp`). No other module of ``flodl/`` reads ``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``GROUP_RANK``,
+``ROLE_RANK``, ``TORCHELASTIC_*``, ``SLURM_*`` or the ``FLODL_*`` role variables below
+(``tests/unit/test_import_graph.py`` fails when one does). The per-run secret never travels in
+the environment or on a command line: it arrives on stdin.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 ROLE = "FLODL_ROLE"
 RANK = "FLODL_RANK"
@@ -27,12 +34,15 @@ CHAOS = "FLODL_CHAOS"  # test-only fault injection (flodl/runtime/chaos.py); uns
 
 @dataclass(frozen=True)
 class RankEnv:
+    """A rank our launcher (or a placed rank 0) runs: who it is and where the controller is."""
+
     rank: int
     world_size: int
     controller_host: str
     controller_port: int
     device: str
     local_rank: int = 0  # CUDA device index when the process sees every GPU of its host
+    lifeline: bool = False  # stdin stays open after the secret; its EOF: the launcher is gone
 
 
 @dataclass(frozen=True)
@@ -48,6 +58,10 @@ class ExternalRole:
     device: str  # "cuda" when this host has a GPU for LOCAL_RANK, else "cpu"
     single_host: bool | None = None  # every rank on this host (None: the launcher did not say)
     run_id: str = "none"  # the placing launcher's job id (TORCHELASTIC_RUN_ID, SLURM_JOB_ID)
+    agent_store: bool = False  # torchrun's agent serves the store at MASTER_ADDR:MASTER_PORT
+    restart: str = "0"  # torchrun's restart count (its store outlives a restart)
+    secret_file: str | None = None  # FLODL_SECRET_FILE: where every rank reads the secret
+    rendezvous_file: str | None = None  # our SLURM launcher's rank0 mode: where rank 0 publishes
 
     @property
     def is_controller(self) -> bool:
@@ -90,6 +104,10 @@ def external_role(environ: Mapping[str, str] | None = None) -> ExternalRole | No
             device=env.get(DEVICE) or _external_device(int(local)),
             single_host=_single_host(env, launcher, int(world)),
             run_id=env.get("TORCHELASTIC_RUN_ID") or env.get("SLURM_JOB_ID") or "none",
+            agent_store=_flag(env.get("TORCHELASTIC_USE_AGENT_STORE")),
+            restart=env.get("TORCHELASTIC_RESTART_COUNT", "0"),
+            secret_file=env.get(SECRET_FILE) or None,
+            rendezvous_file=env.get(RENDEZVOUS_FILE) or None,
         )
     except ValueError as exc:
         raise RuntimeError(f"bad {launcher} environment: {exc}") from None
@@ -98,6 +116,29 @@ def external_role(environ: Mapping[str, str] | None = None) -> ExternalRole | No
             f"bad {launcher} environment: RANK={role.rank} WORLD_SIZE={role.world_size}"
         )
     return role
+
+
+def submitit_role(task: Any, rendezvous_file: str) -> ExternalRole:
+    """A task of our own SLURM launcher's ``controller: rank0`` job, from submitit's
+    ``JobEnvironment`` (which reads SLURM's variables): rank 0 publishes itself in
+    ``rendezvous_file``, the other tasks read it there."""
+    return ExternalRole(
+        launcher="submitit",
+        rank=int(task.global_rank),
+        world_size=int(task.num_tasks),
+        local_rank=int(task.local_rank),
+        master_addr=str(task.hostnames[0]),
+        master_port=0,  # unused: the rendezvous file says where rank 0 listens
+        device=os.environ.get(DEVICE) or _external_device(int(task.local_rank)),
+        single_host=len(set(task.hostnames)) == 1,
+        run_id=str(task.job_id),
+        rendezvous_file=rendezvous_file,
+    )
+
+
+def _flag(value: str | None) -> bool:
+    """A boolean environment variable as torch writes them (``True``; ``true``, ``1`` too)."""
+    return (value or "").strip().lower() in ("true", "1")
 
 
 def _single_host(env: Mapping[str, str], launcher: str, world_size: int) -> bool | None:
@@ -165,9 +206,55 @@ def rank_env(environ: Mapping[str, str] | None = None) -> RankEnv:
             controller_host=host,
             controller_port=int(port),
             device=env.get(DEVICE, "cpu"),
+            lifeline=env.get(LIFELINE) == "1",
         )
     except (KeyError, ValueError) as exc:
         raise RuntimeError(f"not started as a flodl rank: bad or missing {exc}") from None
+
+
+@dataclass(frozen=True)
+class TorchrunVars:
+    """torchrun's variables as the bypass tier (:meth:`flodl.ddp.Rendezvous.from_env`) takes
+    them: unchecked beyond being set and integers (the rendezvous checks ranges)."""
+
+    master_addr: str
+    master_port: int
+    world_size: int
+    rank: int
+    local_rank: int | None  # LOCAL_RANK when set
+    agent_store: bool  # TORCHELASTIC_USE_AGENT_STORE: torchrun's agent serves the store
+
+
+def torchrun_vars(environ: Mapping[str, str] | None = None) -> TorchrunVars:
+    """Read ``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK`` (and ``LOCAL_RANK``);
+    raise ``RuntimeError`` naming a missing or malformed one."""
+    env = os.environ if environ is None else environ
+    return TorchrunVars(
+        master_addr=_required(env, "MASTER_ADDR"),
+        master_port=_required_int(env, "MASTER_PORT"),
+        world_size=_required_int(env, "WORLD_SIZE"),
+        rank=_required_int(env, "RANK"),
+        local_rank=_required_int(env, "LOCAL_RANK") if env.get("LOCAL_RANK") else None,
+        agent_store=_flag(env.get("TORCHELASTIC_USE_AGENT_STORE")),
+    )
+
+
+def _required(env: Mapping[str, str], name: str) -> str:
+    value = env.get(name)
+    if not value:
+        raise RuntimeError(
+            f"{name} is not set: start this process under torchrun, or build the rendezvous "
+            "with Rendezvous.tcp(host, port, world_size, is_host)"
+        )
+    return value
+
+
+def _required_int(env: Mapping[str, str], name: str) -> int:
+    value = _required(env, name)
+    try:
+        return int(value)
+    except ValueError:
+        raise RuntimeError(f"{name}={value!r}: must be an integer") from None
 
 
 def role_env(rank: int, world_size: int, controller: str, device: str, gpu: int | None) -> dict:

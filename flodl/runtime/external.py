@@ -36,45 +36,39 @@ import stat
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from flodl.runtime import env as rank_env
 from flodl.runtime import groups
-from flodl.runtime.channel import Listener, new_secret
-from flodl.runtime.launcher import ProcessLauncher
-from flodl.runtime.store import serve_store
+from flodl.runtime.control_plane import ControlPlane
+from flodl.runtime.controller import Controller, ControllerResult, RunFailed
+from flodl.runtime.spec import JobSpec
+from flodl.runtime.store import serve_store, shared_store
+from flodl.topology import Topology
 
 log = logging.getLogger(__name__)
 
 _RUNS = itertools.count()  # one per job: rank 0 and its followers count the same jobs
 
 
-def next_run_key() -> str:
+def next_run_key(role: rank_env.ExternalRole) -> str:
     """Store prefix of the next job of this process (restart-aware: torchrun reuses its store)."""
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return f"flodl/{restart}/{next(_RUNS)}/"
+    return f"flodl/{role.restart}/{next(_RUNS)}/"
 
 
 def rendezvous_store(role: rank_env.ExternalRole, timeout_s: float) -> Any:
     """The launcher's store at MASTER_ADDR:MASTER_PORT: torchrun's agent store, or rank 0's."""
-    import torch.distributed as dist
-
-    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    return dist.TCPStore(
-        role.master_addr,
-        role.master_port,
-        is_master=role.rank == 0 and not agent,
-        timeout=timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-        multi_tenant=True,
-        use_libuv=False,
+    return shared_store(
+        role.master_addr, role.master_port, role.rank == 0 and not role.agent_store, timeout_s
     )
 
 
-def _file_secret() -> bytes | None:
-    path = os.environ.get(rank_env.SECRET_FILE)
+def _file_secret(role: rank_env.ExternalRole) -> bytes | None:
+    path = role.secret_file
     if not path:
         return None
     text = Path(path).read_text().strip()
@@ -88,7 +82,7 @@ def _file_secret() -> bytes | None:
 
 def _check_secret_source(role: rank_env.ExternalRole) -> None:
     """Across hosts the secret must come from FLODL_SECRET_FILE: refuse otherwise."""
-    if os.environ.get(rank_env.SECRET_FILE) or role.single_host:
+    if role.secret_file or role.single_host:
         return
     where = "spans several hosts" if role.single_host is False else "may span several hosts"
     raise RuntimeError(
@@ -154,75 +148,91 @@ def _bind_address(master_addr: str) -> str:
     return address
 
 
-class ExternalCohort(ProcessLauncher):
+class ExternalCohort:
     """Rank 0's side: host the controller, publish where it is, train rank 0 on a thread."""
 
-    def run(self, stop_requested: Any) -> Any:
-        from flodl.runtime.controller import RunFailed
+    def __init__(
+        self, spec: JobSpec, controller: Controller, job_dir: Path, topology: Topology
+    ) -> None:
+        assert topology.external is not None
+        self.role = topology.external
+        self.spec = spec
+        self.controller = controller
+        self.job_dir = job_dir
+        self.plane = ControlPlane(controller, _file_secret(self.role))
+        self.plane.own_ranks = {0}  # rank 0 trains in this process: never told to exit
+        self._store: Any = None
+        self._handoff: Path | None = None
+        self._worker: threading.Thread | None = None
+        self._failures: list[BaseException] = []
 
-        role = self.topology.external
-        assert role is not None
-        timeout = self.spec.config.cluster.start_timeout_s
-        self.secret = _file_secret() or new_secret()
-        self.listener = Listener(_bind_address(role.master_addr), 0)
-        groups.protect_port(self.listener.port)  # rank 0 trains in this process, beside us
-        self.control_address = (self.listener.host, self.listener.port)
-        controller = f"{role.master_addr}:{self.listener.port}"
-        key = next_run_key()
-        self.spec.store_prefix = key + "data"
-        rendezvous_file = os.environ.get(rank_env.RENDEZVOUS_FILE)
-        if rendezvous_file:  # placed by our SLURM launcher: a file in the job's private folder
-            store = serve_store(_bind_address(role.master_addr))
-            self.spec.store_host, self.spec.store_port = role.master_addr, store.port
-            _write_private(
-                Path(rendezvous_file),
-                {"controller": controller, "secret": self.secret.hex()},
-            )
-        else:  # torchrun / srun: their rendezvous store at MASTER_ADDR:MASTER_PORT
-            _check_secret_source(role)
-            store = rendezvous_store(role, timeout)
-            self.spec.store_host, self.spec.store_port = role.master_addr, role.master_port
-            if os.environ.get(rank_env.SECRET_FILE):
-                store.set(key + "controller", controller)
-            else:  # one host: the secret and address go through this user's private folder
-                name = secrets.token_hex(16)
-                self._handoff = _handoff_path(name)
-                _write_private(
-                    self._handoff, {"controller": controller, "secret": self.secret.hex()}
-                )
-                store.set(key + "handoff", name)
-        log.info("%s placement: controller on port %d", role.launcher, self.listener.port)
-        failures: list[BaseException] = []
-        self.own_ranks = {0}
+    @property
+    def control_address(self) -> tuple[str, int]:
+        return self.plane.address
+
+    def start(self) -> None:
+        """Listen, publish the controller to the followers, start rank 0's worker thread."""
+        role = self.role
+        host, port = self.plane.listen(_bind_address(role.master_addr), 0)
+        groups.protect_port(port)  # rank 0 trains in this process, beside us
+        key = next_run_key(role)
+        store_host, store_port = self._publish(key, f"{role.master_addr}:{port}")
+        log.info("%s placement: controller on port %d", role.launcher, port)
+        spec = replace(
+            self.spec, store_host=store_host, store_port=store_port, store_prefix=key + "data"
+        )
+        self.plane.serve(spec)
+        here = "127.0.0.1" if host == "0.0.0.0" else host
+        local = rank_env.RankEnv(0, role.world_size, here, port, role.device, role.local_rank)
+        self._worker = threading.Thread(
+            target=_own_rank, args=(local, self.plane.secret, self._failures), name="flodl-rank0"
+        )
+        self._worker.daemon = True
+        self._worker.start()
+
+    def _publish(self, key: str, controller: str) -> tuple[str, int]:
+        """Tell the followers where the controller is; the data plane's store address."""
+        role, secret = self.role, self.plane.secret.hex()
+        if role.rendezvous_file:  # placed by our SLURM launcher: a file in the job's folder
+            self._store = serve_store(_bind_address(role.master_addr))
+            _write_private(Path(role.rendezvous_file), {"controller": controller, "secret": secret})
+            return role.master_addr, self._store.port
+        _check_secret_source(role)  # torchrun / srun: their store at MASTER_ADDR:MASTER_PORT
+        self._store = rendezvous_store(role, self.spec.config.cluster.start_timeout_s)
+        if role.secret_file:
+            self._store.set(key + "controller", controller)
+        else:  # one host: the secret and address go through this user's private folder
+            name = secrets.token_hex(16)
+            self._handoff = _handoff_path(name)
+            _write_private(self._handoff, {"controller": controller, "secret": secret})
+            self._store.set(key + "handoff", name)
+        return role.master_addr, role.master_port
+
+    def join(self, stop_requested: Callable[[], bool]) -> ControllerResult:
         try:
-            threading.Thread(target=self._accept_loop, name="flodl-accept", daemon=True).start()
-            here = "127.0.0.1" if self.listener.host == "0.0.0.0" else self.listener.host
-            local = rank_env.RankEnv(
-                0, role.world_size, here, self.listener.port, role.device, role.local_rank
-            )
-            worker = threading.Thread(
-                target=_own_rank, args=(local, self.secret, failures), name="flodl-rank0"
-            )
-            worker.daemon = True
-            worker.start()
             result = self.controller.run(stop_requested)
-            self.await_goodbyes()
-            worker.join(timeout=30.0)
-            return result
-        except RunFailed as exc:
-            if failures:
-                log.debug("rank 0 worker failed: %r", failures[0])
-            self.abort(exc)
+        except RunFailed:
+            if self._failures:
+                log.debug("rank 0 worker failed: %r", self._failures[0])
             raise
-        except BaseException as exc:
-            self.abort(exc)
-            raise
-        finally:
-            self.shutdown()
-            handoff = getattr(self, "_handoff", None)
-            if handoff is not None:
-                handoff.unlink(missing_ok=True)
-            del store
+        self.plane.await_goodbyes()
+        if self._worker is not None:
+            self._worker.join(timeout=30.0)
+        return result
+
+    def lose(self, rank: int) -> None:
+        """A placed rank is not ours to signal: its loss shows as a closed channel."""
+
+    def outputs(self) -> list[Path]:
+        return []  # every placed rank logs where its launcher sends its output
+
+    def stop(self, failure: BaseException | None) -> None:
+        if failure is not None:
+            self.plane.abort(failure)
+        self.plane.close()
+        if self._handoff is not None:
+            self._handoff.unlink(missing_ok=True)
+        self._store = None
 
 
 def _own_rank(role: rank_env.RankEnv, secret: bytes, failures: list[BaseException]) -> None:
@@ -238,15 +248,15 @@ def follow(role: rank_env.ExternalRole, timeout_s: float = 120.0) -> int:
     """A follower: find this job's controller in the store, join it, train; the exit code."""
     from flodl.runtime.rank import run_managed
 
-    key = next_run_key()
-    rendezvous_file = os.environ.get(rank_env.RENDEZVOUS_FILE)
+    key = next_run_key(role)
+    rendezvous_file = role.rendezvous_file
     if rendezvous_file:
         published = _read_when_written(Path(rendezvous_file), timeout_s)
         controller, secret = published["controller"], bytes.fromhex(published["secret"])
     else:
         _check_secret_source(role)
         store = rendezvous_store(role, timeout_s)
-        file_secret = _file_secret()
+        file_secret = _file_secret(role)
         if file_secret is not None:
             store.wait([key + "controller"], timedelta(seconds=timeout_s))
             controller, secret = store.get(key + "controller").decode(), file_secret

@@ -116,6 +116,10 @@ class SocketLink(_InboxLink):
     is queued, so a collective on the old group can be aborted while the loop is blocked in it.
     """
 
+    # ``send`` has written every byte of a message's tensors when it returns: the sender may
+    # then change them (a queue link passes the objects themselves, so copies are sent there).
+    serialises = True
+
     def __init__(
         self,
         channel: Channel,

@@ -35,12 +35,17 @@ class Membership:
     lost: list[int] = field(default_factory=list)
     last_seen: dict[int, float] = field(default_factory=dict)
 
+    _members: list[int] = field(default_factory=list, repr=False)
+
     def __post_init__(self) -> None:
         self.alive = [True] * self.world_size
+        self._members = list(range(self.world_size))
 
     @property
     def members(self) -> list[int]:
-        return [r for r, ok in enumerate(self.alive) if ok]
+        """The alive ranks, ascending. Kept, not rebuilt (the controller asks on every
+        message): a shared list that :meth:`lose` replaces, never edits; do not mutate it."""
+        return self._members
 
     def seen(self, rank: int, now: float | None = None) -> None:
         self.last_seen[rank] = time.monotonic() if now is None else now
@@ -65,6 +70,7 @@ class Membership:
         if not self.alive[rank]:
             return False
         self.alive[rank] = False
+        self._members = [r for r, ok in enumerate(self.alive) if ok]
         self.lost.append(rank)
         self.generation += 1
         return True

@@ -48,6 +48,7 @@ class Window:
     settle: bool = False  # the epoch's last window: acknowledge its averaging (Settled)
     progress: int = 0  # global progress clock: samples of the run dispatched before this window
     window_samples: int = 0  # samples of this window over all ranks
+    grad_sync: bool = False  # nccl_sync: gradients all-reduced in backward (every rank steps)
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,9 @@ class Stop:
     checkpoint: bool = False  # every rank writes its shard first (final or graceful save)
     save_tag: str = ""
     write_weights: bool = False
+    # Keep the final weights until a later Stop releases this rank or asks it to send them
+    # (the sender was lost after Stop: every survivor holds the same averaged weights).
+    hold: bool = False
 
 
 @dataclass(frozen=True)

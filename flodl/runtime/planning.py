@@ -193,6 +193,10 @@ class Planning(Outbound):
                 save = self.checkpointer.open(
                     index, "checkpoint", cursor.epoch + 1, self.alive, writer=self._head()
                 )
+        # nccl_sync: DDP's gradient all-reduce when every member steps (else, at an epoch's
+        # tail with fewer batches than ranks, the parameter average as in the other modes).
+        grads = self.mode is Mode.NCCL_SYNC and len(self.alive) > 1
+        grads = grads and all(batches[r] > 0 for r in self.alive)
         self.windows[index] = WindowTrack(
             index, cursor.epoch, batches, list(chunks), set(self.alive)
         )
@@ -213,6 +217,7 @@ class Planning(Outbound):
                 settle=settle,
                 progress=progress,
                 window_samples=remaining - cursor.remaining_samples,
+                grad_sync=grads,
             )
             for r in self.alive
         }

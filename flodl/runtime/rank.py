@@ -67,7 +67,7 @@ def _start() -> tuple[rank_env.RankEnv, bytes]:
     _die_with_parent()
     role = rank_env.rank_env()
     secret = rank_env.read_secret()
-    if os.environ.get(rank_env.LIFELINE) == "1":
+    if role.lifeline:
         _watch_lifeline()
     return role, secret
 

@@ -23,15 +23,22 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from flodl.config import SlurmConfig
 from flodl.runtime import env as rank_env
-from flodl.runtime.controller import Exited
-from flodl.runtime.launcher import _QUIET_PREFIXES, _TERM_GRACE_S, ProcessLauncher
+from flodl.runtime.control_plane import GOODBYE_S, ControlPlane
+from flodl.runtime.controller import Controller, ControllerResult, Exited
+from flodl.runtime.launcher import QUIET_PREFIXES
+from flodl.runtime.spec import JobSpec
+from flodl.runtime.store import serve_store
+from flodl.topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -102,30 +109,17 @@ def rank0_task(spec: Any, job_dir: str, rendezvous_file: str) -> Any:
     from flodl.runtime.external import follow
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    task = submitit.JobEnvironment()
-    os.environ.update(
-        {
-            "RANK": str(task.global_rank),
-            "WORLD_SIZE": str(task.num_tasks),
-            "LOCAL_RANK": str(task.local_rank),
-            "MASTER_ADDR": task.hostnames[0],
-            "MASTER_PORT": "0",  # unused: the rendezvous file says where rank 0 listens
-            rank_env.PLACED_BY: "submitit",
-            rank_env.RENDEZVOUS_FILE: rendezvous_file,
-        }
-    )
-    role = rank_env.external_role()
-    assert role is not None
+    role = rank_env.submitit_role(submitit.JobEnvironment(), rendezvous_file)
     if role.rank != 0:
         code = follow(role, spec.config.cluster.start_timeout_s)
         if code:
             raise RuntimeError(f"rank {role.rank} failed (exit {code}); see task 0's log")
         return None
-    from flodl.job import Job
-    from flodl.runtime.spec import Callbacks
+    from flodl.runtime.control import control_only
+    from flodl.topology import resolve_topology
 
-    job = Job(spec, Callbacks(), job_dir, eval_metric="eval", run_info={})
-    return job.control_only()
+    topology = resolve_topology(spec.config, placed=role)
+    return control_only(spec, Path(job_dir), topology)
 
 
 def _wait_done(job: Any, seconds: float) -> bool:
@@ -140,16 +134,17 @@ def _wait_done(job: Any, seconds: float) -> bool:
 class _Tail(threading.Thread):
     """Follow one task's submitit log files into ``rank_N.log`` and the console."""
 
-    def __init__(self, launcher: SlurmLauncher, rank: int, paths: list[Path]) -> None:
+    def __init__(
+        self, echo: Callable[[str], None], log_path: Path, rank: int, paths: list[Path]
+    ) -> None:
         super().__init__(name=f"slurm{rank}-tail", daemon=True)
-        self.launcher, self.rank, self.paths = launcher, rank, paths
+        self.echo, self.log_path, self.rank, self.paths = echo, log_path, rank, paths
         self.tail: list[str] = []
         self.finished = threading.Event()
 
     def run(self) -> None:
         offsets = dict.fromkeys(self.paths, 0)
-        log_path = self.launcher.job_dir / f"rank_{self.rank}.log"
-        with open(log_path, "a", encoding="utf-8", errors="replace") as sink:
+        with open(self.log_path, "a", encoding="utf-8", errors="replace") as sink:
             while True:
                 last_pass = self.finished.is_set()
                 for path in self.paths:
@@ -164,8 +159,8 @@ class _Tail(threading.Thread):
                     for line in chunk.splitlines():
                         sink.write(line + "\n")
                         self.tail = [*self.tail[-19:], line]
-                        if not line.startswith(_QUIET_PREFIXES) and line.strip():
-                            self.launcher.echo(f"[slurm:{self.rank}] {line}")
+                        if not line.startswith(QUIET_PREFIXES) and line.strip():
+                            self.echo(f"[slurm:{self.rank}] {line}")
                     sink.flush()
                 if last_pass:
                     return
@@ -173,62 +168,58 @@ class _Tail(threading.Thread):
 
     def last_error_line(self) -> str:
         for line in reversed(self.tail):
-            if line.strip() and not line.startswith(_QUIET_PREFIXES):
+            if line.strip() and not line.startswith(QUIET_PREFIXES):
                 return line.strip()
         return ""
 
 
-class SlurmLauncher(ProcessLauncher):
-    """Submit the allocation, supervise it through submitit, cancel it on teardown."""
+class SlurmCohort:
+    """``controller: submitter``: the tasks connect back to this process's control plane."""
 
-    job: Any = None
+    def __init__(
+        self,
+        spec: JobSpec,
+        controller: Controller,
+        job_dir: Path,
+        topology: Topology,
+        echo: Callable[[str], None] | None = None,
+        executor: Any = None,
+    ) -> None:
+        self.spec, self.controller, self.job_dir = spec, controller, job_dir
+        self.slurm = _slurm(spec)
+        self.echo = echo or _to_stderr
+        self.folder = private_folder(job_dir, self.slurm)
+        self.executor = executor or make_executor(self.slurm, self.folder)
+        self.plane = ControlPlane(controller)
+        self.job: Any = None
+        self._tails: list[_Tail] = []
+        self._store: Any = None
 
-    def run(self, stop_requested: Any) -> Any:
-        slurm = self.spec.config.cluster.slurm
-        assert slurm is not None
-        self.folder = self.job_dir / slurm.folder
-        self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(self.folder, 0o700)
-        self.executor = make_executor(slurm, self.folder)
-        host = self.spec.config.cluster.controller.host
-        if controller_placement(slurm, host, self.executor.cluster):
-            return self._run_beside_rank0(stop_requested)
-        return self._run_here(slurm, stop_requested)
-
-    def _run_here(self, slurm: SlurmConfig, stop_requested: Any) -> Any:
-        store = self.open_planes()
+    def start(self) -> None:
+        address = self.spec.config.cluster.controller
+        host, port = self.plane.listen(address.host, address.port)
+        self._store = serve_store(address.host, address.port + 1 if address.port else 0)
+        self.plane.serve(replace(self.spec, store_host=address.host, store_port=self._store.port))
         secret_file = self.folder / "secret"
         fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as sink:
-            sink.write(self.secret.hex())
-        try:
-            threading.Thread(target=self._accept_loop, name="flodl-accept", daemon=True).start()
-            controller = f"{self.listener.host}:{self.listener.port}"
-            self.job = self.executor.submit(task_main, controller, str(secret_file), _device(slurm))
-            log.info("slurm job %s: %d task(s)", self.job.job_id, slurm.world_size)
-            self._tails = [self._tail(r) for r in range(slurm.world_size)]
-            threading.Thread(target=self._watch, name="flodl-slurm", daemon=True).start()
-            result = self.controller.run(stop_requested)
-            self.await_goodbyes()
-            return result
-        finally:
-            self.shutdown()
-            secret_file.unlink(missing_ok=True)
-            for pickle in self.folder.glob("*_submitted.pkl"):
-                pickle.unlink(missing_ok=True)
-            del store
+            sink.write(self.plane.secret.hex())
+        device = _device(self.slurm)
+        self.job = self.executor.submit(task_main, f"{host}:{port}", str(secret_file), device)
+        log.info("slurm job %s: %d task(s)", self.job.job_id, self.slurm.world_size)
+        self._tails = [_tail(self, r) for r in range(self.slurm.world_size)]
+        threading.Thread(target=self._watch, name="flodl-slurm", daemon=True).start()
 
-    def _tail(self, rank: int) -> _Tail:
-        task = self.job.task(rank)
-        tail = _Tail(self, rank, [Path(task.paths.stdout), Path(task.paths.stderr)])
-        tail.start()
-        return tail
+    def join(self, stop_requested: Callable[[], bool]) -> ControllerResult:
+        result = self.controller.run(stop_requested)
+        self.plane.await_goodbyes()
+        return result
 
     def _watch(self) -> None:
         """The allocation ended (all tasks, or cancelled): every rank still a member has exited."""
-        while not self._closing and not self.job.done():
+        while not self.plane.closing and not self.job.done():
             time.sleep(0.2)
-        if self._closing:
+        if self.plane.closing:
             return
         for rank, tail in enumerate(self._tails):
             tail.finished.set()
@@ -240,48 +231,123 @@ class SlurmLauncher(ProcessLauncher):
                 code = 1
             self.controller.post(rank, Exited(code, tail.last_error_line()))
 
-    def kill_rank(self, rank: int) -> None:
+    def lose(self, rank: int) -> None:
         log.warning("slurm: rank %d went silent; its task cannot be cancelled alone", rank)
 
-    def shutdown(self) -> None:
-        self._closing = True
-        for channel in self.channels:
-            channel.close()
-        if hasattr(self, "listener"):
-            self.listener.close()
-        # Ranks leave on the controller's stop; cancel only what is still running after that.
-        if self.job is not None and not _wait_done(self.job, _TERM_GRACE_S):
-            self.job.cancel(check=False)
-            _wait_done(self.job, 10.0)
-        for tail in getattr(self, "_tails", []):
-            tail.finished.set()
-            tail.join(timeout=2.0)
+    def outputs(self) -> list[Path]:
+        return [self.job_dir / f"rank_{r}.log" for r in range(len(self._tails))]
 
-    def _run_beside_rank0(self, stop_requested: Any) -> Any:
-        """Submit the whole job to the allocation; task 0 sends back the controller's result."""
-        slurm = self.spec.config.cluster.slurm
-        assert slurm is not None
-        rendezvous = self.folder / "rendezvous.json"
-        rendezvous.unlink(missing_ok=True)
+    def stop(self, failure: BaseException | None) -> None:
+        """Ranks leave on the controller's stop; cancel only what still runs after that."""
+        self.plane.close()
+        _end(self.job, self._tails, self.folder)
+        (self.folder / "secret").unlink(missing_ok=True)
+        self._store = None
+
+
+class SlurmRank0Cohort:
+    """``controller: rank0``: the whole job runs in the allocation; task 0 hosts the controller
+    (:func:`rank0_task`) and sends its result back."""
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        job_dir: Path,
+        echo: Callable[[str], None] | None = None,
+        executor: Any = None,
+    ) -> None:
+        self.spec, self.job_dir = spec, job_dir
+        self.slurm = _slurm(spec)
+        self.echo = echo or _to_stderr
+        self.folder = private_folder(job_dir, self.slurm)
+        self.executor = executor or make_executor(self.slurm, self.folder)
+        self.rendezvous = self.folder / "rendezvous.json"
+        self.job: Any = None
+        self._tails: list[_Tail] = []
+
+    def start(self) -> None:
+        self.rendezvous.unlink(missing_ok=True)
         self.job = self.executor.submit(
-            rank0_task, self.spec, str(self.job_dir / "rank0"), str(rendezvous)
+            rank0_task, self.spec, str(self.job_dir / "rank0"), str(self.rendezvous)
         )
         log.info(
-            "slurm job %s: %d task(s), controller beside rank 0", self.job.job_id, slurm.world_size
+            "slurm job %s: %d task(s), controller beside rank 0",
+            self.job.job_id,
+            self.slurm.world_size,
         )
-        self._tails = [self._tail(r) for r in range(slurm.world_size)]
-        try:
-            while not self.job.done():
-                if stop_requested():
-                    raise KeyboardInterrupt("stop requested: the allocation is cancelled")
-                time.sleep(0.2)
-            for tail in self._tails:
-                tail.finished.set()
-                tail.join(timeout=2.0)
-            results = self.job.results()
-            return results[0]
-        finally:
-            self.shutdown()
-            rendezvous.unlink(missing_ok=True)
-            for pickle in self.folder.glob("*_submitted.pkl"):
-                pickle.unlink(missing_ok=True)
+        self._tails = [_tail(self, r) for r in range(self.slurm.world_size)]
+
+    def join(self, stop_requested: Callable[[], bool]) -> ControllerResult:
+        while not self.job.done():
+            if stop_requested():
+                raise KeyboardInterrupt("stop requested: the allocation is cancelled")
+            time.sleep(0.2)
+        for tail in self._tails:
+            tail.finished.set()
+            tail.join(timeout=2.0)
+        result: ControllerResult = self.job.results()[0]
+        return result
+
+    def lose(self, rank: int) -> None:
+        log.warning("slurm: rank %d went silent; task 0 supervises it", rank)
+
+    def outputs(self) -> list[Path]:
+        return [self.job_dir / f"rank_{r}.log" for r in range(len(self._tails))]
+
+    def stop(self, failure: BaseException | None) -> None:
+        _end(self.job, self._tails, self.folder)
+        self.rendezvous.unlink(missing_ok=True)
+
+
+def slurm_cohort(
+    spec: JobSpec,
+    controller: Controller,
+    job_dir: Path,
+    topology: Topology,
+    echo: Callable[[str], None] | None = None,
+) -> SlurmCohort | SlurmRank0Cohort:
+    """The SLURM cohort for ``cluster.slurm.controller`` (see :func:`controller_placement`)."""
+    slurm = _slurm(spec)
+    executor = make_executor(slurm, private_folder(job_dir, slurm))
+    host = spec.config.cluster.controller.host
+    if controller_placement(slurm, host, executor.cluster):
+        return SlurmRank0Cohort(spec, job_dir, echo, executor)
+    return SlurmCohort(spec, controller, job_dir, topology, echo, executor)
+
+
+def _slurm(spec: JobSpec) -> SlurmConfig:
+    slurm = spec.config.cluster.slurm
+    assert slurm is not None, "cluster.kind=slurm without a slurm section"
+    return slurm
+
+
+def private_folder(job_dir: Path, slurm: SlurmConfig) -> Path:
+    """The job's submitit folder, mode 0700: it holds the secret and the rendezvous file."""
+    folder = job_dir / slurm.folder
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(folder, 0o700)
+    return folder
+
+
+def _tail(cohort: SlurmCohort | SlurmRank0Cohort, rank: int) -> _Tail:
+    task = cohort.job.task(rank)
+    log_path = cohort.job_dir / f"rank_{rank}.log"
+    tail = _Tail(cohort.echo, log_path, rank, [Path(task.paths.stdout), Path(task.paths.stderr)])
+    tail.start()
+    return tail
+
+
+def _end(job: Any, tails: list[_Tail], folder: Path) -> None:
+    """Cancel what still runs after the grace period, stop the tails, drop submitit's pickles."""
+    if job is not None and not _wait_done(job, GOODBYE_S):
+        job.cancel(check=False)
+        _wait_done(job, 10.0)
+    for tail in tails:
+        tail.finished.set()
+        tail.join(timeout=2.0)
+    for pickle in folder.glob("*_submitted.pkl"):
+        pickle.unlink(missing_ok=True)
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)

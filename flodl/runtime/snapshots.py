@@ -45,7 +45,7 @@ class PendingSave:
 
     @property
     def complete(self) -> bool:
-        return self.expected <= self.reported
+        return self.expected <= self.reported and shards.MODEL in self.written
 
 
 @dataclass
@@ -101,13 +101,12 @@ class Checkpointer:
         if not save.complete:
             return None
         del self.pending[save.key]
-        if shards.MODEL not in save.written:
-            self.discard(save, f"the weights were not written (rank {save.writer} was lost)")
-            return None
         return save
 
-    def lose(self, rank: int) -> list[PendingSave]:
-        """A rank is gone: drop it from every pending save; the saves that are now complete."""
+    def lose(self, rank: int, successor: int | None = None) -> list[PendingSave]:
+        """A rank is gone: drop it from every pending save; the saves that are now complete.
+        The save at Stop outlives the loss of its weights' writer when a ``successor`` (a
+        survivor holding the same weights) is given: it writes them instead, and is awaited."""
         done = []
         for save in list(self.pending.values()):
             if rank not in save.expected or rank in save.reported:
@@ -115,6 +114,18 @@ class Checkpointer:
             save.expected.discard(rank)
             save.missing.append(rank)
             if rank == save.writer:
+                if save.key == -1 and successor in save.expected:
+                    log.warning(
+                        "checkpoint %s (%s): rank %d, which was writing the weights, was lost; "
+                        "rank %d writes them instead",
+                        self.stem,
+                        save.reason,
+                        rank,
+                        successor,
+                    )
+                    save.writer = successor
+                    save.reported.discard(successor)  # its report with the weights is awaited
+                    continue
                 del self.pending[save.key]
                 self.discard(save, f"rank {rank}, which was writing the weights, was lost")
                 continue

@@ -20,9 +20,12 @@ class Callbacks:
     epoch_fn: Callable[[int], None] | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class JobSpec:
-    """Sent once to each rank after authentication (cloudpickle: closures and ``__main__`` work)."""
+    """Sent once to each rank after authentication (cloudpickle: closures and ``__main__`` work).
+
+    Frozen: the trainer states the user's part, the job adds the topology's (``replace``), the
+    cohort the store's address; nothing changes it after."""
 
     config: TrainerConfig
     model_factory: Callable[..., Any]

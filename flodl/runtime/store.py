@@ -40,6 +40,38 @@ def serve_store(host: str, port: int = 0, timeout_s: float = 300.0) -> Any:
     )
 
 
+def shared_store(host: str, port: int, serve: bool, timeout_s: float) -> Any:
+    """A store other jobs share (torchrun's at ``MASTER_ADDR:MASTER_PORT``): ``serve`` on the
+    rank that hosts it when torchrun's agent does not; many clients per process."""
+    from torch.distributed import TCPStore
+
+    return TCPStore(
+        host,
+        port,
+        is_master=serve,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        multi_tenant=True,
+        use_libuv=False,
+    )
+
+
+def rendezvous_store(host: str, port: int, world_size: int, serve: bool, timeout_s: float) -> Any:
+    """The bypass tier's store (:class:`flodl.ddp.Rendezvous`): ``world_size`` ranks meet at
+    ``host:port``; the one that ``serve`` hosts it."""
+    from torch.distributed import TCPStore
+
+    return TCPStore(
+        host,
+        port,
+        world_size=world_size,
+        is_master=serve,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        use_libuv=False,
+    )
+
+
 def join_store(host: str, port: int, secret: bytes, prefix: str, timeout_s: float = 300.0) -> Any:
     """A rank's view of the launcher's store: ``prefix``'s keys, values signed with ``secret``."""
     from torch.distributed import PrefixStore, TCPStore

@@ -18,6 +18,7 @@ the skeleton length with the skeleton following in frames; then each tensor's by
 from __future__ import annotations
 
 import io
+import math
 import pickle
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -25,10 +26,28 @@ from typing import Any
 import cloudpickle
 import torch
 
+from flodl.runtime import messages
+
 #: Bytes per frame of a streamed tensor or skeleton (well under the channel's frame bound).
 CHUNK_BYTES = 64 << 20
 
 _TAG = "flodl-tensor"
+
+#: Messages that never hold a tensor: sent without the tensor-extracting pickler (whose Python
+#: ``persistent_id`` runs on every object): a controller of 128 ranks sends 128 plans a window.
+_NO_TENSORS = frozenset(
+    {
+        messages.Plan,
+        messages.Stop,
+        messages.Regroup,
+        messages.Heartbeat,
+        messages.Settled,
+        messages.Regrouped,
+        messages.Hello,
+        messages.Ready,
+        messages.Abort,
+    }
+)
 
 
 def _detached(t: torch.Tensor) -> torch.Tensor:
@@ -56,7 +75,7 @@ class _CodePickler(_Extracting, cloudpickle.Pickler):
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, tensors: list[torch.Tensor]) -> None:
+    def __init__(self, data: bytes, tensors: list[torch.Tensor | None]) -> None:
         super().__init__(io.BytesIO(data))
         self.tensors = tensors
 
@@ -64,11 +83,41 @@ class _Unpickler(pickle.Unpickler):
         if not (isinstance(pid, tuple) and len(pid) == 3 and pid[0] == _TAG):
             raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
         t = self.tensors[pid[1]]
+        if t is None:  # consumed as it arrived (summed): the message carries no tensor
+            return None
         return torch.nn.Parameter(t, requires_grad=t.is_floating_point()) if pid[2] else t
+
+
+class Placeholder:
+    """Stands for a tensor not received yet (a message looked at before its tensors)."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+class _Peeking(pickle.Unpickler):
+    def __init__(self, data: bytes) -> None:
+        super().__init__(io.BytesIO(data))
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 3 and pid[0] == _TAG):
+            raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
+        return Placeholder(pid[1])
+
+
+def peek(skeleton: bytes) -> Any:
+    """The message with a :class:`Placeholder` for each tensor (None if it cannot be built so:
+    a class that checks its fields, say)."""
+    try:
+        return _Peeking(skeleton).load()
+    except Exception:
+        return None
 
 
 def split(msg: Any, code: bool = False) -> tuple[bytes, list[torch.Tensor]]:
     """The pickled skeleton and the tensors it refers to (``code``: cloudpickle, for closures)."""
+    if not code and type(msg) in _NO_TENSORS:  # the control plane's bulk: plain pickle, 3x faster
+        return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), []
     buf = io.BytesIO()
     pickler_class = _CodePickler if code else _Pickler
     pickler = pickler_class(buf, protocol=pickle.HIGHEST_PROTOCOL)
@@ -94,20 +143,31 @@ def chunks(view: memoryview, size: int = CHUNK_BYTES) -> Iterator[memoryview]:
         yield view[start : start + size]
 
 
-def allocate(descriptors: Any) -> list[torch.Tensor]:
-    """Empty tensors for the announced ``(dtype, shape)`` list; ValueError if it is malformed."""
-    out = []
-    for dtype_name, shape in descriptors:
-        dtype = getattr(torch, str(dtype_name), None)
-        if not isinstance(dtype, torch.dtype) or not all(
-            isinstance(n, int) and n >= 0 for n in shape
-        ):
-            raise ValueError(f"bad tensor descriptor {(dtype_name, shape)!r}")
-        out.append(torch.empty(tuple(shape), dtype=dtype))
+def _dtype(descriptor: Any) -> tuple[torch.dtype, tuple[int, ...]]:
+    dtype_name, shape = descriptor
+    dtype = getattr(torch, str(dtype_name), None)
+    if not isinstance(dtype, torch.dtype) or not all(isinstance(n, int) and n >= 0 for n in shape):
+        raise ValueError(f"bad tensor descriptor {(dtype_name, shape)!r}")
+    return dtype, tuple(shape)
+
+
+def nbytes(descriptor: Any) -> int:
+    """How many bytes a tensor of this ``(dtype, shape)`` descriptor takes."""
+    dtype, shape = _dtype(descriptor)
+    return math.prod(shape) * dtype.itemsize
+
+
+def allocate(descriptors: Any, skip: set[int] | None = None) -> list[torch.Tensor | None]:
+    """Empty tensors for the announced ``(dtype, shape)`` list (None at the ``skip`` indices);
+    ValueError if it is malformed."""
+    out: list[torch.Tensor | None] = []
+    for i, descriptor in enumerate(descriptors):
+        dtype, shape = _dtype(descriptor)
+        out.append(None if skip and i in skip else torch.empty(shape, dtype=dtype))
     return out
 
 
-def join(skeleton: bytes, tensors: list[torch.Tensor]) -> Any:
+def join(skeleton: bytes, tensors: list[torch.Tensor | None]) -> Any:
     """The message again, its tensors in place of their placeholders."""
     return _Unpickler(skeleton, tensors).load()
 

@@ -24,7 +24,11 @@ class WindowTrack:
 
     @property
     def complete(self) -> bool:
-        return self.expected <= set(self.reports)
+        # Asked on every report: the count settles it until the last one (reports only ever
+        # come from expected ranks, see Controller._on_report).
+        if len(self.reports) < len(self.expected):
+            return False
+        return self.expected <= self.reports.keys()
 
 
 @dataclass

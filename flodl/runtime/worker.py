@@ -32,7 +32,8 @@ from flodl.metrics import drain_scalars
 from flodl.precision import StepRunner, compiled
 from flodl.residency import place
 from flodl.runtime import chaos, groups
-from flodl.runtime.averaging import FlatState, collective_average
+from flodl.runtime.averaging import FlatState, collective_average, collective_average_buffers
+from flodl.runtime.gradsync import GradSync
 from flodl.runtime.messages import (
     Average,
     EvalResult,
@@ -123,6 +124,9 @@ class Worker:
         self._nonfinite = 0
         self._unaveraged = -1  # a window whose averaging failed, until the controller knows
         self._step = 0  # this rank's optimizer steps so far (per-step logging)
+        self.grad_sync: GradSync | None = None  # nccl_sync's gradient all-reduce (built later)
+        self._grad_window = False  # this window's gradients are all-reduced in backward
+        self._grad_failed = False  # ...and that all-reduce failed (a peer is gone)
 
     # -- set-up ------------------------------------------------------------------------------
     def build(self) -> None:
@@ -142,6 +146,8 @@ class Worker:
             self.cfg.max_grad_norm,
         )
         self.optimizer = self.spec.optim_factory(self.model.parameters())
+        if self.mode is Mode.NCCL_SYNC and self.spec.world_size > 1:
+            self.grad_sync = GradSync(self.model, doomed=self._doomed)
         self._scale_lr()
         self.outer = make_outer(self.cfg.elche, self.state.n_params)
         dataset = resolve_dataset(self.spec.dataset)
@@ -376,30 +382,53 @@ class Worker:
         )
 
     def _finish(self, msg: Stop) -> None:
+        """Save and send what Stop asks; a held rank then waits for the controller's next Stop:
+        its release, or the order to take over from a lost sender (its weights are the same)."""
         while self._outstanding:  # cpu_async: take the averages still in flight
             reply = self.link.recv()
             if isinstance(reply, Average):
                 self._apply_average(reply)
-        if msg.checkpoint:
-            self.save_shards(-1, msg.save_tag, msg.write_weights)
-        if msg.send_state:
-            params, buffers = self.weights()
-            self.link.send(Final(rank=self.rank, params=params, buffers=buffers))
+        saved = ""  # the save this rank's own shard went to (a takeover adds the weights)
+        while True:
+            if msg.checkpoint:
+                if msg.write_weights:
+                    chaos.point("final_save", self.rank)
+                own = saved != msg.save_tag
+                self.save_shards(-1, msg.save_tag, msg.write_weights, own=own)
+                saved = msg.save_tag
+            if msg.send_state:
+                chaos.point("final", self.rank)
+                params, buffers = self.weights()
+                self.link.send(Final(rank=self.rank, params=params, buffers=buffers))
+            if not msg.hold:
+                return
+            msg = self._next_stop()
+
+    def _next_stop(self) -> Stop:
+        while True:
+            msg = self.next_message()
+            if isinstance(msg, Stop):
+                return msg
 
     def weights(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """Parameters and buffers by name, on CPU."""
+        """Parameters and buffers by name, on CPU (the model's own tensors when the link
+        serialises them while sending: no copy of the weights; else copies)."""
         buffer_names = {n for n, _ in self.model.named_buffers()}
-        state = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        serialises = getattr(self.link, "serialises", False)
+        state = {
+            k: v.detach().cpu() if serialises else v.detach().cpu().clone()
+            for k, v in self.model.state_dict().items()
+        }
         params = {k: v for k, v in state.items() if k not in buffer_names}
         return params, {k: v for k, v in state.items() if k in buffer_names}
 
     # -- checkpoints ---------------------------------------------------------------------------
-    def save_shards(self, window: int, tag: str, write_weights: bool) -> None:
-        """Write this rank's shard (and the weights, if asked) and tell the controller."""
+    def save_shards(self, window: int, tag: str, write_weights: bool, own: bool = True) -> None:
+        """Write this rank's shard (``own``) and the weights, if asked; tell the controller."""
         stem = self.cfg.save_path
         assert stem is not None
         relay = process_local(stem)  # the launcher's own store: stream the payloads there
-        payloads = {rank_shard(self.rank): self.rank_payload()}
+        payloads = {rank_shard(self.rank): self.rank_payload()} if own else {}
         if write_weights:
             payloads[MODEL] = self.model_payload(copy=relay)
         try:
@@ -560,6 +589,10 @@ class Worker:
             elapsed = (time.perf_counter() - self._sync_started) * 1000.0
             self._last_sync_ms = max(0.0, elapsed - self._eval_ms)
         self._eval_ms = 0.0
+        self._grad_window = window.grad_sync and self.grad_sync is not None and self.distributed
+        self._grad_failed = False
+        if self.grad_sync is not None:
+            self.grad_sync.weight = window.weight  # this rank's share of the step's samples
         own = sum(size for _, size in window.chunks)
         self._clock, self._own_done = (window.progress, window.window_samples, own), 0
         return WindowTally(time.perf_counter())
@@ -569,7 +602,7 @@ class Worker:
         compute_ms = (time.perf_counter() - tally.start) * 1000.0
         loss_sum, loss_count, batches = tally.loss_sum, tally.loss_count, tally.batches
         self._sync_started = time.perf_counter()
-        snapshot = self.state.flatten().cpu() if self.mode.via_controller else None
+        snapshot = self._snapshot() if self.mode.via_controller else None
         self.link.send(
             Report(
                 rank=self.rank,
@@ -591,6 +624,7 @@ class Worker:
                 steps=tuple(tally.steps),
             )
         )
+        del snapshot  # sent: nothing of it is kept while the average is awaited
         chaos.point("report", self.rank)
         if self.average(window) and window.settle:
             self.link.send(Settled(self.rank, window.index))
@@ -599,6 +633,13 @@ class Worker:
             self.save_shards(window.index, window.save_tag, window.write_weights)
         if window.eval_after:
             self.evaluate(window)
+
+    def _snapshot(self) -> torch.Tensor:
+        """The weights for the controller: the flat storage itself when the link serialises
+        while sending (nothing changes it before ``send`` returns), else a copy."""
+        if getattr(self.link, "serialises", False):
+            return self.state.current().cpu()
+        return self.state.flatten().cpu()
 
     def peak_memory(self) -> int:
         """Peak device memory in bytes: CUDA's max allocated, else this process's peak RSS."""
@@ -609,6 +650,8 @@ class Worker:
     def train_batch(self, batch: list[torch.Tensor], last: bool = False) -> float:
         """One micro-batch: forward in the run's precision, backward, and the optimizer step once
         ``accumulate_grad_batches`` micro-batches are in (or ``last``: the window ends)."""
+        if self._grad_window and self.grad_sync is not None:  # the step's last micro-batch
+            self.grad_sync.armed = last or self.runner.pending + 1 >= self.runner.accumulate
         with self.runner.autocast():
             loss = self.spec.train_step(self.train_model, batch)
         value = float(loss.detach())
@@ -622,6 +665,8 @@ class Worker:
 
     def optimizer_step(self) -> None:
         """Step over the pending micro-batches; a GradScaler skip counts as a non-finite step."""
+        if self._grad_window and self.grad_sync is not None and not self._grad_failed:
+            self._grad_failed = not self._collective(self.grad_sync.finish, "gradient all-reduce")
         if not self.runner.step(self.model, self.optimizer):
             self._skip_nonfinite(
                 "non-finite gradients (16-mixed: the GradScaler lowered its scale)"
@@ -657,6 +702,19 @@ class Worker:
         if not self.mode.via_controller:
             # The guard reads divergence; lock-step sync modes never consult it. Without an
             # outer step it is measured inside the average (no copy of the weights kept).
+            if self._grad_window:  # the parameters already agree: the float buffers are left
+                averaged = not self._grad_failed and self._collective(
+                    lambda: collective_average_buffers(
+                        self.state, window.buffer_weight, doomed=self._doomed
+                    ),
+                    "averaging",
+                )
+                if not averaged:
+                    self._unaveraged = window.index
+                    self._await_regroup()
+                elif self.outer is not None:  # the same update on every rank: still in step
+                    self.state.load(self.outer.step(self.state.flatten()))
+                return averaged
             guard = not self.mode.is_sync
             before = self.state.flatten() if guard and self.outer is not None else None
             if not self._averaged(window.weight, window.buffer_weight, measure=guard):
@@ -710,6 +768,28 @@ class Worker:
             groups.release(abandoned)
         return False
 
+    def _collective(self, run: Callable[[], Any], what: str) -> bool:
+        """Run one of the step's collectives; False when a peer is gone (the group released)."""
+        failure, abandoned = None, False
+        try:
+            run()
+        except groups.Abandoned as exc:
+            failure, abandoned = str(exc), not exc.settled
+        except (RuntimeError, dist.DistBackendError) as exc:  # a peer is gone
+            failure = str(exc)
+        if failure is None:
+            return True
+        log.warning(
+            "rank %d: %s failed in generation %d (%s); waiting to regroup",
+            self.rank,
+            what,
+            self.generation,
+            failure,
+        )
+        if self.regroup_fn is not None:
+            groups.release(abandoned)
+        return False
+
     def _doomed(self) -> bool:
         return bool(self.link.announced_generation > self.generation)
 
@@ -756,6 +836,8 @@ class Worker:
     def _apply_average(self, msg: Average) -> None:
         if msg.window in self._outstanding:
             self._outstanding.remove(msg.window)
+        if msg.flat is None:  # the controller could not average this round: keep our weights
+            return
         center = msg.flat.to(self.device)
         before = self.state.current()  # read before the load: no copy of the weights
         alpha = self.cfg.elche.effective_easgd_alpha

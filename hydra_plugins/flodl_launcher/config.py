@@ -1,8 +1,11 @@
-"""Schema of ``hydra/launcher=flodl``; registered in Hydra's ConfigStore at discovery."""
+"""Schema of ``hydra/launcher=flodl`` and the ElChe presets' base, registered in Hydra's
+ConfigStore at discovery (pydantic only: no torch)."""
 
 from dataclasses import dataclass
 
 from hydra.core.config_store import ConfigStore
+
+from flodl.config import elche_schema_node
 
 
 @dataclass
@@ -12,3 +15,5 @@ class FlodlLauncherConf:
 
 
 ConfigStore.instance().store(group="hydra/launcher", name="flodl", node=FlodlLauncherConf)
+# Every ElChe key at ElCheConfig's default: conf/elche/<mode>.yaml extends it with its changes.
+ConfigStore.instance().store(group="elche", name="_schema", node=elche_schema_node())

@@ -1,81 +1,122 @@
-"""Bad input through the real run.py: refused in the launcher before any rank starts, exit 2,
-one line naming the key, the value and the fix, no traceback."""
+"""Bad input refused in the launcher before any rank starts, exit 2, one line naming the key,
+the value and the fix, no traceback.
+
+A few refusals go through the real run.py (exit code, one line, what was imported); the rest
+are checked in this process through the launcher's own sequence of checks (compose, then
+:func:`flodl.sweep.check_job`, then the per-run checks of ``Job``), which is what run.py runs
+before it starts a rank, without paying a Python start-up and torch's import for each.
+"""
 
 from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from flodl.config import ConfigError
+
 pytestmark = pytest.mark.light  # refusals start no rank
 
 ROOT = Path(__file__).resolve().parents[2]
+HEAVY = ("torch", "torchmetrics", "scipy")
 
 
-def refused(args: list[str], tmp_path: Path) -> tuple[str, float]:
+def refused(args: list[str], tmp_path: Path) -> tuple[str, set[str]]:
+    """Run ``python -X importtime run.py ARGS``: the error line and which of HEAVY it imported."""
     sweep = tmp_path / "sweep"
-    t0 = time.monotonic()
     out = subprocess.run(
-        [sys.executable, "run.py", *args, f"hydra.sweep.dir={sweep}"],
+        [sys.executable, "-X", "importtime", "run.py", *args, f"hydra.sweep.dir={sweep}"],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=120,
     )
-    elapsed = time.monotonic() - t0
     assert out.returncode == 2, (args, out.stdout[-2000:], out.stderr[-2000:])
-    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, out.stderr
+    lines = out.stderr.splitlines()
+    errors = [line for line in lines if line.startswith("error:")]
+    assert len(errors) == 1, out.stderr[-3000:]
+    assert [line for line in lines if not line.startswith(("error:", "import time:"))] == []
     assert "Traceback" not in out.stdout + out.stderr
     assert not list(sweep.glob("**/rank_*.log")), args  # no rank was started
     assert not list(sweep.glob("**/model.pt"))
-    return errors[0], elapsed
+    imported = {line.rsplit("|", 1)[-1].strip() for line in lines if line.startswith("import")}
+    return errors[0], imported & set(HEAVY)
 
 
-def test_factory_arguments_are_bound_and_dry_built_before_any_rank(tmp_path):
+def test_run_py_refusals_exit_2_and_import_only_what_they_need(tmp_path):
+    """Pure-config refusals exit before torch is imported; a factory's refusal needs torch, but
+    never the metrics (torchmetrics pulls scipy, ~0.7 s)."""
     cases = {
-        "optimizer.lr=abc": "optimizer.lr=abc: torch.optim.Adam expects float",
-        "+model.hiden=3": "model.hiden: unknown argument of recipes.models.MLP (did you mean "
-        "model.hidden?)",
-        "model.hidden=-1": "refused on a dry build: ValueError: MLP: hidden=-1: must be >= 1",
+        "trainer.num_epochs=abc": ("trainer.num_epochs=abc: Input should be a valid integer", []),
+        "optimizer.lr=abc": ("optimizer.lr=abc: torch.optim.Adam expects float", ["torch"]),
+        "+model.hiden=3": (
+            "model.hiden: unknown argument of recipes.models.MLP (did you mean model.hidden?)",
+            ["torch"],
+        ),
+    }
+    for i, (override, (expected, heavy)) in enumerate(cases.items()):
+        line, imported = refused([override], tmp_path / str(i))
+        assert expected in line, line
+        assert sorted(imported) == heavy, (override, imported)
+
+
+def test_a_refusal_after_the_config_checks_exits_2_through_run_py(tmp_path):
+    """resume_from is checked per run, once the factories' dry build gave the architecture."""
+    line, _ = refused([f"trainer.resume_from={tmp_path}/none"], tmp_path / "run")
+    assert f"trainer.resume_from={tmp_path}/none: no checkpoint" in line, line
+
+
+def launcher_refusal(overrides: list[str]) -> str:
+    """What run.py checks before starting a rank, in this process; the refusal's message."""
+    from hydra import compose, initialize_config_dir
+
+    from flodl.preflight import check_factories, check_run
+    from flodl.sweep import check_job
+    from flodl.topology import resolve_topology
+
+    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
+        cfg = compose("config", overrides=overrides)
+    with pytest.raises(ConfigError) as info:
+        run_cfg = check_job(cfg)
+        signature = check_factories(run_cfg)  # what train() passes on to the run's checks
+        config = run_cfg.trainer_config()
+        check_run(config, resolve_topology(config, probe_hosts=False).world_size, signature)
+    message = str(info.value)
+    assert "\n" not in message and info.value.exit_code == 2
+    return message
+
+
+def test_launcher_refusals_name_key_value_and_fix(tmp_path):
+    (tmp_path / "a_file").write_text("not a directory")
+    cases = {
+        "model.hidden=-1": "model: recipes.models.MLP(input_shape=[1, 28, 28], num_classes=10, "
+        "hidden=-1) refused on a dry build: ValueError: MLP: hidden=-1: must be >= 1; fix the "
+        "model.* values",
         "model._target_=tests.e2e.faulty.PretrainedBackbone": (
             "FileNotFoundError: pretrained/backbone.pt: no such file"
         ),
+        "model._target_=recipes.models.Nope": "model._target_=recipes.models.Nope: module "
+        "'recipes.models' has no attribute 'Nope'",
         "trainer.batch_size=5000": "trainer.batch_size=5000: larger than the dataset (4000 "
         "training samples",
-    }
-    for i, (override, expected) in enumerate(cases.items()):
-        line, elapsed = refused([override], tmp_path / str(i))
-        assert expected in line, line
-        assert elapsed < 60, (override, elapsed)  # no rank start-up; ~3 s on a quiet machine
-
-
-def test_outputs_are_checked_before_training(tmp_path):
-    (tmp_path / "a_file").write_text("not a directory")
-    unwritable = tmp_path / "a_file" / "ckpt" / "run"
-    cases = {
         f"trainer.resume_from={tmp_path}/none": f"trainer.resume_from={tmp_path}/none: no "
         "checkpoint",
-        f"trainer.save_path={unwritable}": f"trainer.save_path={unwritable}: cannot write",
         "trainer.save_path=''": "trainer.save_path=: empty",
+        f"trainer.save_path={tmp_path}/a_file/ckpt/run": f"trainer.save_path={tmp_path}/a_file/"
+        "ckpt/run: cannot write",
+        "cluster.controller.port=65535": "cluster.controller.port=65535: must be at most 65534",
+        "trainer.callback_policy.kind=rank trainer.callback_policy.rank=2": (
+            "trainer.callback_policy.rank=2: this run has 2 rank(s)"
+        ),
+        "trainer.precision=16-mixed": "trainer.precision=16-mixed: rank(s) [0, 1] run on CPU",
     }
-    for i, (override, expected) in enumerate(cases.items()):
-        line, _ = refused([override], tmp_path / str(i))
-        assert expected in line, line
+    for overrides, expected in cases.items():
+        assert expected in launcher_refusal(overrides.split()), overrides
 
 
-def test_cluster_and_callback_knobs(tmp_path):
-    line, _ = refused(["cluster.controller.port=65535"], tmp_path / "port")
-    assert "cluster.controller.port=65535: must be at most 65534" in line
-    args = ["trainer.callback_policy.kind=rank", "trainer.callback_policy.rank=2"]
-    line, _ = refused(args, tmp_path / "rank")
-    assert "trainer.callback_policy.rank=2: this run has 2 rank(s)" in line
-
-
-def test_datasets_the_controller_cannot_plan_are_refused(tmp_path):
+def test_datasets_the_controller_cannot_plan_are_refused():
     cases = {
         "dataset._target_=tests.e2e.faulty.StreamOnly": "IterableDataset without shards; the "
         "controller plans which samples each rank trains: give a map-style dataset or "
@@ -83,6 +124,5 @@ def test_datasets_the_controller_cannot_plan_are_refused(tmp_path):
         "dataset._target_=tests.e2e.faulty.wrapped_loader": "builds a DataLoader",
         "loader.prefetch_factor=4": "loader.prefetch_factor=4 (rank 0): prefetching needs",
     }
-    for i, (override, expected) in enumerate(cases.items()):
-        line, _ = refused([override], tmp_path / str(i))
-        assert expected in line, line
+    for override, expected in cases.items():
+        assert expected in launcher_refusal([override]), override

@@ -33,7 +33,9 @@ def run_py(args: list[str], sweep_dir: Path, timeout: float = 300) -> subprocess
 @pytest.mark.slow
 def test_sweep_writes_ab_report_and_keeps_failed_rows(tmp_path):
     """A job that fails mid-sweep is a failed row; the next job still runs. (An all-ok sweep's
-    report is checked field by field in test_dashboard_e2e.)"""
+    report is checked field by field in test_dashboard_e2e.) The failed job's factory fails on
+    the ranks (the launcher never builds datasets): its root cause, once, in the console (with
+    the job directory) and summary.json; exit 1."""
     failing = f"dataset._target_={MISSING},recipes.datasets.digits"
     args = ["-m", *FAST, "trainer.num_epochs=1", failing]
     out = run_py(args, tmp_path, timeout=400)
@@ -42,12 +44,20 @@ def test_sweep_writes_ab_report_and_keeps_failed_rows(tmp_path):
     rows = sorted(report["rows"], key=lambda r: r["job"])
     assert [r["status"] for r in rows] == ["failed", "ok"]
     assert f"dataset._target_={MISSING}" in rows[0]["overrides"]
-    assert "FileNotFoundError: pretrained/backbone.pt: no such file" in rows[0]["error"]
+    cause = "FileNotFoundError: pretrained/backbone.pt: no such file"
+    assert cause in rows[0]["error"]
     assert rows[1]["syncs"] > 0 and rows[1]["final_loss"] is not None
     md = (tmp_path / "ab_report.md").read_text()
     assert "failed" in md and "nccl_cadence" in md
     for job in range(2):
         assert (tmp_path / str(job) / "summary.json").exists()
+    console = out.stdout + out.stderr
+    assert console.count(cause) == 1, console[-3000:]
+    assert console.count("job 0 failed: rank") == 1, console[-3000:]
+    assert f"(outputs in {tmp_path / '0'})" in console
+    assert "Traceback" not in console and "control channel lost" not in console
+    summary = json.loads((tmp_path / "0" / "summary.json").read_text())
+    assert summary["status"] == "failed" and cause in summary["error"]
 
 
 @pytest.mark.light
@@ -74,22 +84,6 @@ def test_bad_input_exits_2_with_one_line_and_starts_nothing(tmp_path, override, 
         assert len(error_lines) == 1, out.stderr
         assert out.stderr.strip().count("\n") == 0, out.stderr  # one line, no traceback
     assert not list(tmp_path.glob("**/rank_*.log"))  # no rank was started
-
-
-@pytest.mark.slow
-def test_failing_factory_reported_once_nonzero_exit(tmp_path):
-    """A factory that fails on the ranks (the launcher never builds datasets): its root cause,
-    once, in the console (with the job directory) and summary.json; exit 1."""
-    out = run_py([*FAST, f"dataset._target_={MISSING}"], tmp_path)
-    assert out.returncode == 1
-    console = out.stdout + out.stderr
-    cause = "FileNotFoundError: pretrained/backbone.pt: no such file"
-    assert console.count(cause) == 1, console[-3000:]
-    assert console.count("job 0 failed: rank") == 1, console[-3000:]
-    assert f"(outputs in {tmp_path / '0'})" in console
-    assert "Traceback" not in console and "control channel lost" not in console
-    summary = json.loads((tmp_path / "0" / "summary.json").read_text())
-    assert summary["status"] == "failed" and cause in summary["error"]
 
 
 @pytest.mark.slow

@@ -62,23 +62,44 @@ def gone_within(pids: list[int], seconds: float) -> bool:
     return False
 
 
-@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_signal_saves_a_graceful_bundle_and_ends_every_rank(tmp_path, sig, code):
+def signalled_run(tmp_path: Path, sig: int) -> dict:
+    """A 2-rank run.py run stopped by ``sig`` after its second epoch, with a save_path."""
     stem = tmp_path / "ckpt" / "run"
     proc = start([*LONG, f"trainer.save_path={stem}"], tmp_path / "sweep")
     wait_for_epoch(proc)
     ranks = rank_pids(proc)
-    assert len(ranks) >= 2
     t0 = time.monotonic()
     proc.send_signal(sig)
     out, _ = proc.communicate(timeout=30)
-    assert proc.returncode == code, out[-3000:]
-    assert time.monotonic() - t0 < 10
-    assert gone_within(ranks, 1.0)
-    _, meta = load_bundle(str(stem))
+    return {
+        "stem": stem,
+        "root": tmp_path,
+        "ranks": ranks,
+        "code": proc.returncode,
+        "out": out,
+        "stop_s": time.monotonic() - t0,
+        "gone": gone_within(ranks, 1.0),
+    }
+
+
+@pytest.fixture(scope="module")
+def sigint_run(tmp_path_factory) -> dict:
+    """One SIGINT-stopped run, shared: its graceful bundle is also what a resume starts from."""
+    return signalled_run(tmp_path_factory.mktemp("sigint"), signal.SIGINT)
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_saves_a_graceful_bundle_and_ends_every_rank(tmp_path, request, sig, code):
+    run = request.getfixturevalue("sigint_run") if sig == signal.SIGINT else None
+    run = run or signalled_run(tmp_path, sig)
+    assert len(run["ranks"]) >= 2
+    assert run["code"] == code, run["out"][-3000:]
+    assert run["stop_s"] < 10
+    assert run["gone"]
+    _, meta = load_bundle(str(run["stem"]))
     assert meta.save_reason == "interrupted"
     assert 2 <= meta.epoch < 200
-    summary = json.loads((tmp_path / "sweep" / "0" / "summary.json").read_text())
+    summary = json.loads((run["root"] / "sweep" / "0" / "summary.json").read_text())
     assert summary["status"] == "interrupted"
 
 
@@ -111,12 +132,8 @@ def test_killed_launcher_takes_its_ranks_with_it(tmp_path):
     assert gone_within(ranks, 10.0), "ranks outlived their launcher"
 
 
-def test_resume_from_a_graceful_mid_epoch_bundle_covers_the_rest(tmp_path):
-    stem = tmp_path / "ckpt" / "run"
-    proc = start([*LONG, f"trainer.save_path={stem}"], tmp_path / "a")
-    wait_for_epoch(proc)
-    proc.send_signal(signal.SIGINT)
-    proc.communicate(timeout=30)
+def test_resume_from_a_graceful_mid_epoch_bundle_covers_the_rest(tmp_path, sigint_run):
+    stem = sigint_run["stem"]
     _, meta = load_bundle(str(stem))
     epochs = meta.epoch + 2
     args = [*LONG[:1], f"trainer.num_epochs={epochs}", *LONG[2:], f"trainer.resume_from={stem}"]

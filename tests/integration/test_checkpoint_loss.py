@@ -8,6 +8,7 @@ import os
 import signal
 import time
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,16 +58,30 @@ def run(tmp_path, name, ranks, epochs, victim=None, mode="nccl_cadence", **train
     return handle, ends[-1]
 
 
-@pytest.mark.parametrize(
-    ("mode", "victim"),
-    [("nccl_cadence", 0), ("nccl_cadence", 1), ("nccl_cadence", 2), ("cpu_async", 0)],
-)
-def test_killed_rank_with_checkpoint_every_epoch(tmp_path, mode, victim):
+def killed_run(tmp_path, mode: str, victim: int) -> dict:
+    """3 ranks, 3 epochs, every epoch checkpointed; ``victim`` SIGKILLed after the first."""
     stem = str(tmp_path / "ckpt" / "run")
     handle, last_epoch = run(
         tmp_path, "killed", 3, 3, victim=victim, mode=mode, save_path=stem, checkpoint_every=1
     )
-    tail_s = time.perf_counter() - last_epoch
+    return {"handle": handle, "tail_s": time.perf_counter() - last_epoch, "stem": stem}
+
+
+@pytest.fixture(scope="module")
+def rank1_killed(tmp_path_factory) -> dict:
+    """Shared: its final bundle (saved by the 2 survivors) is also what the resumes start from."""
+    return killed_run(tmp_path_factory.mktemp("rank1_killed"), "nccl_cadence", 1)
+
+
+@pytest.mark.parametrize(
+    ("mode", "victim"),
+    [("nccl_cadence", 0), ("nccl_cadence", 1), ("nccl_cadence", 2), ("cpu_async", 0)],
+)
+def test_killed_rank_with_checkpoint_every_epoch(tmp_path, request, mode, victim):
+    shared = (mode, victim) == ("nccl_cadence", 1)
+    killed = request.getfixturevalue("rank1_killed") if shared else None
+    killed = killed or killed_run(tmp_path, mode, victim)
+    handle, tail_s, stem = killed["handle"], killed["tail_s"], killed["stem"]
     result = handle.result
     assert result.summary.status == "ok", result.summary.error
     assert result.summary.lost_ranks == [victim] and result.coverage_exact
@@ -80,24 +95,23 @@ def test_killed_rank_with_checkpoint_every_epoch(tmp_path, mode, victim):
     assert final is not None
     for key, value in final.params.items():  # the bundle's weights are the final weights
         assert torch.equal(payload["params"][key], value), key
-    leftovers = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    leftovers = sorted(p.name for p in Path(stem).parent.iterdir())
     assert len(leftovers) == 1 + len(meta.shards), leftovers  # no orphan shard survives
     # cpu_async: the controller's EASGD centre is in the bundle
     assert ("controller" in payload) == (mode == "cpu_async")
 
 
-def test_post_loss_bundle_resumes_on_fewer_and_more_ranks(tmp_path):
-    stem = str(tmp_path / "ckpt" / "run")
-    run(tmp_path, "killed", 3, 2, victim=1, save_path=stem, checkpoint_every=1)
+def test_post_loss_bundle_resumes_on_fewer_and_more_ranks(tmp_path, rank1_killed):
+    stem = rank1_killed["stem"]
     _, meta = load_bundle(stem)
-    assert (meta.epoch, meta.world_size, meta.extra["ranks"]) == (2, 2, [0, 2])
+    assert (meta.epoch, meta.world_size, meta.extra["ranks"]) == (3, 2, [0, 2])
     for ranks in (1, 3):
-        resumed, _ = run(tmp_path, f"on{ranks}", ranks, 3, resume_from=stem)
+        resumed, _ = run(tmp_path, f"on{ranks}", ranks, 4, resume_from=stem)
         result = resumed.result
         state = result.state
         assert result.summary.status == "ok" and result.summary.world_size == ranks
         assert [m.epoch for m in result.epochs] == [
-            3
+            4
         ]  # (counting from 1) the saved epochs are not trained again
         assert result.coverage_exact and result.summary.samples_seen == N_TRAIN
         assert all(torch.isfinite(v).all() for v in state.params.values())
@@ -126,3 +140,32 @@ def test_rank_lost_while_writing_its_shard(tmp_path, monkeypatch, caplog, victim
         [r for r in range(3) if r != victim],
     )
     assert all(torch.equal(payload["params"][k], v) for k, v in result.state.params.items())
+
+
+@pytest.mark.parametrize(
+    ("mode", "moment"), [("nccl_cadence", "final"), ("cpu_async", "final_save")]
+)
+def test_rank_lost_while_sending_the_final_weights(tmp_path, monkeypatch, caplog, mode, moment):
+    """Rank 0 owes the final weights after Stop and dies before sending them ("final", its
+    shards written) or before writing the save's weights ("final_save"). Was: the run failed.
+    Now rank 1, held with the same weights, sends them and writes the save's weights."""
+    monkeypatch.setenv("FLODL_CHAOS", f"0:{moment}")
+    stem = str(tmp_path / "ckpt" / "run")
+    with caplog.at_level("WARNING"):
+        handle, last_epoch = run(
+            tmp_path, "chaos", 3, 2, mode=mode, save_path=stem, checkpoint_every=1
+        )
+    tail_s = time.perf_counter() - last_epoch
+    result = handle.result
+    assert result.summary.status == "ok", result.summary.error
+    assert result.summary.lost_ranks == [0] and result.coverage_exact
+    assert tail_s < 15.0, f"the run took {tail_s:.1f} s to end after its last epoch"
+    assert "rank 1 sends them" in caplog.text
+    assert ("rank 1 writes them instead" in caplog.text) == (moment == "final_save")
+    payload, meta = load_bundle(stem)
+    saved = [0, 1, 2] if moment == "final" else [1, 2]  # rank 0's own shard, if it wrote it
+    assert (meta.save_reason, meta.epoch, meta.extra["ranks"]) == ("final", 2, saved)
+    final = result.state
+    assert final is not None and set(final.params) == set(payload["params"])
+    for key, value in final.params.items():  # the same weights, whoever wrote or sent them
+        assert torch.equal(payload["params"][key], value), key

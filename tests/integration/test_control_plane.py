@@ -40,7 +40,7 @@ def test_impostors_and_garbage_do_not_disturb_training(tmp_path):
     def attack(metrics) -> None:
         if metrics.epoch != 1:  # after the first epoch (epochs count from 1)
             return
-        host, port = holder["handle"]._job.launcher.control_address
+        host, port = holder["handle"]._job.cohort.control_address
         raw = socket.create_connection((host, port))
         raw.sendall(b"\x00garbage\xff" * 4096)
         raw.close()
@@ -69,10 +69,11 @@ def test_consecutive_runs_leak_no_processes_ports_or_fds(tmp_path):
     me = psutil.Process()
     before_ports = _listening_ports()
     fds = []
-    for i in range(7):
+    for i in range(4):
         tiny_run(tmp_path, f"run{i}").join(timeout=120)
         assert not [p for p in me.children(recursive=True) if p.status() != "zombie"]
         assert _listening_ports() <= before_ports
         fds.append(me.num_fds())
-    # The first runs may warm lazily opened files (torch, logging); after that: flat.
-    assert fds[-1] <= fds[2] + 2, fds
+    # The first runs may warm lazily opened files (torch, logging); after that: flat, to the
+    # descriptor (measured flat from the first run on), so one leaked per run shows as +2.
+    assert fds[3] <= fds[1], fds

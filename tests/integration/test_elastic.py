@@ -57,7 +57,7 @@ def killing_run(tmp_path, mode, ranks, victim, kill_at_epoch=1, epochs=3, **trai
     return handle, killed
 
 
-@pytest.mark.parametrize("mode", ["nccl_cadence", "cpu_cadence", "cpu_async"])
+@pytest.mark.parametrize("mode", ["nccl_cadence", "cpu_cadence", "cpu_async", "nccl_sync"])
 def test_kill_one_of_three_ranks_mid_run(tmp_path, mode):
     handle, killed = killing_run(tmp_path, mode, ranks=3, victim=2)
     handle.join(timeout=300)

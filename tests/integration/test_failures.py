@@ -55,10 +55,13 @@ def test_different_architectures_are_refused(tmp_path):
 
 
 def test_in_process_factory_error_surfaces(tmp_path):
+    """Refused by the launcher's dry build, before the in-process rank (or any rank) runs."""
+    from flodl.config import ConfigError
+
     def broken(device: torch.device):
         raise RuntimeError("no model for you")
 
-    with pytest.raises(RuntimeError, match="no model for you"):
+    with pytest.raises(ConfigError, match="broken refused on a dry build: RuntimeError: no model"):
         small_run(tmp_path, "solo", ranks=1, model=broken)
 
 

@@ -111,3 +111,19 @@ def test_cluster_settings_the_readme_lists_override_without_plus(cluster):
     """`cluster.heartbeat_timeout_s=5` works as written (no `+`) with every cluster option."""
     cfg = _compose([f"cluster={cluster}", "cluster.heartbeat_timeout_s=5"])
     assert validate_run_config(plain_config(cfg)).cluster.heartbeat_timeout_s == 5
+
+
+@pytest.mark.parametrize("mode", list(Mode), ids=lambda m: m.value)
+def test_elche_presets_have_one_source(mode):
+    """conf/elche/<mode>.yaml states only what ELCHE_PRESETS changes from the schema, and it
+    composes to exactly ElCheConfig.<mode>() (every key, overridable without ``+``)."""
+    import yaml
+
+    from flodl.config import ELCHE_PRESETS, ElCheConfig, preset_yaml_keys
+
+    stated = yaml.safe_load((CONF / "elche" / f"{mode.value}.yaml").read_text())
+    assert stated.pop("defaults") == ["_schema", "_self_"]
+    assert stated == preset_yaml_keys(mode)
+    run = validate_run_config(plain_config(_compose([f"elche={mode.value}", "elche.gamma=2.0"])))
+    assert run.elche == getattr(ElCheConfig, mode.value)(gamma=2.0)
+    assert set(ELCHE_PRESETS) == set(Mode)

@@ -206,9 +206,34 @@ def test_bad_values_name_key_value_and_rule(section, expected):
 
 
 def test_unimportable_target_is_refused():
-    data = _run_data(model={"_target_": "recipes.models.Nope"})
+    data = _run_data(model={"_target_": "recipes.nope.Model"})
+    with pytest.raises(ConfigError, match=r"model\._target_.*cannot import module 'recipes.nope'"):
+        validate_run_config(data)
+    data = _run_data(model={"_target_": "flodl.config.Nope"})  # imported already: checked
     with pytest.raises(ConfigError, match=r"model\._target_.*no attribute 'Nope'"):
         validate_run_config(data)
+
+
+def test_validation_imports_no_target():
+    """Targets are located on disk, not imported: a pure-config refusal never pays for torch."""
+    import subprocess
+    import sys
+
+    metric = {"_target_": "torchmetrics.classification.MulticlassAccuracy", "num_classes": 10}
+    task = {
+        "train_step": "recipes.steps.classification_step",
+        "eval_loss": "torch.nn.functional.cross_entropy",
+        "metrics": {"accuracy": metric},
+    }
+    code = (
+        "import sys\n"
+        "from flodl.config import validate_run_config\n"
+        f"validate_run_config({_run_data(task=task)!r})\n"
+        "print(sorted(m for m in ('torch', 'torchmetrics', 'recipes.models') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
 
 
 def test_missing_section_is_named():

@@ -64,14 +64,16 @@ def test_a_stranger_rewriting_the_store_cannot_reach_a_follower(monkeypatch):
     threading.Thread(target=lambda: _accept(fake, contacted), daemon=True).start()
     store = serve_store("127.0.0.1")
     key = "flodl/0/0/"
-    monkeypatch.setattr(external, "next_run_key", lambda: key)
+    monkeypatch.setattr(external, "next_run_key", lambda role: key)
     store.set(key + "controller", f"127.0.0.1:{fake.getsockname()[1]}")
     store.set(key + "secret", "00" * 32)
     store.set(key + "handoff", "f" * 32)  # a name in our folder the attacker cannot write to
     env = {**TORCHRUN, "LOCAL_WORLD_SIZE": "2", "MASTER_PORT": str(store.port)}
-    role = rank_env.external_role({**env, rank_env.DEVICE: "cpu"})
-    assert role is not None
-    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "true")  # the store is not ours to host
+    # TORCHELASTIC_USE_AGENT_STORE: the store is not ours to host
+    role = rank_env.external_role(
+        {**env, rank_env.DEVICE: "cpu", "TORCHELASTIC_USE_AGENT_STORE": "true"}
+    )
+    assert role is not None and role.agent_store
     with pytest.raises(TimeoutError, match="did not publish"):
         external.follow(role, timeout_s=1.0)
     fake.close()

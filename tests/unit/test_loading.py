@@ -154,7 +154,7 @@ def test_refusals_name_the_fix() -> None:
 
 
 def test_per_rank_overrides_and_their_count() -> None:
-    from flodl.runtime.preflight import rank_loaders
+    from flodl.preflight import rank_loaders
     from flodl.topology import resolve_topology
 
     cfg = TrainerConfig(
@@ -231,7 +231,7 @@ def test_shards_through_fsspec_urls(tmp_path) -> None:
 
 
 def test_a_host_workers_loader_overrides_its_ranks() -> None:
-    from flodl.runtime.preflight import rank_loaders
+    from flodl.preflight import rank_loaders
     from flodl.topology import resolve_topology
 
     workers = [

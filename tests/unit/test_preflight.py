@@ -9,6 +9,7 @@ import pytest
 
 from flodl import preflight
 from flodl.config import ConfigError, TrainerConfig, validate_run_config
+from flodl.preflight import targets
 
 BASE = {
     "model": {"_target_": "recipes.models.MLP", "input_shape": [1, 8, 8], "num_classes": 10},
@@ -67,7 +68,59 @@ def test_the_dry_build_never_touches_cuda(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "init", no_cuda)
     monkeypatch.setattr(torch.cuda, "_lazy_init", no_cuda)
-    preflight.check_factories(validate_run_config(BASE))
+    assert preflight.check_factories(validate_run_config(BASE))  # built: a signature
+
+
+def test_a_factory_that_reaches_for_cuda_is_left_to_the_ranks(monkeypatch):
+    """`.cuda()` in a constructor: no dry build (None: no signature), and CUDA untouched."""
+    import torch
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: calls.append("init"))
+    data = copy.deepcopy(BASE)
+    data["model"] = {"_target_": "tests.unit.test_preflight.CudaModel"}
+    assert preflight.check_factories(validate_run_config(data)) is None
+    assert calls == [] and torch.cuda._lazy_init is not None
+    torch.cuda._lazy_init()  # the guard is gone again
+    assert calls == ["init"]
+
+
+class CudaModel(__import__("torch").nn.Linear):
+    def __init__(self) -> None:
+        super().__init__(64, 10)
+        self.cuda()
+
+
+@pytest.mark.parametrize(
+    ("section", "expected"),
+    [
+        ({"model": {"_target_": "recipes.models.Nope"}}, "model._target_=recipes.models.Nope: "),
+        (
+            {"task": {"train_step": "recipes.steps.nope_step"}},
+            "task.train_step=recipes.steps.nope_step: module 'recipes.steps' has no attribute",
+        ),
+        (
+            {
+                "task": {
+                    "metrics": {"f1": {"_target_": "torchmetrics.classification.F1"}},
+                    "eval_metric": "f1",
+                }
+            },
+            "task.metrics.f1._target_=torchmetrics.classification.F1: module",
+        ),
+    ],
+)
+def test_a_target_missing_from_its_module_is_named_with_its_key(section, expected):
+    """Validation locates modules without importing them (it checks the attribute only of a
+    module imported already); the launcher resolves every target, naming its key."""
+    data = {**copy.deepcopy(BASE), **section}
+    if "task" in section:
+        data["task"] = {**BASE["task"], **section["task"]}
+    with pytest.raises(ConfigError) as info:
+        run_cfg = validate_run_config(data)
+        preflight.check_factories(run_cfg)
+        preflight.check_task_targets(run_cfg.task)
+    assert expected in str(info.value) and "has no attribute" in str(info.value)
 
 
 def test_topology_bound_knobs_are_checked(tmp_path):
@@ -149,7 +202,8 @@ def test_a_sweeper_direction_against_the_objective_is_warned(caplog):
 
 def test_the_dry_build_stays_cheap_no_dynamo_import():
     """torch.optim imports torch._dynamo on the first optimizer (seconds); the launcher's dry
-    build avoids it, and a real optimizer built afterwards still gets it."""
+    builds (targets, closures, the LR announcement's optimizer) avoid it, and a real optimizer
+    built afterwards still gets it."""
     import subprocess
     import sys
 
@@ -159,6 +213,16 @@ def test_the_dry_build_stays_cheap_no_dynamo_import():
         "from flodl.config import validate_run_config\n"
         f"preflight.check_factories(validate_run_config({BASE!r}))\n"
         "assert 'torch._dynamo' not in sys.modules, 'dry build imported torch._dynamo'\n"
+        "from flodl.config import TrainerConfig\n"
+        "from flodl.runtime.spec import JobSpec\n"
+        "from flodl.topology import resolve_topology\n"
+        "spec = JobSpec(TrainerConfig(), lambda d: torch.nn.Linear(2, 2),\n"
+        "    lambda p: torch.optim.Adam(p, lr=0.1), None, None,\n"
+        "    scheduler_factory=lambda o: torch.optim.lr_scheduler.StepLR(o, 1))\n"
+        "assert preflight.model_signature(spec, {})\n"
+        "topology = resolve_topology(spec.config, probe_hosts=False)\n"
+        "assert preflight.check_launch(spec, topology)['base_lr'] == 0.1\n"
+        "assert 'torch._dynamo' not in sys.modules, 'launch checks imported torch._dynamo'\n"
         "torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)\n"
         "assert 'torch._dynamo' in sys.modules\n"
     )
@@ -178,7 +242,6 @@ def test_failed_jobs_are_counted_from_summaries_under_any_launcher(tmp_path, mon
     from flodl import app
     from flodl.sweep import FailedJobs
 
-    monkeypatch.setitem(app.STATE, "failed", 0)
     old = tmp_path / "0" / "summary.json"
     old.parent.mkdir()
     old.write_text(json.dumps({"status": "failed"}))
@@ -189,8 +252,9 @@ def test_failed_jobs_are_counted_from_summaries_under_any_launcher(tmp_path, mon
     for job, status in [("1", "ok"), ("2", "failed"), ("3", "interrupted")]:
         (tmp_path / job).mkdir()
         (tmp_path / job / "summary.json").write_text(json.dumps({"status": status}))
-    callback.on_multirun_end(config)
-    assert app.STATE["failed"] == 2
+    with pytest.raises(app.JobsFailed) as failed:
+        callback.on_multirun_end(config)
+    assert failed.value.failed == 2 and failed.value.code == 1
 
 
 def test_hydra_nodes_bind_as_hydra_passes_them():
@@ -204,4 +268,107 @@ def test_hydra_nodes_bind_as_hydra_passes_them():
     preflight.bind("model", validate_run_config(data).model, positional=0)
     data["model"] = {"_target_": "torch.nn.Linear", "_args_": [64, 10]}
     preflight.check_factories(validate_run_config(data))  # positional `_args_` count as bound
-    preflight._check_type("model", "act", {"_target_": "torch.nn.ReLU"}, typing.Callable, "x")
+    targets._check_type("model", "act", {"_target_": "torch.nn.ReLU"}, typing.Callable, "x")
+
+
+def _python_api_run(tmp_path, model_factory, optim_factory=None, **extra):
+    from functools import partial
+
+    import torch
+
+    from flodl import ClusterConfig, LoggerConfig, Trainer
+    from recipes.datasets import synthetic
+    from recipes.steps import classification_step
+
+    data = partial(synthetic, "train", n_train=64, n_test=16, input_shape=[1, 8, 8])
+    builder = (
+        Trainer.builder(
+            model_factory,
+            optim_factory or (lambda params: torch.optim.SGD(params, lr=0.1)),
+            classification_step,
+        )
+        .dataset(data)
+        .cluster(ClusterConfig(kind="cpu_rig", ranks=2))
+        .logger(LoggerConfig(progress="off", tensorboard=False))
+        .output_dir(tmp_path / "run")
+    )
+    for key, value in extra.items():
+        builder = getattr(builder, key)(*value)
+    return builder.run()
+
+
+def test_python_api_closures_are_dry_built_before_any_rank(tmp_path):
+    """A model factory that raises, an optimizer factory the model's parameters break, a
+    scheduler factory with a bad value: each refused in the launcher, naming the closure and
+    the innermost cause; no rank process starts (no rank log, no child process)."""
+    import psutil
+    import torch
+
+    from recipes.models import MLP
+
+    def good_model(device):
+        return MLP([1, 8, 8], 10, hidden=16).to(device)
+
+    def pretrained(device):
+        try:
+            raise FileNotFoundError("pretrained/backbone.pt: no such file")
+        except FileNotFoundError as exc:
+            raise RuntimeError("could not build") from exc
+
+    def momentum(params):
+        return torch.optim.SGD(params, lr=0.1, momentum=-1.0)
+
+    def bad_step(optim):
+        return torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda="x")
+
+    cases = [
+        (
+            (pretrained, None, {}),
+            "model_factory test_python_api_closures_are_dry_built_before_any_rank.<locals>."
+            "pretrained refused on a dry build: FileNotFoundError: pretrained/backbone.pt",
+        ),
+        ((good_model, momentum, {}), "momentum refused on a dry build: ValueError: Invalid"),
+        (
+            (good_model, None, {"scheduler": (bad_step,)}),
+            "scheduler_factory test_python_api_closures_are_dry_built_before_any_rank.<locals>."
+            "bad_step refused on a dry build: TypeError",
+        ),
+    ]
+    for (model, optim, extra), expected in cases:
+        with pytest.raises(ConfigError) as info:
+            _python_api_run(tmp_path, model, optim, **extra)
+        assert expected in str(info.value), str(info.value)
+        assert not list(tmp_path.glob("**/rank_*.log"))
+        assert not psutil.Process().children(recursive=True)
+
+
+def test_python_api_signature_guards_resume():
+    """The closures' dry build yields the architecture signature a resume bundle must match."""
+    from flodl.preflight import launch
+    from flodl.runtime.spec import JobSpec
+
+    def model(device):
+        from recipes.models import MLP
+
+        return MLP([1, 8, 8], 10, hidden=16).to(device)
+
+    def wider(device):
+        from recipes.models import MLP
+
+        return MLP([1, 8, 8], 10, hidden=24).to(device)
+
+    def spec(factory):
+        import torch
+
+        return JobSpec(
+            config=TrainerConfig(),
+            model_factory=factory,
+            optim_factory=lambda p: torch.optim.SGD(p, lr=0.1),
+            train_step=None,
+            dataset=None,
+        )
+
+    first = launch.model_signature(spec(model), {})
+    assert first and first == launch.model_signature(spec(model), {})
+    assert first != launch.model_signature(spec(wider), {})
+    assert launch.model_signature(spec(wider), {"model_signature": "hydra"}) == "hydra"

@@ -136,7 +136,7 @@ def test_plans_stamp_each_window_with_the_global_progress_before_it():
 
 
 def test_lr_scaling_announcement_names_every_number():
-    from flodl.runtime.preflight import format_lr_scaling, lr_scaling
+    from flodl.preflight import format_lr_scaling, lr_scaling
 
     record = lr_scaling(0.05, 1.0, 2)
     assert record["factor"] == 2.0 and record["lr"] == pytest.approx(0.1)

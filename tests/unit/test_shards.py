@@ -129,6 +129,26 @@ def test_pending_save_survives_the_loss_of_a_rank_but_not_of_its_writer(tmp_path
     assert load_bundle(str(tmp_path / "run"))[1].epoch == 1  # the committed bundle stands
 
 
+def test_save_at_stop_outlives_its_writer_when_a_successor_writes_the_weights(tmp_path):
+    """The save at Stop (key -1): its writer lost, the successor writes the weights; its
+    earlier report without them does not complete the save, the one with them does."""
+    ck = Checkpointer(str(tmp_path / "run"), None, "h", 3)
+    save = ck.open(-1, "final", None, [0, 1, 2], writer=0)
+    assert ck.collect(_rank_state(save, 2, weights=False)) is None
+    assert ck.lose(0, successor=1) == [] and save.writer == 1 and save.missing == [0]
+    assert ck.collect(_rank_state(save, 1, weights=False)) is None  # sent before the order
+    assert ck.pending == {-1: save}
+    takeover = _rank_state(save, 1, weights=True)  # the weights only: its own shard exists
+    takeover.shards.pop("rank1")
+    assert ck.collect(takeover) is save and not ck.pending
+    ck.commit(save, extra={}, **_fields())
+    payload, meta = load_bundle(str(tmp_path / "run"))
+    assert meta.extra["ranks"] == [1, 2] and meta.extra["missing_ranks"] == [0]
+    assert torch.equal(payload["params"]["w"], torch.ones(3))
+    window_save = ck.open(4, "checkpoint", 1, [0, 1], writer=0)  # mid-run: no successor
+    assert ck.lose(0, successor=1) == [] and not ck.pending and window_save.writer == 0
+
+
 def test_resume_maps_saved_ranks_onto_any_world_and_restores_the_centre(tmp_path):
     stem = str(tmp_path / "run")
     ck = Checkpointer(stem, 1, "h", 3)

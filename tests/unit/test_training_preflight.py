@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from flodl.config import ClusterConfig, ConfigError, TrainerConfig, WorkerConfig
-from flodl.runtime.preflight import check_config, rank_batch_sizes
+from flodl.preflight import check_config, rank_batch_sizes
 from flodl.topology import resolve_topology
 
 

@@ -1,27 +1,48 @@
-"""Launch-time checks and notices of the training features, in the launcher, before any rank.
+"""What the launcher checks once the topology is known, before any rank (every run, the Python
+API included; a refusal is a :class:`ConfigError`, exit code 2).
 
-The optimizer and scheduler factories are dry-built on one CPU parameter (never CUDA, never the
-model), so the LR scaling can be announced with real numbers and a per-step scheduler under
-``interval=epoch`` is warned about before anything trains. A factory that cannot be built that way
-(it needs the model's own parameter groups) is left to the ranks, which report its errors.
+:func:`check_config` (no factory: what a sweep refuses before any job) checks precision and
+per-rank batch sizes against the ranks' devices, the callback rank and a writable ``save_path``
+(:func:`check_outputs`). :func:`check_run` checks the callback rank, a
+writable ``save_path`` and the resume bundle (exists, intact, same architecture, epochs left);
+:func:`model_signature` dry-builds the Python API's closures for that comparison
+(:mod:`.dry_build`). :func:`check_launch` announces the LR scaling with real numbers and warns
+about a per-step scheduler under ``interval=epoch``: the optimizer and scheduler factories are
+built on one CPU parameter (a factory that needs the model's own parameter groups is left to
+the ranks, which report its errors). torch is imported only by the checks that build.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from flodl import schedules
 from flodl.config import ConfigError, LoaderConfig, LoaderOverride, Mode, TrainerConfig
-from flodl.runtime.spec import JobSpec
 from flodl.topology import Topology
+
+if TYPE_CHECKING:
+    import torch
+
+    from flodl.runtime.spec import JobSpec
 
 log = logging.getLogger("flodl")
 
 
+def model_signature(spec: JobSpec, run_info: dict[str, Any]) -> str | None:
+    """The architecture signature: a Hydra job's (its targets were dry-built when its config
+    was checked) or, for the Python API, its closures' dry build, which refuses a factory that
+    fails before any rank starts."""
+    if "model_signature" in run_info:
+        signature: str | None = run_info.pop("model_signature")
+        return signature
+    from flodl.preflight.dry_build import dry_build_closures
+
+    return dry_build_closures(spec)
+
+
 def _dry_optimizer(spec: JobSpec) -> torch.optim.Optimizer | None:
+    import torch
+
     try:
         optimizer = spec.optim_factory([torch.nn.Parameter(torch.zeros(1))])
     except Exception:  # a factory that needs the real model: announce the factor only
@@ -58,6 +79,8 @@ def format_lr_scaling(record: dict[str, Any]) -> str:
 
 
 def _check_scheduler(spec: JobSpec, optimizer: torch.optim.Optimizer | None) -> None:
+    from flodl import schedules
+
     if spec.scheduler_factory is None or optimizer is None:
         return
     try:
@@ -156,13 +179,72 @@ def check_config(config: TrainerConfig) -> None:
     check_precision(config.precision, rank_devices(topology, config.device))
     rank_batch_sizes(config, topology)
     rank_loaders(config, topology)
+    check_outputs(config, topology.world_size)
 
 
-def preflight(spec: JobSpec, topology: Topology) -> dict[str, Any]:
+def check_launch(spec: JobSpec, topology: Topology) -> dict[str, Any]:
     """Run the launch-time checks (a refusal is a :class:`ConfigError`, before any rank).
     Returns the LR scaling, which the job announces and records in summary.json."""
+    from flodl.preflight.dry_build import without_dynamo_import
+
     check_precision(spec.config.precision, rank_devices(topology, spec.config.device))
-    optimizer = _dry_optimizer(spec)
-    base = float(optimizer.param_groups[0]["lr"]) if optimizer is not None else None
-    _check_scheduler(spec, optimizer)
+    with without_dynamo_import():  # the launcher trains nothing: torch._dynamo costs 1-3 s
+        optimizer = _dry_optimizer(spec)
+        base = float(optimizer.param_groups[0]["lr"]) if optimizer is not None else None
+        _check_scheduler(spec, optimizer)
     return lr_scaling(base, spec.config.lr_scale_ratio, topology.world_size)
+
+
+def check_run(cfg: TrainerConfig, world_size: int, signature: str | None = None) -> Any:
+    """Callback rank, save location and resume bundle; returns the loaded resume point."""
+    check_outputs(cfg, world_size)
+    return _resume(cfg, world_size, signature) if cfg.resume_from is not None else None
+
+
+def check_outputs(cfg: TrainerConfig, world_size: int) -> None:
+    """The callback rank inside the cohort; a writable ``save_path`` (a probe file is created
+    and deleted)."""
+    policy = cfg.callback_policy
+    if policy.kind == "rank" and policy.rank >= world_size:
+        raise ConfigError(
+            f"trainer.callback_policy.rank={policy.rank}: this run has {world_size} rank(s) "
+            f"(0..{world_size - 1}); pick one of them or callback_policy.kind=fastest"
+        )
+    if cfg.save_path is not None:
+        from flodl.checkpoint import CheckpointError, probe_writable
+
+        try:
+            probe_writable(cfg.save_path)
+        except CheckpointError as exc:
+            raise ConfigError(
+                f"trainer.save_path={cfg.save_path}: {exc}; choose a writable location"
+            ) from None
+
+
+def _resume(cfg: TrainerConfig, world_size: int, signature: str | None) -> Any:
+    from flodl.checkpoint import CheckpointError
+    from flodl.runtime.snapshots import ResumePoint
+
+    stem = cfg.resume_from
+    assert stem is not None
+    key = f"trainer.resume_from={stem}"
+    try:
+        point = ResumePoint.load(stem, fallback=cfg.resume_fallback)
+    except CheckpointError as exc:
+        raise ConfigError(f"{key}: {exc}") from None
+    meta = point.meta
+    if meta.world_size != world_size:  # any world size resumes (README: Checkpoints)
+        logging.getLogger(__name__).info(
+            "%s: saved by %d ranks, resuming on %d", key, meta.world_size, world_size
+        )
+    if signature is not None and meta.signature and meta.signature != signature:
+        raise ConfigError(
+            f"{key}: saved for another model (architecture {meta.signature} != {signature}); "
+            "point it at a bundle of this model"
+        )
+    if meta.epoch >= cfg.num_epochs:
+        raise ConfigError(
+            f"{key}: the bundle already finished {meta.epoch} epochs; trainer.num_epochs="
+            f"{cfg.num_epochs} leaves nothing to train (raise it)"
+        )
+    return point

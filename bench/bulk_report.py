@@ -1,0 +1,113 @@
+"""bench/README.md blocks for bench/bulk.py (memory, speed, disk at 120 M parameters) and
+bench/big.py (a 120 M model trained, checkpointed and resumed end to end); used by render.py."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+
+def _f(x: Any, fmt: str = ".0f") -> str:
+    return "\u2013" if x is None else format(x, fmt)
+
+
+def _memory(rows: list[dict[str, Any]]) -> str:
+    header = [
+        "mode",
+        "launcher peak MB",
+        "bound 1.5 P + 300 MB",
+        "met",
+        "rank peak MB",
+        "rank: extra weight copies beyond Adam's 4 P",
+        "wall s",
+    ]
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    for r in rows:
+        if r.get("status") != "ok":
+            out.append(f"| {r.get('mode', '?')} | failed: {r.get('error', r.get('status'))} |")
+            continue
+        solo = r["mode"] == "solo"
+        extra = None if solo else r.get("rank_extra_copies")
+        cells = [
+            "solo (trains in the launcher)" if solo else r["mode"],
+            _f(r["launcher_peak_mb"]),
+            _f(r["launcher_bound_mb"]),
+            "yes" if r["launcher_within_bound"] else "no",
+            "\u2013" if solo else _f(r["rank_peak_mb"]),
+            _f(extra, ".1f"),
+            _f(r["wall_s"]),
+        ]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def _speed(s: dict[str, Any]) -> str:
+    runs = " / ".join(f"{x:.2f}" for x in s["allreduce_s"])
+    rounds = " / ".join(f"{x:.2f}" for x in s["round_s"])
+    ratio = s["round_over_allreduce"]
+    return (
+        f"* **Speed** ({s['params']:,} floats, two rank processes on loopback, interleaved): gloo "
+        f"all-reduce {runs} s (median {s['allreduce_median_s']:.2f} s); cpu_* round {rounds} s "
+        f"(median {s['round_median_s']:.2f} s) = **{ratio:.1f}x** the all-reduce "
+        f"(target <= 2x: {'met' if ratio <= 2 else 'not met'})."
+    )
+
+
+def _disk(d: dict[str, Any]) -> str:
+    ratio = d["shard_over_plain"]
+    return (
+        f"* **Disk** ({d['bytes'] / 1e6:.0f} MB, {d['dir']}, interleaved, fsync'd): plain "
+        f"write median {d['plain_mb_per_s']:.0f} MB/s, `write_shard` median "
+        f"{d['shard_mb_per_s']:.0f} MB/s = **{ratio:.2f}x** "
+        f"(target >= 0.5x: {'met' if ratio >= 0.5 else 'not met'}); runs plain "
+        + " / ".join(f"{x:.2f}" for x in d["plain_s"])
+        + " s, shard "
+        + " / ".join(f"{x:.2f}" for x in d["shard_s"])
+        + " s."
+    )
+
+
+def bulk_block(data: dict[str, Any], machine: Callable[[dict[str, Any]], str]) -> str:
+    out = [machine(data), ""]
+    if data.get("memory"):
+        p = statistics.median(r["param_mb"] for r in data["memory"] if r.get("status") == "ok")
+        out += [f"P = {p:.0f} MB of float32 parameters.", "", _memory(data["memory"]), ""]
+    if data.get("speed"):
+        out.append(_speed(data["speed"]))
+    if data.get("disk"):
+        out.append(_disk(data["disk"]))
+    return "\n".join(out).rstrip()
+
+
+def big_block(data: dict[str, Any], machine: Callable[[dict[str, Any]], str]) -> str:
+    header = [
+        "run",
+        "status",
+        "epochs trained",
+        "bundle epoch",
+        "params",
+        "model.pt == state",
+        "bundle == state",
+        "eval of model.pt == reported",
+        "wall s",
+    ]
+    out = [machine(data), "", "| " + " | ".join(header) + " |"]
+    out.append("|" + "|".join("---" for _ in header) + "|")
+    for name in ("first", "resumed"):
+        r = data.get(name)
+        if not r:
+            continue
+        cells = [
+            name,
+            r["status"],
+            str(r["epochs"]),
+            str(r["bundle_epoch"]),
+            f"{r['params']:,}",
+            str(r["model_pt_equals_state"]),
+            str(r["bundle_equals_state"]),
+            f"{r['eval_matches']} ({r['model_pt_eval_value']:.4f})",
+            _f(r["wall_s"]),
+        ]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)

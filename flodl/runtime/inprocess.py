@@ -1,0 +1,87 @@
+"""The in-process cohort: one rank, a thread of the launcher's own process (one device, solo).
+
+The rank talks to the controller over an in-process link, not a socket; nothing is spawned and
+no control plane is served. In the cooperative tier the caller's own thread drives the rank.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flodl.runtime.controller import Controller, ControllerResult, RunFailed
+from flodl.runtime.links import in_process_link
+from flodl.runtime.spec import JobSpec
+
+
+class InProcessCohort:
+    """Rank 0 on a thread beside the controller (or handed to the caller: cooperative)."""
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        controller: Controller,
+        on_cooperative: Callable[[Any], None] | None = None,
+    ) -> None:
+        self.spec = spec
+        self.controller = controller
+        self.on_cooperative = on_cooperative  # receives the rank's Worker; None: a thread runs it
+        self._failure: list[BaseException] = []
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        from flodl.runtime.worker import Worker
+
+        rank_end, controller_end = in_process_link(self.controller.post)
+        self.controller.attach(0, controller_end)
+        device = in_process_device(self.spec.config.device)
+        cluster = self.spec.config.cluster
+        if cluster.kind == "cpu_rig":  # the rig simulates one device per rank: pin its threads
+            torch.set_num_threads(cluster.threads_per_rank)
+        if self.on_cooperative is not None:
+            self.on_cooperative(Worker(self.spec, rank_end, 0, device))
+            return
+        self._thread = threading.Thread(
+            target=self._work, args=(rank_end, device), name="flodl-rank0", daemon=True
+        )
+        self._thread.start()
+
+    def _work(self, rank_end: Any, device: torch.device) -> None:
+        from flodl.runtime.worker import Worker
+
+        try:
+            Worker(self.spec, rank_end, 0, device).run()
+        except BaseException as exc:
+            from flodl.failures import describe
+            from flodl.runtime.messages import RankError
+
+            self._failure.append(exc)
+            self.controller.post(0, RankError(0, describe(exc), ""))
+
+    def join(self, stop_requested: Callable[[], bool]) -> ControllerResult:
+        try:
+            return self.controller.run(stop_requested)
+        except RunFailed as exc:
+            if self._failure:  # the rank's own exception stays reachable for API callers
+                raise exc from self._failure[0]
+            raise
+
+    def lose(self, rank: int) -> None:
+        """The only rank is this process: a lost rank is a failed run, nothing to take down."""
+
+    def outputs(self) -> list[Path]:
+        return []  # the rank logs to this process's own console
+
+    def stop(self, failure: BaseException | None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+
+
+def in_process_device(kind: str) -> torch.device:
+    if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", 0)
+    return torch.device("cpu")

@@ -1,0 +1,81 @@
+"""nccl_sync's bucketed gradient all-reduce: buckets, sample weighting, identical replicas."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flodl.runtime.gradsync import GradSync, plan_buckets
+
+
+def test_buckets_run_last_parameter_first_and_respect_the_size():
+    params = [nn.Parameter(torch.zeros(n)) for n in (10, 300_000, 5, 200_000)]
+    # 1 MiB buckets: 200k floats (0.76 MiB) + 5 fit; 300k (1.14 MiB) is a bucket of its own.
+    assert plan_buckets(params, bucket_mb=1.0) == [[3, 2], [1], [0]]
+    assert plan_buckets(params, bucket_mb=2.0) == [[3, 2, 1, 0]]
+    assert sorted(i for b in plan_buckets(params, 0.01) for i in b) == [0, 1, 2, 3]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank(rank_s: str, port: str, path: str) -> None:
+    """One rank (a fresh interpreter, see the test): three Adam steps on its share."""
+    out: dict[str, torch.Tensor] = {}
+    rank = int(rank_s)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    sync = GradSync(model, bucket_mb=0.0001)  # several buckets
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(1)
+    data = torch.randn(12, 4, generator=g)
+    target = torch.randn(12, 1, generator=g)
+    sizes = (8, 4)  # unequal batches: weights 2/3 and 1/3
+    lo = 0 if rank == 0 else sizes[0]
+    x, y = data[lo : lo + sizes[rank]], target[lo : lo + sizes[rank]]
+    for _ in range(3):
+        sync.weight, sync.armed = sizes[rank] / sum(sizes), True
+        nn.functional.mse_loss(model(x), y).backward()
+        sync.finish()
+        if _ == 0:
+            out[f"grad{rank}"] = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    out[f"params{rank}"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    dist.destroy_process_group()
+    torch.save(out, path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_two_ranks_step_with_the_global_batch_gradient_and_stay_identical(tmp_path):
+    port, out = _port(), {}
+    code = "import sys; from tests.unit.test_gradsync import _rank; _rank(*sys.argv[1:4])"
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, str(r), str(port), str(tmp_path / f"{r}")])
+        for r in range(2)
+    ]
+    assert [p.wait(timeout=100) for p in procs] == [0, 0]
+    for r in range(2):
+        out.update(torch.load(tmp_path / f"{r}"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    g = torch.Generator().manual_seed(1)
+    data, target = torch.randn(12, 4, generator=g), torch.randn(12, 1, generator=g)
+    nn.functional.mse_loss(model(data), target).backward()  # the mean over all 12 samples
+    whole = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    assert torch.allclose(out["grad0"], whole, atol=1e-6)
+    assert torch.equal(out["grad0"], out["grad1"])
+    assert torch.equal(out["params0"], out["params1"])
