@@ -2,6 +2,13 @@
 
     python -m tests.chaos.matrix                 # the full matrix (about 40 min on 2 cores)
     python -m tests.chaos.matrix --modes nccl_cadence --victims 1 --moments report,eval
+    python -m tests.chaos.matrix --cohort ssh    # the same cells, ranks on ssh hosts
+    python -m tests.chaos.matrix --render tests/chaos/ssh_result.json   # README's table
+
+``--cohort ssh`` runs every cell through two fake hosts (network namespaces with their own
+sshd, tests/netns_hosts.py; needs root and OpenSSH): rank 0 on the first, ranks 1 and 2 on the
+second, started over real ssh. The hosts are made once and every process on them but sshd is
+killed after each cell.
 
 Each cell runs ``tests/chaos/run_one.py`` in its own process with a hard timeout and is
 classified:
@@ -17,12 +24,14 @@ classified:
 * ``broken`` — anything else (an empty message, inexact coverage, no weights, a bundle that
   does not load).
 
-Results go to ``tests/chaos/last_result.json``; README.md quotes the pass counts per moment.
+Results go to ``tests/chaos/last_result.json`` (``ssh_result.json`` for ``--cohort ssh``);
+README.md quotes the pass counts per moment.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import subprocess
@@ -38,6 +47,7 @@ MODES = ("nccl_cadence", "cpu_async", "nccl_sync")
 VICTIMS = ("0", "1", "2", "1+2")
 NTH = {"window": 2, "report": 2, "average": 2}  # not the first: the cohort is formed by then
 RESULT = Path(__file__).with_name("last_result.json")
+SSH_RESULT = Path(__file__).with_name("ssh_result.json")
 
 
 def faults(victim: str, moment: str) -> str:
@@ -75,7 +85,8 @@ def classify(out: dict | None, victims: set[int], ckpt: bool, timed_out: bool = 
     return "broken"
 
 
-def run_cell(mode: str, victim: str, moment: str, ckpt: bool, timeout_s: float) -> dict:
+def run_cell(mode: str, victim: str, moment: str, ckpt: bool, timeout_s: float, hosts=None) -> dict:
+    """One cell in its own process; ``hosts`` (a tests.netns_hosts.TestHosts): through ssh."""
     with tempfile.TemporaryDirectory(prefix="flodl-chaos-") as tmp:
         cmd = [
             sys.executable,
@@ -92,6 +103,8 @@ def run_cell(mode: str, victim: str, moment: str, ckpt: bool, timeout_s: float) 
         ]
         if ckpt:
             cmd += ["--ckpt", str(Path(tmp) / "ckpt")]
+        if hosts is not None:
+            cmd += ["--hosts", _hosts_file(hosts, Path(tmp))]
         t0 = time.perf_counter()
         out, timed_out = None, False
         try:
@@ -105,7 +118,7 @@ def run_cell(mode: str, victim: str, moment: str, ckpt: bool, timeout_s: float) 
         except subprocess.TimeoutExpired:
             tail, timed_out = ["timeout"], True
         finally:
-            _kill_leftovers(tmp)
+            _kill_leftovers(tmp, hosts)
         verdict = classify(out, struck(victim, moment), ckpt, timed_out)
         return {
             "mode": mode,
@@ -119,13 +132,64 @@ def run_cell(mode: str, victim: str, moment: str, ckpt: bool, timeout_s: float) 
         }
 
 
-def _kill_leftovers(tmp: str) -> None:
-    """A hung cell leaves its ranks behind (their session was ours): end them."""
+def _hosts_file(hosts, tmp: Path) -> str:
+    fields = ("controller_address", "addresses", "ssh_config", "interface")
+    path = tmp / "hosts.json"
+    path.write_text(json.dumps({f: getattr(hosts, f) for f in fields}))
+    return str(path)
+
+
+def _kill_leftovers(tmp: str, hosts=None) -> None:
+    """A hung cell leaves its ranks behind (their session was ours, or on the fake hosts):
+    end them."""
     import psutil
 
     for proc in psutil.process_iter(["cmdline"]):
-        if any(tmp in part for part in proc.info["cmdline"] or []):
-            proc.kill()
+        with contextlib.suppress(psutil.Error):
+            if any(tmp in part for part in proc.info["cmdline"] or []):
+                proc.kill()
+    for i in range(len(hosts.addresses) if hosts is not None else 0):
+        hosts.kill_host(i)  # every process there but its sshd listener
+
+
+@contextlib.contextmanager
+def _cohort(kind: str):
+    """None for local children; two fake ssh hosts for ``ssh``."""
+    if kind == "local":
+        yield None
+        return
+    from tests.netns_hosts import test_hosts
+
+    with (
+        tempfile.TemporaryDirectory(prefix="flodl-chaos-hosts-") as tmp,
+        test_hosts(2, Path(tmp)) as hosts,
+    ):
+        yield hosts
+
+
+def render(path: Path) -> str:
+    """README's table for one result file: pass counts per moment, and what ran."""
+    record = json.loads(path.read_text())
+    cells = record["cells"]
+
+    def values(key: str) -> str:
+        return ", ".join(sorted({str(c[key]) for c in cells}))
+
+    ckpt = {True: "on", False: "off"}
+    lines = [
+        f"`tests/chaos/{path.name}` (cohort {record.get('cohort', 'local')}): modes "
+        f"{values('mode')}; "
+        f"victims {values('victim')}; checkpoints "
+        f"{', '.join(sorted({ckpt[c['checkpoints']] for c in cells}))}; {len(cells)} cells",
+        "",
+        "| moment | completed | not reached | hang / broken / stopped |",
+        "|---|---|---|---|",
+    ]
+    for moment, counts in record["summary"].items():
+        bad = sum(n for v, n in counts.items() if v not in ("completed", "not-reached"))
+        done, unreached = counts.get("completed", 0), counts.get("not-reached", 0)
+        lines.append(f"| `{moment}` | {done} | {unreached} | {bad} |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,29 +199,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--moments", default=",".join(RANK_MOMENTS))
     parser.add_argument("--checkpoints", choices=("off", "on", "both"), default="both")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds before 'hang'")
-    parser.add_argument("--out", default=str(RESULT))
+    parser.add_argument("--cohort", choices=("local", "ssh"), default="local")
+    parser.add_argument("--out", default="", help="result file (default: by cohort)")
+    parser.add_argument("--render", metavar="RESULT", help="print README's table for a result")
     args = parser.parse_args(argv)
+    if args.render:
+        print(render(Path(args.render)))
+        return 0
+    out = Path(args.out or (SSH_RESULT if args.cohort == "ssh" else RESULT))
     ckpts = {"off": [False], "on": [True], "both": [False, True]}[args.checkpoints]
     cells = []
     grid = itertools.product(
         args.modes.split(","), args.moments.split(","), args.victims.split(","), ckpts
     )
-    for mode, moment, victim, ckpt in grid:
-        if moment == "checkpoint" and not ckpt:
-            continue  # no checkpoint, no checkpoint moment
-        cell = run_cell(mode, victim, moment, ckpt, args.timeout)
-        cells.append(cell)
-        flag = "ckpt" if ckpt else "    "
-        print(
-            f"{mode:13s} {moment:10s} victim {victim:4s} {flag} {cell['verdict']:12s} "
-            f"{cell['wall_s']:6.1f} s",
-            flush=True,
-        )
+    with _cohort(args.cohort) as hosts:
+        for mode, moment, victim, ckpt in grid:
+            if moment == "checkpoint" and not ckpt:
+                continue  # no checkpoint, no checkpoint moment
+            cell = run_cell(mode, victim, moment, ckpt, args.timeout, hosts)
+            cells.append(cell)
+            flag = "ckpt" if ckpt else "    "
+            print(
+                f"{mode:13s} {moment:10s} victim {victim:4s} {flag} {cell['verdict']:12s} "
+                f"{cell['wall_s']:6.1f} s",
+                flush=True,
+            )
     per_moment: dict[str, Counter] = defaultdict(Counter)
     for cell in cells:
         per_moment[cell["moment"]][cell["verdict"]] += 1
     summary = {m: dict(c) for m, c in per_moment.items()}
-    Path(args.out).write_text(json.dumps({"summary": summary, "cells": cells}, indent=1) + "\n")
+    record = {"cohort": args.cohort, "summary": summary, "cells": cells}
+    out.write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps(summary, indent=1))
     # Two of three ranks lost is always survivable (max_failure unset): only completed passes.
     bad = sum(c["verdict"] not in ("completed", "not-reached") for c in cells)

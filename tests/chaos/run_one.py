@@ -1,9 +1,13 @@
 """One faulted run of the chaos matrix, in its own process: prints one JSON line of outcome.
 
     python -m tests.chaos.run_one --mode nccl_cadence --ranks 3 --faults 1:report:2 [--ckpt DIR]
+        [--hosts HOSTS.json]
 
 The faults go into ``FLODL_CHAOS`` (flodl/runtime/chaos.py) before the ranks start, so every
-rank inherits them and strikes at its own moment.
+rank inherits them (remote ranks through their role env) and strikes at its own moment. With
+``--hosts`` (written by ``matrix --cohort ssh``: fake hosts from tests/netns_hosts.py) the
+ranks run on those hosts over ssh — rank 0 on the first, the others on the second — instead
+of as local children.
 """
 
 from __future__ import annotations
@@ -16,32 +20,58 @@ import time
 from functools import partial
 from pathlib import Path
 
-from flodl import ClusterConfig, ElCheConfig, LoggerConfig, Trainer
+from flodl import ClusterBuilder, ClusterConfig, ElCheConfig, LoggerConfig, SshConfig, Trainer
 from recipes.steps import accuracy, classification_step
 from tests.integration.helpers import data, model_factory, optim_factory
 
 HEARTBEAT_S = 3.0  # small, so a frozen rank is found quickly
 START_S = 30.0
+ROOT = Path(__file__).resolve().parents[2]
+SPEEDS = [1.0, 0.7, 0.5, 0.6]
+
+
+def local_cluster(ranks: int) -> ClusterConfig:
+    return ClusterConfig(
+        kind="cpu_rig",
+        ranks=ranks,
+        speeds=SPEEDS[:ranks],
+        warmup_steps=2,
+        heartbeat_timeout_s=HEARTBEAT_S,
+        start_timeout_s=START_S,
+    )
+
+
+def ssh_cluster(ranks: int, hosts_file: str) -> ClusterConfig:
+    """Rank 0 on the first fake host, ranks 1.. on the second, reached over ssh."""
+    hosts = json.loads(Path(hosts_file).read_text())
+    builder = ClusterBuilder().controller(hosts["controller_address"])
+    for address, speeds in zip(hosts["addresses"], [SPEEDS[:1], SPEEDS[1:ranks]], strict=True):
+        builder.worker(
+            address,
+            devices="cpu",
+            ranks=len(speeds),
+            speeds=speeds,
+            ssh=SshConfig(config_file=hosts["ssh_config"]),
+            python=sys.executable,
+            project_path=str(ROOT),
+            nccl_socket_ifname=hosts["interface"],
+            env={"PYTHONPATH": str(ROOT)},  # the ranks unpickle tests.integration.helpers
+        )
+    start_s = 3 * START_S  # python + torch started over ssh: slow on shared cores
+    return builder.options(
+        warmup_steps=2, heartbeat_timeout_s=HEARTBEAT_S, start_timeout_s=start_s
+    ).build()
 
 
 def run(args: argparse.Namespace) -> dict:
     os.environ["FLODL_CHAOS"] = args.faults
-    speeds = [1.0, 0.7, 0.5, 0.6][: args.ranks]
+    cluster = ssh_cluster(args.ranks, args.hosts) if args.hosts else local_cluster(args.ranks)
     cfg = (
         Trainer.builder(model_factory, optim_factory, classification_step)
         .batch_size(32)
         .num_epochs(args.epochs)
         .elche(ElCheConfig(mode=args.mode))
-        .cluster(
-            ClusterConfig(
-                kind="cpu_rig",
-                ranks=args.ranks,
-                speeds=speeds,
-                warmup_steps=2,
-                heartbeat_timeout_s=HEARTBEAT_S,
-                start_timeout_s=START_S,
-            )
-        )
+        .cluster(cluster)
         .logger(LoggerConfig(progress="off", tensorboard=False))
         .build_config()
     )
@@ -105,6 +135,7 @@ def main() -> int:
     parser.add_argument("--n-train", type=int, default=3072)
     parser.add_argument("--job-dir", required=True)
     parser.add_argument("--timeout", type=float, default=240.0)
+    parser.add_argument("--hosts", default="", help="fake hosts' JSON: run the ranks over ssh")
     out = run(parser.parse_args())
     print("CHAOS-RESULT " + json.dumps(out), flush=True)
     return 0

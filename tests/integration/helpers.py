@@ -6,6 +6,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 from torchmetrics import Metric
 
@@ -72,3 +73,29 @@ def small_run(
     )
     state = handle.join(timeout=240)
     return handle, state
+
+
+def is_rank_itself(proc: psutil.Process, rank: int | None = None) -> bool:
+    """``proc`` is a flodl rank (``rank``, or any when None), not one of its DataLoader workers
+    or other helpers: those inherit its FLODL_ROLE/FLODL_RANK, but their parent has them too."""
+    try:
+        env = proc.environ()
+        if env.get("FLODL_ROLE") != "rank" or (
+            rank is not None and env.get("FLODL_RANK") != str(rank)
+        ):
+            return False
+        parent = proc.parent()
+        parent_env = parent.environ() if parent is not None else {}
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
+    return (
+        parent_env.get("FLODL_ROLE") != "rank" or parent_env.get("FLODL_RANK") != env["FLODL_RANK"]
+    )
+
+
+def rank_pid(rank: int) -> int:
+    """The pid of this test's rank ``rank`` (a local child), never one of its loader workers."""
+    for proc in psutil.Process().children(recursive=True):
+        if is_rank_itself(proc, rank):
+            return proc.pid
+    raise LookupError(f"no process for rank {rank}")

@@ -17,8 +17,7 @@ from flodl import ClusterConfig, ElCheConfig, LoggerConfig, Trainer
 from flodl.checkpoint import load_bundle
 from recipes.steps import classification_step
 
-from .helpers import data, model_factory, optim_factory
-from .test_elastic import rank_pid
+from .helpers import data, model_factory, optim_factory, rank_pid
 
 pytestmark = pytest.mark.slow
 

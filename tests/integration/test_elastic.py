@@ -7,25 +7,14 @@ import os
 import signal
 from functools import partial
 
-import psutil
 import pytest
 
 from flodl import ClusterConfig, ElCheConfig, LoggerConfig, Trainer
 from recipes.steps import accuracy, classification_step
 
-from .helpers import data, model_factory, optim_factory
+from .helpers import data, model_factory, optim_factory, rank_pid
 
 pytestmark = pytest.mark.slow
-
-
-def rank_pid(rank: int) -> int:
-    for proc in psutil.Process().children(recursive=True):
-        try:
-            if proc.environ().get("FLODL_RANK") == str(rank):
-                return proc.pid
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    raise LookupError(f"no process for rank {rank}")
 
 
 def killing_run(tmp_path, mode, ranks, victim, kill_at_epoch=1, epochs=3, **trainer):

@@ -17,7 +17,7 @@ from flodl.checkpoint import load_bundle
 from flodl.data import epoch_permutation
 from recipes.models import MLP
 
-from .helpers import CLASSES, SHAPE, data, optim_factory
+from .helpers import CLASSES, SHAPE, data, optim_factory, rank_pid
 
 pytestmark = pytest.mark.slow
 
@@ -57,15 +57,7 @@ def big_model(device: torch.device) -> torch.nn.Module:
 
 def rank_process(rank: int) -> psutil.Process:
     """The rank itself, not one of its loader workers (they inherit FLODL_RANK)."""
-    for proc in psutil.Process().children(recursive=True):
-        try:
-            if proc.environ().get("FLODL_RANK") == str(rank):
-                parent = proc.parent()
-                if parent is None or parent.environ().get("FLODL_RANK") != str(rank):
-                    return proc
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    raise LookupError(f"no process for rank {rank}")
+    return psutil.Process(rank_pid(rank))
 
 
 def loader_run(tmp_path, name, epochs=2, metrics_fn=None, dataset=None, **trainer):

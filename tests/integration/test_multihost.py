@@ -19,7 +19,7 @@ import pytest
 from flodl import ClusterBuilder, ConfigError, ElCheConfig, LoggerConfig, SshConfig, Trainer
 from recipes.steps import accuracy, classification_step
 
-from .helpers import data, model_factory, optim_factory
+from .helpers import data, is_rank_itself, model_factory, optim_factory, rank_pid
 
 pytestmark = pytest.mark.slow
 
@@ -47,15 +47,16 @@ def cluster_for(hosts, ranks=(1, 1), speeds=None, **options):
 
 
 def rank_processes(hosts, i):
-    """The flodl rank processes living in host i's namespace: {rank: pid}."""
+    """The flodl rank processes living in host i's namespace: {rank: pid} (not their loader
+    workers, which inherit the rank's FLODL_ROLE and FLODL_RANK)."""
     found = {}
     for pid in hosts.pids(i):
         try:
-            env = psutil.Process(pid).environ()
+            proc = psutil.Process(pid)
+            if is_rank_itself(proc):
+                found[int(proc.environ()["FLODL_RANK"])] = pid
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
-        if env.get("FLODL_ROLE") == "rank":
-            found[int(env["FLODL_RANK"])] = pid
     return found
 
 
@@ -279,10 +280,8 @@ def test_a_localhost_worker_starts_its_ranks_without_ssh(tmp_path, monkeypatch):
 
     def env_of_rank_1(m):
         if not seen:
-            for proc in psutil.Process().children(recursive=True):
-                env = proc.environ()
-                if env.get("FLODL_RANK") == "1":
-                    seen.update(mark=env.get("FLODL_TEST_MARK"), cwd=proc.cwd())
+            proc = psutil.Process(rank_pid(1))  # the rank, not a loader worker of it
+            seen.update(mark=proc.environ().get("FLODL_TEST_MARK"), cwd=proc.cwd())
 
     handle = run_on_hosts(tmp_path, cluster, "nccl_cadence", metrics_fn=env_of_rank_1)
     handle.join(timeout=300)

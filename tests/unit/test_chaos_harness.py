@@ -1,0 +1,71 @@
+"""The chaos harness's plumbing, without a run: FLODL_CHAOS reaches ssh ranks through their
+role env, the matrix's cells and verdicts, and the tests' rank lookup that must not mistake a
+DataLoader worker (which inherits FLODL_RANK) for its rank."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+import time
+
+import psutil
+
+from flodl import ClusterBuilder, SshConfig
+from flodl.remote import shell_line, ssh_argv
+from flodl.runtime import env as rank_env
+from tests.chaos import matrix
+from tests.integration.helpers import is_rank_itself, rank_pid
+
+
+def test_flodl_chaos_travels_in_the_ssh_command_line(monkeypatch):
+    monkeypatch.setenv("FLODL_CHAOS", "1:window:2:stop")
+    worker = (
+        ClusterBuilder()
+        .controller("10.0.0.1")
+        .worker("node-a", devices="cpu", ssh=SshConfig(target="node-a"))
+        .build()
+        .workers[0]
+    )
+    env = rank_env.role_env(1, 3, "10.0.0.1:4000", "cpu", None)
+    remote = shlex.split(ssh_argv(worker, shell_line(worker, env, ["-m", "x"]))[-1])
+    assert "FLODL_CHAOS=1:window:2:stop" in remote and "FLODL_RANK=1" in remote
+    monkeypatch.delenv("FLODL_CHAOS")
+    assert "FLODL_CHAOS" not in rank_env.role_env(1, 3, "h:1", "cpu", None)
+
+
+def test_matrix_cells_name_their_faults_and_victims():
+    assert matrix.faults("1", "checkpoint") == "1:checkpoint:1"
+    assert matrix.faults("0", "window") == "0:window:2"
+    assert matrix.faults("1", "regroup") == "2:window:2,1:regroup:1"
+    assert matrix.struck("1", "regroup") == {1, 2}
+    ok = {"status": "ok", "lost_ranks": [1], "coverage_exact": True, "has_state": True}
+    assert matrix.classify({**ok, "bundle": "epoch 2 (periodic)"}, {1}, ckpt=True) == "completed"
+    assert matrix.classify({**ok, "bundle": "unloadable: x"}, {1}, ckpt=True) == "broken"
+    assert matrix.classify({**ok, "lost_ranks": []}, {1}, ckpt=False) == "not-reached"
+    assert matrix.classify(None, {1}, ckpt=False, timed_out=True) == "hang"
+
+
+def test_rank_lookup_skips_a_loader_worker_that_inherited_the_rank(monkeypatch):
+    """A fake rank 7 with a child carrying the same FLODL_ROLE/FLODL_RANK (as a DataLoader
+    worker does): the lookup returns the rank, never the child, whichever is listed first."""
+    monkeypatch.setenv("FLODL_ROLE", "rank")
+    monkeypatch.setenv("FLODL_RANK", "7")
+    sleep = "import time; time.sleep(30)"
+    child = f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {sleep!r}]); {sleep}"
+    rank = subprocess.Popen([sys.executable, "-c", child])
+    try:
+        me = psutil.Process(rank.pid)
+        deadline = time.monotonic() + 10
+        while not me.children() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (worker,) = me.children()
+        assert worker.environ()["FLODL_RANK"] == "7"
+        assert rank_pid(7) == rank.pid
+        assert is_rank_itself(me, 7) and not is_rank_itself(worker, 7)
+        assert not is_rank_itself(me, 6)
+    finally:
+        for proc in me.children(recursive=True):
+            proc.kill()
+        rank.kill()
+        rank.wait()
