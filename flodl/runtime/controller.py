@@ -735,7 +735,10 @@ class Controller(Planning, Aggregation):
     def _on_settled(self, msg: Settled) -> None:
         epoch = self._settle_windows.get(msg.window)
         if epoch is not None and epoch in self.epochs:
-            self.epochs[epoch].unsettled.discard(msg.rank)
+            track = self.epochs[epoch]
+            track.unsettled.discard(msg.rank)
+            if track.unsettled:
+                return  # O(1) until the last member's: only that one can close the epoch
             self._close_epochs()
             self._fill()  # planning may have waited for this epoch to close (early stopping)
             self._maybe_send_stop()

@@ -199,11 +199,12 @@ class Planning(Outbound):
         self.windows[index] = WindowTrack(
             index, cursor.epoch, batches, list(chunks), set(self.alive)
         )
+        alive = self.alive
         return PlannedWindow(
             index,
             cursor.epoch,
-            {r: chunks[r] for r in self.alive},
-            {r: (weights[r], bweights[r]) for r in self.alive},
+            {r: chunks[r] for r in alive},
+            dict(zip(alive, zip([weights[r] for r in alive], [bweights[r] for r in alive]))),
             eval_shards=shards,
             writer=save.writer if save is not None else -1,
             max_overshoot=self.overshoot[0],
