@@ -419,7 +419,7 @@ def scale_sim_block(data: dict[str, Any]) -> str:
         f" / speed, jitter \u03c3 {work['jitter']}; lock-step hides the all-reduce behind "
         f"{work['backward_fraction']:.2f} of the slowest step; {st['epochs']} epochs of "
         f"{st['batches_per_rank']} batches per rank; controller \u2192 rank latency "
-        f"{st['latency_ms']} ms. \"ctl / ref loop\": the controller's CPU ms per window over the "
+        f'{st["latency_ms"]} ms. "ctl / ref loop": the controller\'s CPU ms per window over the '
         f"CPU ms of a fixed pure-Python loop ({st.get('reference_iterations', 200000):,} "
         "`total += i * i` iterations) timed next to it, for comparing loaded and quiet runs."
     )

@@ -204,7 +204,7 @@ class Planning(Outbound):
             index,
             cursor.epoch,
             {r: chunks[r] for r in alive},
-            dict(zip(alive, zip([weights[r] for r in alive], [bweights[r] for r in alive]))),
+            {r: (weights[r], bweights[r]) for r in alive},
             eval_shards=shards,
             writer=save.writer if save is not None else -1,
             max_overshoot=self.overshoot[0],
