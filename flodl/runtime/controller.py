@@ -316,9 +316,9 @@ class Controller(Planning, Aggregation):
             self.members.excuse(gap)
 
     def _handle(self, rank: int, msg: Any) -> None:
-        told = self._told.get(rank, 0)
-        if told < self.members.generation and self.coverage is None and rank in self.alive:
-            self._tell_membership(rank)  # joined late, after a rank was lost: membership first
+        if self.coverage is None and self._told.get(rank, 0) < self.members.generation:
+            if rank in self.alive:  # joined late, after a rank was lost: membership first
+                self._tell_membership(rank)
         if isinstance(msg, Report):
             self._on_report(msg)
         elif isinstance(msg, Heartbeat):
