@@ -316,9 +316,9 @@ class Controller(Planning, Aggregation):
             self.members.excuse(gap)
 
     def _handle(self, rank: int, msg: Any) -> None:
-        if self.coverage is None and self._told.get(rank, 0) < self.members.generation:
-            if rank in self.alive:  # joined late, after a rank was lost: membership first
-                self._tell_membership(rank)
+        told = self.coverage is not None or self._told.get(rank, 0) >= self.members.generation
+        if not told and rank in self.alive:  # joined late, after a rank was lost
+            self._tell_membership(rank)  # membership first
         if isinstance(msg, Report):
             self._on_report(msg)
         elif isinstance(msg, Heartbeat):
