@@ -404,20 +404,24 @@ def scale_sim_block(data: dict[str, Any]) -> str:
             _num(r["lockstep_efficiency"]),
             _num(r["efficiency"] / r["lockstep_efficiency"], ".2f") + "\u00d7",
             _num(r["controller_ms_per_window"], ".2f"),
+            _num(r.get("controller_per_reference"), ".4f"),
             _num(r["syncs_per_epoch"], ".1f"),
             "yes" if r["coverage_exact"] else "**no**",
         ]
         for r in data["rows"]
     ]
     header = ["ranks", "scenario", "efficiency", "lock-step", "vs lock-step",
-              "controller ms/window", "syncs/epoch", "coverage exact"]  # fmt: skip
+              "controller ms/window", "ctl / ref loop", "syncs/epoch",
+              "coverage exact"]  # fmt: skip
     model = (
         f"Model: ring all-reduce {comm['alpha_ms']} ms + 2(N\u22121)/N \u00b7 "
         f"{comm['n_bytes'] / 1e6:.0f} MB / {comm['beta_gb_s']} GB/s; a batch {work['base_ms']} ms"
         f" / speed, jitter \u03c3 {work['jitter']}; lock-step hides the all-reduce behind "
         f"{work['backward_fraction']:.2f} of the slowest step; {st['epochs']} epochs of "
         f"{st['batches_per_rank']} batches per rank; controller \u2192 rank latency "
-        f"{st['latency_ms']} ms."
+        f'{st["latency_ms"]} ms. "ctl / ref loop": the controller\'s CPU ms per window over the '
+        f"CPU ms of a fixed pure-Python loop ({st.get('reference_iterations', 200000):,} "
+        "`total += i * i` iterations) timed next to it, for comparing loaded and quiet runs."
     )
     checks = [
         f"vs `{c['real']}` (real 2-rank nccl_cadence on [1.0, 0.4], load average "

@@ -26,11 +26,28 @@ from flodl.sim import SCENARIOS, RingAllReduce, Simulator, Workload
 RANKS = (2, 8, 32, 128)
 
 
+#: Iterations of the fixed pure-Python reference loop (:func:`reference_ms`).
+REFERENCE_ITERATIONS = 200_000
+
+
+def reference_ms(repeats: int = 5) -> float:
+    """CPU ms of a fixed pure-Python loop (median of ``repeats``), timed next to each row: the
+    controller's ms over it is comparable across machines and loads (a shared VM's noise)."""
+    times = []
+    for _ in range(repeats):
+        t0, total = time.process_time(), 0
+        for i in range(REFERENCE_ITERATIONS):
+            total += i * i
+        times.append(time.process_time() - t0)
+    return statistics.median(times) * 1e3
+
+
 def one_row(ranks: int, scenario: str, args: argparse.Namespace) -> dict[str, Any]:
     """One simulated run; the controller time is the median over ``--timing-repeats`` runs
     (the outcome is deterministic, the CPU time is not)."""
-    times, result = [], None
+    times, refs, result = [], [], None
     for _ in range(max(1, args.timing_repeats)):
+        refs.append(reference_ms(3))
         sim = Simulator(
             ranks,
             scenario,
@@ -50,6 +67,8 @@ def one_row(ranks: int, scenario: str, args: argparse.Namespace) -> dict[str, An
         "efficiency": round(result.efficiency, 4),
         "lockstep_efficiency": round(result.lockstep_efficiency, 4),
         "controller_ms_per_window": round(statistics.median(times), 4),
+        "reference_ms": round(statistics.median(refs), 3),
+        "controller_per_reference": round(statistics.median(times) / statistics.median(refs), 5),
         "syncs_per_epoch": result.syncs_per_epoch,
         "coverage_exact": result.coverage_exact,
         "lost_ranks": result.lost_ranks,
@@ -138,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             "workload": Workload().to_dict(),
             "allreduce": RingAllReduce().to_dict(),
             "latency_ms": 0.2,
+            "reference_iterations": REFERENCE_ITERATIONS,
             "bench_wall_s": round(time.perf_counter() - t0, 1),
         },
         "command": "python -m bench.scale_sim " + " ".join(argv if argv is not None else []),

@@ -59,9 +59,9 @@ class Aggregation(Outbound):
     def _record_cycle(self, track: WindowTrack, reports: list[Report]) -> None:
         if self.elche is None:
             return
-        by_rank = {r.rank: r for r in reports}
-        compute = [by_rank[r].compute_ms if r in by_rank else 0.0 for r in range(self.world)]
-        batches = [by_rank[r].batches if r in by_rank else 0 for r in range(self.world)]
+        compute, batches = [0.0] * self.world, [0] * self.world
+        for r in reports:
+            compute[r.rank], batches[r.rank] = r.compute_ms, r.batches
         syncs = [r.prev_sync_ms for r in reports if r.prev_sync_ms is not None]
         divs = [r.prev_divergence for r in reports if r.prev_divergence is not None]
         # The rank that arrived last waited least: its sync time is the collective's own cost.

@@ -316,9 +316,9 @@ class Controller(Planning, Aggregation):
             self.members.excuse(gap)
 
     def _handle(self, rank: int, msg: Any) -> None:
-        told = self._told.get(rank, 0)
-        if told < self.members.generation and self.coverage is None and rank in self.alive:
-            self._tell_membership(rank)  # joined late, after a rank was lost: membership first
+        told = self.coverage is not None or self._told.get(rank, 0) >= self.members.generation
+        if not told and rank in self.alive:  # joined late, after a rank was lost
+            self._tell_membership(rank)  # membership first
         if isinstance(msg, Report):
             self._on_report(msg)
         elif isinstance(msg, Heartbeat):
@@ -735,7 +735,10 @@ class Controller(Planning, Aggregation):
     def _on_settled(self, msg: Settled) -> None:
         epoch = self._settle_windows.get(msg.window)
         if epoch is not None and epoch in self.epochs:
-            self.epochs[epoch].unsettled.discard(msg.rank)
+            track = self.epochs[epoch]
+            track.unsettled.discard(msg.rank)
+            if track.unsettled:
+                return  # O(1) until the last member's: only that one can close the epoch
             self._close_epochs()
             self._fill()  # planning may have waited for this epoch to close (early stopping)
             self._maybe_send_stop()

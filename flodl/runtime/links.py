@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import queue
 import threading
 import time
@@ -15,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from flodl.runtime.channel import Channel
-from flodl.runtime.messages import Abort, Regroup
+from flodl.runtime.messages import Abort, Regroup, own_part
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,28 @@ class Outbound:
             link.send(msg)
         except OSError as exc:  # the rank is going away; its exit is handled as a loss
             log.debug("send to rank %d failed: %s", rank, exc)
+
+    def _send_shared(self, ranks: list[int], msg: Any, part: Callable[[int], Any]) -> None:
+        """One message for many ranks, pickled once: a link that takes raw frames (a socket
+        channel's ``send_bytes``) gets the same bytes, and the rank's end keeps its own part
+        on arrival (:func:`flodl.runtime.messages.own_part`); any other link gets ``part(rank)``
+        itself (None: nothing for that rank)."""
+        payload: bytes | None = None
+        for rank in ranks:
+            link = self.links.get(rank)
+            if link is None:
+                continue
+            if not hasattr(link, "send_bytes"):
+                own = part(rank)
+                if own is not None:
+                    self._send(rank, own)
+                continue
+            if payload is None:
+                payload = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+            try:
+                link.send_bytes(payload)
+            except OSError as exc:  # as in _send: its exit is handled as a loss
+                log.debug("send to rank %d failed: %s", rank, exc)
 
     def _send_each(self, ranks: list[int], msg: Any) -> None:
         """The same (bulk) message to several ranks at once: one thread per rank, so the
@@ -165,6 +188,9 @@ class SocketLink(_InboxLink):
                 log.info("rank %d: the launcher ended the run (%s); exiting", self.rank, msg.reason)
                 if not self.in_launcher:
                     os._exit(1)
+            msg = own_part(msg, self.rank)  # a CohortPlan: this rank's Plan of it
+            if msg is None:
+                continue
             if isinstance(msg, Regroup) and msg.generation > self.announced_generation:
                 self.announced_generation = msg.generation
                 if self._on_regroup is not None:

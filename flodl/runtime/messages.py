@@ -65,6 +65,71 @@ class Plan:
 
 
 @dataclass(frozen=True)
+class PlannedWindow:
+    """One window for every member at once: the fields they share stored once, each rank's
+    own part keyed by rank. :meth:`window` is that rank's :class:`Window`."""
+
+    index: int
+    epoch: int
+    chunks: dict[int, tuple[Chunk, ...]]  # member -> its chunks (every member of the window)
+    weights: dict[int, tuple[float, float]]  # member -> (weight, buffer_weight)
+    eval_shards: dict[int, tuple[int, int]] = field(default_factory=dict)  # the eval ranks only
+    writer: int = -1  # the rank that writes the consensus weights of its checkpoint (-1: none)
+    max_overshoot: int = 0
+    checkpoint_after: bool = False
+    generation: int = 0
+    save_tag: str = ""
+    settle: bool = False
+    progress: int = 0
+    window_samples: int = 0
+    grad_sync: bool = False
+
+    def window(self, rank: int) -> Window | None:
+        chunks = self.chunks.get(rank)
+        if chunks is None:
+            return None
+        weight, buffer_weight = self.weights[rank]
+        shard = self.eval_shards.get(rank)
+        return Window(
+            self.index,
+            self.epoch,
+            chunks,
+            weight,
+            buffer_weight,
+            eval_after=shard is not None,
+            eval_shard=shard if shard is not None else (0, 1),
+            max_overshoot=self.max_overshoot,
+            checkpoint_after=self.checkpoint_after,
+            generation=self.generation,
+            save_tag=self.save_tag,
+            write_weights=rank == self.writer,
+            settle=self.settle,
+            progress=self.progress,
+            window_samples=self.window_samples,
+            grad_sync=self.grad_sync,
+        )
+
+
+@dataclass(frozen=True)
+class CohortPlan:
+    """One planning step for the whole cohort: pickled once and the same bytes sent to every
+    rank, whose link keeps only its own :class:`Plan` (:func:`own_part`). A 128-rank window
+    then costs one pickle, not 128."""
+
+    windows: tuple[PlannedWindow, ...]
+
+    def for_rank(self, rank: int) -> Plan | None:
+        own = tuple(w for w in (p.window(rank) for p in self.windows) if w is not None)
+        return Plan(own) if own else None
+
+
+def own_part(msg: Any, rank: int) -> Any:
+    """What ``rank`` keeps of a received message: its Plan of a CohortPlan (None: nothing for
+    it), any other message as it is."""
+    return msg.for_rank(rank) if isinstance(msg, CohortPlan) else msg
+
+
+@dataclass(frozen=True)
 class Report:
     """What a rank did in one window; sent before it averages, so planning overlaps the sync."""
 

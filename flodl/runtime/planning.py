@@ -13,7 +13,7 @@ from flodl.elche import ElChe, auto_max_overshoot, averaging_weights, buffer_wei
 from flodl.runtime.dispatch import EpochCursor, chunk_batches, clamp_to_samples
 from flodl.runtime.links import Outbound
 from flodl.runtime.membership import Membership
-from flodl.runtime.messages import Plan, Window
+from flodl.runtime.messages import CohortPlan, PlannedWindow
 from flodl.runtime.snapshots import Checkpointer
 from flodl.runtime.tracking import EpochTrack, WindowTrack
 
@@ -123,16 +123,15 @@ class Planning(Outbound):
         return self.cursors[last + 1]
 
     def _plan_batch(self) -> None:
-        per_rank: dict[int, list[Window]] = {r: [] for r in self.alive}
+        planned: list[PlannedWindow] = []
         for _ in range(self._windows_per_plan()):
             cursor = self._cursor()
             if cursor is None:
                 break
-            for rank, window in self._plan_window(cursor).items():
-                per_rank[rank].append(window)
-        for rank, windows in per_rank.items():
-            if windows:
-                self._send(rank, Plan(tuple(windows)))
+            planned.append(self._plan_window(cursor))
+        if planned:
+            plan = CohortPlan(tuple(planned))
+            self._send_shared(self.alive, plan, plan.for_rank)
         if not self.all_planned and self._cursor() is None:
             self.all_planned = True
 
@@ -157,7 +156,7 @@ class Planning(Outbound):
         counts = clamp_to_samples(self._counts(bound), sizes, cursor.remaining_samples)
         return whole_steps(counts, self.cfg)
 
-    def _plan_window(self, cursor: EpochCursor) -> dict[int, Window]:
+    def _plan_window(self, cursor: EpochCursor) -> PlannedWindow:
         remaining = cursor.remaining_samples
         # The LR clock: derived from epoch and coverage only, so a resumed run lands on it too.
         progress = cursor.epoch * cursor.n_samples + cursor.n_samples - remaining
@@ -200,27 +199,23 @@ class Planning(Outbound):
         self.windows[index] = WindowTrack(
             index, cursor.epoch, batches, list(chunks), set(self.alive)
         )
-        return {
-            r: Window(
-                index,
-                cursor.epoch,
-                chunks[r],
-                weights[r],
-                bweights[r],
-                eval_after=r in shards,
-                eval_shard=shards.get(r, (0, 1)),
-                max_overshoot=self.overshoot[0],
-                checkpoint_after=save is not None,
-                generation=self.members.generation,
-                save_tag=save.tag if save is not None else "",
-                write_weights=save is not None and r == save.writer,
-                settle=settle,
-                progress=progress,
-                window_samples=remaining - cursor.remaining_samples,
-                grad_sync=grads,
-            )
-            for r in self.alive
-        }
+        alive = self.alive
+        return PlannedWindow(
+            index,
+            cursor.epoch,
+            {r: chunks[r] for r in alive},
+            {r: (weights[r], bweights[r]) for r in alive},
+            eval_shards=shards,
+            writer=save.writer if save is not None else -1,
+            max_overshoot=self.overshoot[0],
+            checkpoint_after=save is not None,
+            generation=self.members.generation,
+            save_tag=save.tag if save is not None else "",
+            settle=settle,
+            progress=progress,
+            window_samples=remaining - cursor.remaining_samples,
+            grad_sync=grads,
+        )
 
     def _eval_shards(self, epoch: int) -> dict[int, tuple[int, int]]:
         """Which ranks evaluate after ``epoch``, each with its ``(shard, shards)``."""

@@ -38,6 +38,7 @@ _TAG = "flodl-tensor"
 _NO_TENSORS = frozenset(
     {
         messages.Plan,
+        messages.CohortPlan,
         messages.Stop,
         messages.Regroup,
         messages.Heartbeat,

@@ -95,18 +95,29 @@ class EpochTrack:
         return True
 
     def add(self, report: Report) -> None:
-        r = report.rank
+        """One report into the totals: O(1) (the controller calls it on every report)."""
+        r, samples, loss_sum, loss_count = (
+            report.rank,
+            report.samples,
+            report.loss_sum,
+            report.loss_count,
+        )
         self.batches[r] += report.batches
-        self.rank_samples[r] += report.samples
-        self.samples += report.samples
+        self.rank_samples[r] += samples
+        self.samples += samples
         self.compute_ms[r] += report.compute_ms
         self.data_ms[r] += report.data_ms
-        self.peak_mem[r] = max(self.peak_mem[r], report.peak_mem)
-        self.lr = report.lr if report.lr is not None else self.lr
-        self.loss_sum += report.loss_sum
-        self.loss_count += report.loss_count
-        self.rank_loss[r][0] += report.loss_sum
-        self.rank_loss[r][1] += report.loss_count
+        if report.peak_mem > self.peak_mem[r]:
+            self.peak_mem[r] = report.peak_mem
+        if report.lr is not None:
+            self.lr = report.lr
+        self.loss_sum += loss_sum
+        self.loss_count += loss_count
+        rank_loss = self.rank_loss[r]
+        rank_loss[0] += loss_sum
+        rank_loss[1] += loss_count
+        if not report.scalars:
+            return
         for name, (total, count) in report.scalars.items():
             acc = self.scalars.setdefault(name, [0.0, 0.0])
             acc[0] += total

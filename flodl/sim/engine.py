@@ -19,6 +19,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import pickle
 import random
 import time
 from collections import deque
@@ -39,6 +40,7 @@ from flodl.runtime.messages import (
     Settled,
     Stop,
     Window,
+    own_part,
 )
 from flodl.sim.costs import (
     RingAllReduce,
@@ -114,6 +116,11 @@ class _Link:
     def send(self, msg: Any) -> None:
         streaming.split(msg)
         self.sim.schedule(self.sim.latency_ms, self.sim.on_message, self.rank, msg)
+
+    def send_bytes(self, payload: bytes) -> None:
+        """A message the controller pickled once for several ranks (a CohortPlan): decoded
+        on arrival as the rank's socket link does, off the controller's clock."""
+        self.sim.schedule(self.sim.latency_ms, self.sim.on_message, self.rank, payload)
 
 
 def _clock_cost_s(samples: int = 2000) -> float:
@@ -237,6 +244,10 @@ class Simulator:
         r = self.ranks[rank]
         if r.state == "dead":
             return
+        if isinstance(msg, bytes):
+            msg = own_part(pickle.loads(msg), rank)
+            if msg is None:
+                return
         if isinstance(msg, Plan):
             r.work.extend(msg.windows)
         elif isinstance(msg, Regroup):
