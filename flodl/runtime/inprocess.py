@@ -32,6 +32,16 @@ class InProcessCohort:
         self.on_cooperative = on_cooperative  # receives the rank's Worker; None: a thread runs it
         self._failure: list[BaseException] = []
         self._thread: threading.Thread | None = None
+        self._stopped = threading.Event()
+
+    def _heartbeat(self, every_s: float = 1.0) -> None:
+        """Beat for the rank as a rank process's link does: it shares this process, so it is
+        alive while the process is. A step that outlasts the heartbeat timeout (torch.compile's
+        first step, a slow eval) must not get the only rank dropped as stale."""
+        from flodl.runtime.messages import Heartbeat
+
+        while not self._stopped.wait(every_s):
+            self.controller.post(0, Heartbeat(0))
 
     def start(self) -> None:
         from flodl.runtime.worker import Worker
@@ -42,6 +52,7 @@ class InProcessCohort:
         cluster = self.spec.config.cluster
         if cluster.kind == "cpu_rig":  # the rig simulates one device per rank: pin its threads
             torch.set_num_threads(cluster.threads_per_rank)
+        threading.Thread(target=self._heartbeat, name="flodl-heartbeat", daemon=True).start()
         if self.on_cooperative is not None:
             self.on_cooperative(Worker(self.spec, rank_end, 0, device))
             return
@@ -77,6 +88,7 @@ class InProcessCohort:
         return []  # the rank logs to this process's own console
 
     def stop(self, failure: BaseException | None) -> None:
+        self._stopped.set()
         if self._thread is not None:
             self._thread.join(timeout=5.0)
 

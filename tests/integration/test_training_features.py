@@ -252,3 +252,37 @@ def test_resume_lands_on_the_same_lr_clock_and_weights(tmp_path):
     assert straight[1].lr == pytest.approx(0.005)
     for name, tensor in s_state.params.items():
         torch.testing.assert_close(r_state.params[name], tensor)
+
+
+_calls = {"n": 0}
+
+
+def _one_slow_step(model: Any, batch: Any) -> torch.Tensor:
+    """The 6th step outlasts the heartbeat timeout (a first compiled step, a long eval)."""
+    import time
+
+    _calls["n"] += 1
+    if _calls["n"] == 6:
+        time.sleep(2.5)
+    return classification_step(model, batch)
+
+
+@pytest.mark.light
+def test_an_in_process_step_longer_than_the_heartbeat_timeout_drops_no_rank(tmp_path):
+    """Measured: torch.compile's first step on a loaded machine outlasted the 30 s heartbeat
+    timeout and the only rank of an in-process run was dropped as stale (``every rank was lost;
+    last: heartbeat went stale``). The rank shares the launcher's process; it beats like one."""
+    _calls["n"] = 0
+    handle = (
+        Trainer.builder(model_factory, sgd, _one_slow_step)
+        .dataset(partial(data, "train", 256))
+        .batch_size(32)
+        .num_epochs(1)
+        .cluster(ClusterConfig(kind="cpu_rig", ranks=1, warmup_steps=2, heartbeat_timeout_s=1.0))
+        .logger(LoggerConfig(progress="off", tensorboard=False))
+        .output_dir(tmp_path / "slow_step")
+        .run()
+    )
+    handle.join(timeout=60)
+    assert _calls["n"] >= 6
+    assert handle.result.coverage_exact and len(handle.result.epochs) == 1
