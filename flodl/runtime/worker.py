@@ -8,7 +8,6 @@ plans the next window while the collective runs.
 from __future__ import annotations
 
 import collections
-import copy
 import dataclasses
 import itertools
 import logging
@@ -52,6 +51,7 @@ from flodl.runtime.messages import (
 from flodl.runtime.outer import make_outer
 from flodl.runtime.pacing import Pacer, measure_step_s
 from flodl.runtime.spec import JobSpec, state_signature
+from flodl.runtime.warmup import probe_model
 from flodl.shards import MODEL, load_shard, process_local, rank_shard, write_shard
 
 log = logging.getLogger(__name__)
@@ -239,9 +239,19 @@ class Worker:
         return state_signature(shapes)
 
     def calibrate(self) -> float:
-        """Time warm-up steps on a throwaway copy; agree on one nominal step time (CPU rig)."""
-        probe = copy.deepcopy(self.model)
-        optimizer = self.spec.optim_factory(probe.parameters())
+        """Time warm-up steps that leave the weights as they were (:mod:`flodl.runtime.warmup`:
+        at lr=0 on the model itself, else on a copy); agree on one nominal step time (CPU rig)."""
+        with probe_model(self.model, self.spec.optim_factory) as (probe, optimizer):
+            step_s = self._time_steps(probe, optimizer)
+        t = torch.tensor([step_s], dtype=torch.float64)
+        self._together(t, op=dist.ReduceOp.MAX)
+        step_s = float(t.item())
+        if self.spec.pace:
+            self.pacer.set_nominal(step_s * self.cfg.cluster.pace_margin)
+        drain_scalars()
+        return step_s * 1000.0
+
+    def _time_steps(self, probe: nn.Module, optimizer: torch.optim.Optimizer) -> float:
         n = self.cfg.cluster.warmup_steps
         chunk = ((0, min(len(self.source), self.batch_size * n)),)
         # Loading in the training thread (num_workers=0, not resident) is part of every step,
@@ -263,14 +273,7 @@ class Worker:
         # other's core and inflate the nominal step every rank is then paced to.
         self._together(torch.zeros(1))
         chaos.point("calibrate", self.rank)
-        step_s = measure_step_s(step, n)
-        t = torch.tensor([step_s], dtype=torch.float64)
-        self._together(t, op=dist.ReduceOp.MAX)
-        step_s = float(t.item())
-        if self.spec.pace:
-            self.pacer.set_nominal(step_s * self.cfg.cluster.pace_margin)
-        drain_scalars()
-        return step_s * 1000.0
+        return measure_step_s(step, n)
 
     # -- loop ----------------------------------------------------------------------------------
     def run(self) -> None:
