@@ -310,6 +310,7 @@ class Worker:
                 flat = self.state.flatten()  # a copy: loaded only once the broadcast succeeded
                 self._together(flat, broadcast=True)
                 self.state.load(flat)
+                del flat  # not held through the calibration steps (the rank's peak)
             step_ms = self.calibrate()
         except _CohortBroke as exc:
             log.warning(
