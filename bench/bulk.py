@@ -201,9 +201,11 @@ def memory(params: int, modes: list[str]) -> list[dict[str, Any]]:
             # ``rank_over_4p`` is the older count (the peak less 4 copies and the baseline).
             base = result["launcher_baseline_mb"]
             result["rank_over_4p"] = (result["rank_peak_mb"] - base - 4 * p) / p
-            if plain.get("status") == "ok" and result["rank_peak_mb"]:
+            # solo trains in the launcher: the launcher is its rank, held to the rank's rule
+            trainer_peak = result["launcher_peak_mb"] if mode == "solo" else result["rank_peak_mb"]
+            if plain.get("status") == "ok":
                 result["plain_loop_peak_mb"] = plain["peak_mb"]
-                result["rank_extra_copies"] = (result["rank_peak_mb"] - plain["peak_mb"]) / p
+                result["rank_extra_copies"] = (trainer_peak - plain["peak_mb"]) / p
         result.setdefault("mode", mode)
         log(f"  {result}")
         rows.append(result)
