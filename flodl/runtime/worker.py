@@ -321,7 +321,7 @@ class Worker:
             groups.release(exc.abandoned)
             return None
         if self.outer is not None:
-            self.outer.reset(self.state.flatten())
+            self.outer.reset(self.state.current())  # reset copies
         return step_ms
 
     def _together(self, t: torch.Tensor, op: Any = None, broadcast: bool = False) -> None:
@@ -490,7 +490,7 @@ class Worker:
         state = load_shard(msg.state) if isinstance(msg.state, str) else msg.state
         self.model.load_state_dict({**model["params"], **model["buffers"]})
         if self.outer is not None:
-            self.outer.reset(self.state.flatten())
+            self.outer.reset(self.state.current())  # reset copies
             saved = model.get("outer") or {}
             if saved.get("buffer") is not None:
                 self.outer.buffer = saved["buffer"].to(self.device).clone()
@@ -717,7 +717,7 @@ class Worker:
                     self._unaveraged = window.index
                     self._await_regroup()
                 elif self.outer is not None:  # the same update on every rank: still in step
-                    self.state.load(self.outer.step(self.state.flatten()))
+                    self._outer_step()
                 return averaged
             guard = not self.mode.is_sync
             before = self.state.flatten() if guard and self.outer is not None else None
@@ -726,7 +726,7 @@ class Worker:
                 self._await_regroup()
                 return False
             if self.outer is not None:
-                self.state.load(self.outer.step(self.state.flatten()))
+                self._outer_step()
             if before is not None:
                 self._last_divergence = self.state.divergence(before, self.state.current())
             return True
@@ -741,6 +741,15 @@ class Worker:
             else:  # a plan or stop that arrived ahead of the average: keep it for the loop
                 self._pending.append(msg)
         return True
+
+    def _outer_step(self) -> None:
+        """The outer (Nesterov) step, in place on the model's own storage when it is shared
+        (no copy of the weights; the outer state itself is the outer optimizer's)."""
+        assert self.outer is not None
+        flat = self.state.current()
+        out = self.outer.step(flat)
+        if out is not self.state.shared():
+            self.state.load(out)
 
     # -- membership ------------------------------------------------------------------------------
     def _averaged(self, weight: float, buffer_weight: float, measure: bool = False) -> bool:
@@ -833,7 +842,7 @@ class Worker:
                 self._await_regroup()
                 return
         if self.outer is not None:
-            self.outer.reset(self.state.flatten())
+            self.outer.reset(self.state.current())  # reset copies
         self.link.send(Regrouped(self.rank, msg.generation, self._unaveraged))
         self._unaveraged = -1
 
