@@ -150,7 +150,13 @@ def memory_one(payload: dict[str, Any]) -> dict[str, Any]:
             .batch_size(32)
             .num_epochs(1)
             .elche(ElCheConfig(mode=mode, anchor=2))
-            .cluster(ClusterConfig(kind="cpu_rig", ranks=ranks, speeds=[1.0] * ranks))
+            # a generous start: 9 calibration steps of a 120 M Adam model under heavy load
+            # took over the default 120 s (a memory benchmark, not one of start-up time)
+            .cluster(
+                ClusterConfig(
+                    kind="cpu_rig", ranks=ranks, speeds=[1.0] * ranks, start_timeout_s=360
+                )
+            )
             .logger(LoggerConfig(progress="off", tensorboard=False))
             .build_config()
             .with_(save_path=str(Path(tmp) / "ck" / "run"))
@@ -189,7 +195,7 @@ def memory(params: int, modes: list[str]) -> list[dict[str, Any]]:
     for mode in modes:
         log(f"memory: {mode}")
         result = run_isolated(
-            "bench.bulk", {"kind": "memory", "mode": mode, "params": params, "timeout_s": 400}, 450
+            "bench.bulk", {"kind": "memory", "mode": mode, "params": params, "timeout_s": 600}, 650
         )
         if result.get("status") == "ok":
             p = result["param_mb"]
