@@ -49,9 +49,8 @@ from flodl.runtime.messages import (
     Window,
 )
 from flodl.runtime.outer import make_outer
-from flodl.runtime.pacing import Pacer, measure_step_s
+from flodl.runtime.pacing import Pacer, measure_step_s, probe_model
 from flodl.runtime.spec import JobSpec, state_signature
-from flodl.runtime.warmup import probe_model
 from flodl.shards import MODEL, load_shard, process_local, rank_shard, write_shard
 
 log = logging.getLogger(__name__)
@@ -239,8 +238,8 @@ class Worker:
         return state_signature(shapes)
 
     def calibrate(self) -> float:
-        """Time warm-up steps that leave the weights as they were (:mod:`flodl.runtime.warmup`:
-        at lr=0 on the model itself, else on a copy); agree on one nominal step time (CPU rig)."""
+        """Time warm-up steps that leave the weights as they were (``pacing.probe_model``: at
+        lr=0 on the model itself, else on a copy); agree on one nominal step time (CPU rig)."""
         with probe_model(self.model, self.spec.optim_factory) as (probe, optimizer):
             step_s = self._time_steps(probe, optimizer)
         t = torch.tensor([step_s], dtype=torch.float64)
