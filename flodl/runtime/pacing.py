@@ -72,6 +72,7 @@ def measure_step_s(step: Callable[[], object], n: int) -> float:
 # update is ``p += -0.0 * x``, which leaves ``p`` bit for bit as it was, at the step's full cost.
 # Buffers (BatchNorm statistics and counters, which a forward pass updates) are copied and put
 # back, and a checksum of the parameters, taken in bounded spans, proves the weights did not move.
+
 _SPAN = 1 << 22  # elements per checksum step (no whole-vector temporary)
 
 #: Optimizers whose updates are all multiplied by ``lr`` (so ``lr = 0`` moves nothing).
