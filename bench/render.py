@@ -467,8 +467,7 @@ def render() -> dict[str, str]:
     missing = "_No results yet: run the command above._"
     return {
         "bulk": _bulk("bulk", "bulk_block"),
-        "bulk_cpu_sync": _bulk("bulk_cpu_sync", "bulk_block"),
-        "bulk_disk": _bulk("bulk_disk", "bulk_block"),
+        "bulk_rerun": _bulk("bulk_rerun", "bulk_block"),
         "big": _bulk("big", "big_block"),
         "ddp_bench": _ddp_bench(),
         "hetero": hetero_block(hetero) if hetero else missing,

@@ -129,8 +129,9 @@ class Aggregation(Outbound):
         else:
             self.center = mean
         self._send_each([r.rank for r in reports], Average(track.index, self.center))
-        if alpha is None and self.cfg.elche.outer is not Outer.NESTEROV:
+        if alpha is None:
             # A plain average is not state: holding it would overlap the next round's snapshots
+            # (with outer=nesterov the state is the outer step's own, ``outer.previous``)
             self.center = None
 
     def _progress(self, epoch: EpochTrack) -> None:

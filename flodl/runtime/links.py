@@ -196,6 +196,9 @@ class SocketLink(_InboxLink):
                 if self._on_regroup is not None:
                     self._on_regroup()
             self._inbox.put(msg)
+            # Not held while the next message is awaited: an Average (a weight copy) would
+            # otherwise live on through the whole next window, at the rank's peak.
+            del msg
 
     def send(self, msg: Any) -> None:
         self.channel.send(msg)

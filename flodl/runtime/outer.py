@@ -24,21 +24,24 @@ class NesterovOuter:
         self.previous: torch.Tensor | None = None
         self.buffer: torch.Tensor | None = None
 
+    @torch.no_grad()
     def step(self, averaged: torch.Tensor) -> torch.Tensor:
-        """The new global state from this round's average (buffers pass through unchanged)."""
+        """The new global state from this round's average (buffers pass through unchanged),
+        computed in place: ``averaged`` (the caller's to consume: a fresh average, or the
+        model's own storage) becomes the result, and no temporary vector is made. With
+        ``w_prev = w_avg + g``: ``w = w_avg + (1 - lr) * g - lr * mu * m``."""
         params = averaged[: self.n_params]
         if self.previous is None:
             self.previous = params.detach().clone()
             return averaged
-        grad = self.previous - params
+        grad = self.previous.sub_(params)  # the previous state's memory now holds g
         if self.buffer is None:
-            self.buffer = torch.zeros_like(grad)
-        self.buffer.mul_(self.momentum).add_(grad)
-        new_params = self.previous - self.lr * (grad + self.momentum * self.buffer)
-        self.previous = new_params.clone()
-        out = averaged.clone()
-        out[: self.n_params] = new_params
-        return out
+            self.buffer = grad.clone()  # m = mu * 0 + g
+        else:
+            self.buffer.mul_(self.momentum).add_(grad)
+        params.add_(grad, alpha=1 - self.lr).add_(self.buffer, alpha=-self.lr * self.momentum)
+        self.previous.copy_(params)
+        return averaged
 
     def reset(self, params: torch.Tensor) -> None:
         """Start from ``params`` (the consensus before the first round)."""

@@ -8,7 +8,6 @@ plans the next window while the collective runs.
 from __future__ import annotations
 
 import collections
-import copy
 import dataclasses
 import itertools
 import logging
@@ -50,7 +49,7 @@ from flodl.runtime.messages import (
     Window,
 )
 from flodl.runtime.outer import make_outer
-from flodl.runtime.pacing import Pacer, measure_step_s
+from flodl.runtime.pacing import Pacer, measure_step_s, probe_model
 from flodl.runtime.spec import JobSpec, state_signature
 from flodl.shards import MODEL, load_shard, process_local, rank_shard, write_shard
 
@@ -239,9 +238,19 @@ class Worker:
         return state_signature(shapes)
 
     def calibrate(self) -> float:
-        """Time warm-up steps on a throwaway copy; agree on one nominal step time (CPU rig)."""
-        probe = copy.deepcopy(self.model)
-        optimizer = self.spec.optim_factory(probe.parameters())
+        """Time warm-up steps that leave the weights as they were (``pacing.probe_model``: at
+        lr=0 on the model itself, else on a copy); agree on one nominal step time (CPU rig)."""
+        with probe_model(self.model, self.spec.optim_factory) as (probe, optimizer):
+            step_s = self._time_steps(probe, optimizer)
+        t = torch.tensor([step_s], dtype=torch.float64)
+        self._together(t, op=dist.ReduceOp.MAX)
+        step_s = float(t.item())
+        if self.spec.pace:
+            self.pacer.set_nominal(step_s * self.cfg.cluster.pace_margin)
+        drain_scalars()
+        return step_s * 1000.0
+
+    def _time_steps(self, probe: nn.Module, optimizer: torch.optim.Optimizer) -> float:
         n = self.cfg.cluster.warmup_steps
         chunk = ((0, min(len(self.source), self.batch_size * n)),)
         # Loading in the training thread (num_workers=0, not resident) is part of every step,
@@ -263,14 +272,7 @@ class Worker:
         # other's core and inflate the nominal step every rank is then paced to.
         self._together(torch.zeros(1))
         chaos.point("calibrate", self.rank)
-        step_s = measure_step_s(step, n)
-        t = torch.tensor([step_s], dtype=torch.float64)
-        self._together(t, op=dist.ReduceOp.MAX)
-        step_s = float(t.item())
-        if self.spec.pace:
-            self.pacer.set_nominal(step_s * self.cfg.cluster.pace_margin)
-        drain_scalars()
-        return step_s * 1000.0
+        return measure_step_s(step, n)
 
     # -- loop ----------------------------------------------------------------------------------
     def run(self) -> None:
@@ -307,6 +309,7 @@ class Worker:
                 flat = self.state.flatten()  # a copy: loaded only once the broadcast succeeded
                 self._together(flat, broadcast=True)
                 self.state.load(flat)
+                del flat  # not held through the calibration steps (the rank's peak)
             step_ms = self.calibrate()
         except _CohortBroke as exc:
             log.warning(
@@ -317,7 +320,7 @@ class Worker:
             groups.release(exc.abandoned)
             return None
         if self.outer is not None:
-            self.outer.reset(self.state.flatten())
+            self.outer.reset(self.state.current())  # reset copies
         return step_ms
 
     def _together(self, t: torch.Tensor, op: Any = None, broadcast: bool = False) -> None:
@@ -486,7 +489,7 @@ class Worker:
         state = load_shard(msg.state) if isinstance(msg.state, str) else msg.state
         self.model.load_state_dict({**model["params"], **model["buffers"]})
         if self.outer is not None:
-            self.outer.reset(self.state.flatten())
+            self.outer.reset(self.state.current())  # reset copies
             saved = model.get("outer") or {}
             if saved.get("buffer") is not None:
                 self.outer.buffer = saved["buffer"].to(self.device).clone()
@@ -713,7 +716,7 @@ class Worker:
                     self._unaveraged = window.index
                     self._await_regroup()
                 elif self.outer is not None:  # the same update on every rank: still in step
-                    self.state.load(self.outer.step(self.state.flatten()))
+                    self._outer_step()
                 return averaged
             guard = not self.mode.is_sync
             before = self.state.flatten() if guard and self.outer is not None else None
@@ -722,7 +725,7 @@ class Worker:
                 self._await_regroup()
                 return False
             if self.outer is not None:
-                self.state.load(self.outer.step(self.state.flatten()))
+                self._outer_step()
             if before is not None:
                 self._last_divergence = self.state.divergence(before, self.state.current())
             return True
@@ -737,6 +740,15 @@ class Worker:
             else:  # a plan or stop that arrived ahead of the average: keep it for the loop
                 self._pending.append(msg)
         return True
+
+    def _outer_step(self) -> None:
+        """The outer (Nesterov) step, in place on the model's own storage when it is shared
+        (no copy of the weights; the outer state itself is the outer optimizer's)."""
+        assert self.outer is not None
+        flat = self.state.current()
+        out = self.outer.step(flat)
+        if out is not self.state.shared():
+            self.state.load(out)
 
     # -- membership ------------------------------------------------------------------------------
     def _averaged(self, weight: float, buffer_weight: float, measure: bool = False) -> bool:
@@ -829,7 +841,7 @@ class Worker:
                 self._await_regroup()
                 return
         if self.outer is not None:
-            self.outer.reset(self.state.flatten())
+            self.outer.reset(self.state.current())  # reset copies
         self.link.send(Regrouped(self.rank, msg.generation, self._unaveraged))
         self._unaveraged = -1
 

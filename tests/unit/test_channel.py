@@ -159,3 +159,34 @@ def test_code_messages_stream_their_tensors_too(monkeypatch):
     assert torch.equal(got["dataset"].tensors[0], data) and got["fn"](1.0) == 4.0
     sender.close()
     receiver.close()
+
+
+def test_the_rank_link_keeps_no_received_tensor_while_it_awaits_the_next() -> None:
+    """A rank's reader thread must not pin the last message (an Average: a copy of the weights)
+    through the next window: once the training thread dropped it, it is freed."""
+    import gc
+    import time
+    import weakref
+
+    import torch
+
+    from flodl.runtime.links import SocketLink
+    from flodl.runtime.messages import Average
+
+    a, b = socket.socketpair()
+    controller, rank_end = Channel(a), Channel(b)
+    link = SocketLink(rank_end, rank=0, in_launcher=True)
+    try:
+        controller.send(Average(3, torch.ones(1000)))
+        msg = link.recv(timeout=10)
+        assert msg.window == 3 and float(msg.flat.sum()) == 1000.0
+        freed = weakref.ref(msg.flat)
+        del msg
+        deadline = time.monotonic() + 5
+        while freed() is not None and time.monotonic() < deadline:
+            gc.collect()
+            time.sleep(0.05)
+        assert freed() is None
+    finally:
+        link.close()
+        controller.close()
