@@ -39,6 +39,8 @@ def launch_sweep(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
             job_cfg.hydra.job.id = f"{idx}"
             job_cfg.hydra.job.num = idx
         _require_flodl_job(job_cfg)
+        if offset == 0:
+            _warm_ranks(job_cfg)
         try:  # every job of the batch, before any of them starts a rank
             run_cfg = check_job(job_cfg)
         except ConfigError as exc:
@@ -88,6 +90,23 @@ def check_job(job_cfg: Any) -> RunConfig:
     check_factories(run_cfg)
     check_task_targets(run_cfg.task)
     return run_cfg
+
+
+def _warm_ranks(job_cfg: Any) -> None:
+    """A local CPU rig: start its rank interpreters now, so their imports (torch, the worker)
+    overlap the checks below (torch, torchmetrics, the dry build) instead of following them
+    (:mod:`flodl.runtime.warm`). A refused job closes them unused."""
+    from flodl.runtime.env import external_role
+
+    cluster = job_cfg.get("cluster") or {}
+    ranks = cluster.get("ranks")
+    if cluster.get("kind") != "cpu_rig" or not isinstance(ranks, int) or ranks < 2:
+        return
+    if external_role() is not None:  # torchrun / srun placed this process: no local children
+        return
+    from flodl.runtime import warm
+
+    warm.start(ranks)
 
 
 def _require_flodl_job(job_cfg: Any) -> None:
