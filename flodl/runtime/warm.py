@@ -7,8 +7,8 @@ before any rank exists. :func:`start` (called by the Hydra launcher as soon as t
 composed) starts the rig's rank interpreters at once, so their imports overlap the launcher's
 checks; :class:`~flodl.runtime.launcher.ProcessCohort` then :func:`take` s one per local CPU
 rank and writes it its environment (one JSON line) and the secret, as a cold child would get
-them at its start. Interpreters left over (a refused job, a smaller cohort) are closed: their
-stdin ends, they exit; they also die with the launcher (``PR_SET_PDEATHSIG``).
+them at its start. Interpreters left over (a refused job, a smaller cohort) are killed (they
+hold nothing yet); they also die with the launcher (``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -68,19 +69,15 @@ def close() -> None:
     with _lock:
         left = list(_pool)
         _pool.clear()
-    for popen in left:
-        if popen.stdin is not None:
-            try:
-                popen.stdin.close()  # EOF before a role: it exits at once
-            except OSError:
-                pass
+    for popen in left:  # nothing of a run is in them yet: killed, not asked
         try:
-            popen.wait(timeout=5.0)
-        except subprocess.TimeoutExpired:
-            popen.kill()
-            popen.wait()
-        if popen.stdout is not None:
-            popen.stdout.close()
+            os.killpg(popen.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        popen.wait()
+        for stream in (popen.stdin, popen.stdout):
+            if stream is not None:
+                stream.close()
 
 
 def adopt_role() -> bool:
