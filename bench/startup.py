@@ -174,6 +174,46 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return rows
 
 
+def startup_block(data: dict[str, Any], machine_line: str) -> str:
+    """The bench/README table (bench/render.py): one row per variant, torchrun + DDP first."""
+    s = data["settings"]
+    lines = [
+        machine_line,
+        "",
+        f"{s['ranks']} CPU ranks, speeds {s['speeds']}, {s['workload']}, batch {s['batch_size']}"
+        f"; medians of {s['repeats']} interleaved repeats. *First step*: launch to the last "
+        "rank's first call of the training step (calibration's included, on every side); "
+        "*rank CPU* / *launcher CPU*: user + sys seconds spent by then (a rank, the process "
+        "that started it). Wall times are inflated by the machine's load; CPU seconds far less.",
+        "",
+    ]
+    header = ["variant", "first step s", "best s", "vs torchrun", "rank started s",
+              "rank CPU s", "launcher CPU s", "whole run s", "load before (1 min)"]  # fmt: skip
+    rows = []
+    for r in data["rows"]:
+        loads = [x["load_before"][0] for x in r["per_repeat"] if x.get("load_before")]
+        rows.append(
+            [
+                r["variant"],
+                _fmt(r["first_step_s"]),
+                _fmt(r["first_step_min_s"]),
+                _fmt(r["vs_torchrun"], ".2f"),
+                _fmt(r["rank_started_s"]),
+                _fmt(r["rank_cpu_s"]),
+                _fmt(r["launcher_cpu_s"]),
+                _fmt(r["total_s"], ".1f"),
+                _fmt(median(loads), ".1f"),
+            ]
+        )
+    table = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    table += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines + table)
+
+
+def _fmt(x: float | None, spec: str = ".2f") -> str:
+    return "\u2013" if x is None else format(x, spec)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--child-api"]:
