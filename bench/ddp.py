@@ -29,8 +29,8 @@ def _worker(rank: int, cfg: dict[str, Any], rendezvous: str, out: str) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     from bench.common import ModelFactory, OptimFactory, dataset_factory, evaluate_state, step_fn
-    from flodl.data import epoch_permutation
     from bench.startup import stamp_first_step
+    from flodl.data import epoch_permutation
     from flodl.runtime.pacing import Pacer, measure_step_s
 
     torch.set_num_threads(1)

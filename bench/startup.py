@@ -75,7 +75,7 @@ def stamped_step(model: Any, batch: Any) -> Any:
 
 def flodl_api() -> None:
     """The Python API path: one 2-rank run, built the way a user script builds it."""
-    from bench.common import ModelFactory, OptimFactory, WORKLOADS, dataset_factory
+    from bench.common import WORKLOADS, ModelFactory, OptimFactory, dataset_factory
     from flodl import ClusterConfig, ElCheConfig, LoggerConfig, Trainer
 
     with tempfile.TemporaryDirectory(prefix="flodl-bench-startup-") as tmp:
@@ -134,7 +134,8 @@ def run_variant(variant: str, timeout_s: float) -> dict[str, Any]:
             timeout=timeout_s, check=False,
         )  # fmt: skip
         total_s = time.time() - t0
-        records = [json.loads(line) for line in stamps.read_text().splitlines()] if stamps.exists() else []
+        lines = stamps.read_text().splitlines() if stamps.exists() else []
+        records = [json.loads(line) for line in lines]
         if proc.returncode != 0 or len(records) != RANKS:
             tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
             return {"status": "failed", "error": f"exit {proc.returncode}", "log": tail}
@@ -154,9 +155,8 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     rows = []
     for variant, results in runs.items():
         ok = [r for r in results if r["status"] == "ok"]
-        pairs = [
-            (r, b) for r, b in zip(results, base, strict=False) if r["status"] == b["status"] == "ok"
-        ]
+        both = zip(results, base, strict=False)
+        pairs = [(r, b) for r, b in both if r["status"] == b["status"] == "ok"]
         rows.append(
             {
                 "variant": variant,
@@ -210,6 +210,15 @@ def startup_block(data: dict[str, Any], machine_line: str) -> str:
     return "\n".join(lines + table)
 
 
+def _line(res: dict[str, Any]) -> str:
+    if res["status"] != "ok":
+        return f"FAILED: {res['error']}\n{res['log']}"
+    return (
+        f"first step {res['first_step_s']:5.2f} s  rank CPU {res['rank_cpu_s']:4.2f} s  "
+        f"launcher CPU {res['launcher_cpu_s']:4.2f} s  load {res['load_before'][0]:.2f}"
+    )
+
+
 def _fmt(x: float | None, spec: str = ".2f") -> str:
     return "\u2013" if x is None else format(x, spec)
 
@@ -237,21 +246,21 @@ def main(argv: list[str] | None = None) -> int:
         for variant in args.variants[shift:] + args.variants[:shift]:
             res = run_variant(variant, args.timeout)
             runs[variant].append(res)
-            if res["status"] == "ok":
-                log(f"[{rep + 1}/{args.repeats}] {variant:<13} first step {res['first_step_s']:5.2f} s"
-                    f"  rank CPU {res['rank_cpu_s']:4.2f} s  launcher CPU "
-                    f"{res['launcher_cpu_s']:4.2f} s  load {res['load_before'][0]:.2f}")  # fmt: skip
-            else:
-                log(f"[{rep + 1}/{args.repeats}] {variant} FAILED: {res['error']}\n{res['log']}")
+            log(f"[{rep + 1}/{args.repeats}] {variant:<13} " + _line(res))
         info["load_average_end"] = list(os.getloadavg())
         data = {
             "benchmark": "startup",
             "machine": info,
             "settings": {
-                "workload": WORKLOAD, "batch_size": BATCH, "epochs": EPOCHS, "ranks": RANKS,
-                "speeds": [1.0] * RANKS, "repeats": rep + 1, "repeats_requested": args.repeats,
+                "workload": WORKLOAD,
+                "batch_size": BATCH,
+                "epochs": EPOCHS,
+                "ranks": RANKS,
+                "speeds": [1.0] * RANKS,
+                "repeats": rep + 1,
+                "repeats_requested": args.repeats,
                 "bench_wall_s": time.perf_counter() - started,
-            },  # fmt: skip
+            },
             "command": "python -m bench.startup " + " ".join(argv),
             "rows": summarise(runs),
         }

@@ -84,7 +84,7 @@ def adopt_role() -> bool:
     """In a warm interpreter: pre-import, then wait for the role. False when the launcher
     closed us unused; True with ``os.environ`` (and ``sys.path``) now the rank's."""
     import torch
-    import torch._dynamo  # noqa: F401  what torch.optim imports on its first optimizer
+    import torch._dynamo
 
     import flodl.runtime.worker  # noqa: F401
 
