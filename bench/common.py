@@ -147,11 +147,9 @@ def evaluate_state(name: str, state_dict: dict[str, Any], **dataset_overrides: A
 
 def elche_preset(mode: str) -> Any:
     """``conf/elche/<mode>.yaml`` as an ``ElCheConfig`` (what ``run.py elche=<mode>`` gets)."""
-    import yaml
-
     from flodl.config import ElCheConfig
 
-    return ElCheConfig(**yaml.safe_load((REPO / "conf" / "elche" / f"{mode}.yaml").read_text()))
+    return ElCheConfig.preset(mode)  # the YAML states only what it changes from the schema
 
 
 # --- one flodl run --------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ def _worker(rank: int, cfg: dict[str, Any], rendezvous: str, out: str) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     from bench.common import ModelFactory, OptimFactory, dataset_factory, evaluate_state, step_fn
+    from bench.startup import stamp_first_step
     from flodl.data import epoch_permutation
     from flodl.runtime.pacing import Pacer, measure_step_s
 
@@ -62,6 +63,7 @@ def _worker(rank: int, cfg: dict[str, Any], rendezvous: str, out: str) -> None:
         probe_batches = itertools.cycle([(inputs[i], target[i]) for i in first.split(batch)])
 
         def probe_step() -> None:
+            stamp_first_step()  # bench/startup.py's launch -> first step (a no-op elsewhere)
             probe_opt.zero_grad(set_to_none=True)
             train_step(probe, next(probe_batches)).backward()
             probe_opt.step()
@@ -168,3 +170,19 @@ def run_ddp(
         load_after=os.getloadavg(),
     )
     return result
+
+
+def torchrun_main(argv: list[str]) -> int:
+    """One rank under torchrun: ``python -m torch.distributed.run ... -m bench.ddp --torchrun
+    '<cfg json>' <out>`` (``RANK`` and the rendezvous from torchrun's environment)."""
+    cfg, out = json.loads(argv[0]), argv[1]
+    _worker(int(os.environ["RANK"]), cfg, "env://", out)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:2] == ["--torchrun"]:
+        sys.exit(torchrun_main(sys.argv[2:]))
+    sys.exit("usage: python -m torch.distributed.run ... -m bench.ddp --torchrun CFG OUT")

@@ -4,7 +4,7 @@
     .venv/bin/python -m bench.render --stdout   # prints them instead
 
 Each block sits between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` (NAME: hetero,
-overhead, convergence, targets, accuracy, ddp_bench, scale_sim, comm_heavy) and carries the
+overhead, convergence, targets, accuracy, ddp_bench, scale_sim, comm_heavy, startup) and carries the
 machine the numbers came from and the command that reproduces them. Nothing in a block is
 typed by hand.
 """
@@ -460,6 +460,13 @@ def _bulk(stem: str, block: str) -> str:
     return getattr(bulk_report, block)(data, _machine)
 
 
+def _startup(missing: str) -> str:
+    from bench.startup import startup_block
+
+    data = _load("startup") or _load("startup_quick")  # the full run when there is one
+    return startup_block(data, _machine(data)) if data else missing
+
+
 def render() -> dict[str, str]:
     hetero, overhead, convergence = _load("hetero"), _load("overhead"), _load("convergence")
     sim = _load("scale_sim")
@@ -478,6 +485,7 @@ def render() -> dict[str, str]:
         "loader": _loader(missing),
         "scale_sim": scale_sim_block(sim) if sim else missing,
         "comm_heavy": comm_heavy_block(comm) if comm else missing,
+        "startup": _startup(missing),
     }
 
 

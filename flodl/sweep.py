@@ -40,7 +40,7 @@ def launch_sweep(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
             job_cfg.hydra.job.num = idx
         _require_flodl_job(job_cfg)
         try:  # every job of the batch, before any of them starts a rank
-            run_cfg = check_job(job_cfg)
+            run_cfg = check_job(job_cfg, warm=offset == 0)
         except ConfigError as exc:
             where = f" (job {idx}: {' '.join(overrides)})" if several else ""
             print(f"error: {exc}{where}", file=sys.stderr)
@@ -78,16 +78,35 @@ def _launch(launcher: Any, ctx: Any, jobs: list, sweep_dir: Path, logger: Any) -
         _linger(dashboard, logger.keep_serving)
 
 
-def check_job(job_cfg: Any) -> RunConfig:
+def check_job(job_cfg: Any, warm: bool = False) -> RunConfig:
     """Validate one composed job, cheapest check first: a pure-config refusal exits before
-    torch is imported, and only a good job imports its metrics (torchmetrics, scipy)."""
+    torch is imported, and only a good job imports its metrics (torchmetrics, scipy).
+    ``warm``: once the pure-config checks passed, start the job's CPU-rig rank interpreters,
+    so their imports overlap the checks that need torch (:func:`_warm_ranks`)."""
     from flodl.preflight import check_config, check_factories, check_task_targets
 
     run_cfg = validate_run_config(app.plain_config(job_cfg))
     check_config(run_cfg.trainer_config())
+    if warm:
+        _warm_ranks(run_cfg.cluster)
     check_factories(run_cfg)
     check_task_targets(run_cfg.task)
     return run_cfg
+
+
+def _warm_ranks(cluster: Any) -> None:
+    """A local CPU rig: start its rank interpreters now, so their imports (torch, the worker)
+    overlap the launcher's remaining checks (torch, torchmetrics, the dry build) instead of
+    following them (:mod:`flodl.runtime.warm`). A refused job kills them unused."""
+    from flodl.runtime.env import external_role
+
+    if cluster.kind != "cpu_rig" or cluster.ranks < 2:
+        return
+    if external_role() is not None:  # torchrun / srun placed this process: no local children
+        return
+    from flodl.runtime import warm
+
+    warm.start(cluster.ranks)
 
 
 def _require_flodl_job(job_cfg: Any) -> None:

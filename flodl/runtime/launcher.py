@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from flodl.runtime import env as rank_env
+from flodl.runtime import warm
 from flodl.runtime.control_plane import GOODBYE_S, ControlPlane
 from flodl.runtime.controller import Controller, ControllerResult, Exited, RunFailed
 from flodl.runtime.spec import JobSpec
@@ -136,6 +137,7 @@ class ProcessCohort:
         self.plane.serve(replace(self.spec, store_host=address.host, store_port=self._store.port))
         for placement in self.topology.placements:
             self.procs.append(self._spawn(placement))
+        warm.close()  # interpreters started ahead that this cohort did not need
         threading.Thread(target=self._supervise, name="flodl-supervise", daemon=True).start()
 
     def join(self, stop_requested: Callable[[], bool]) -> ControllerResult:
@@ -181,12 +183,25 @@ class ProcessCohort:
     def _spawn(self, place: Placement) -> RankProcess:
         host, port = self.plane.address
         argv, env, lifeline = self._command(place, f"{host}:{port}")
-        popen = self._popen(argv, env, lifeline, cwd=self._cwd(place))
+        cwd = self._cwd(place)
+        popen = self._warm(argv, env, lifeline, cwd) or self._popen(argv, env, lifeline, cwd=cwd)
         log_path = self.job_dir / f"rank_{place.rank}.log"
         return RankProcess(place.rank, popen, log_path, self.echo, place.label)
 
     def _cwd(self, place: Placement) -> str | None:
         return None
+
+    def _warm(
+        self, argv: list[str], env: dict | None, lifeline: bool, cwd: str | None
+    ) -> subprocess.Popen | None:
+        """A warm interpreter (:mod:`flodl.runtime.warm`) for a plain local CPU rank: the
+        managed entry, no lifeline, no working directory of its own; else None (start cold)."""
+        plain = argv == [sys.executable, "-u", "-m", "flodl.runtime.rank"]
+        if not plain or env is None or lifeline or cwd is not None:
+            return None
+        if env.get(rank_env.DEVICE, "cpu") != "cpu":
+            return None  # a GPU rank's CUDA_VISIBLE_DEVICES must be set before it starts
+        return warm.take(env, self.plane.secret)
 
     def _popen(
         self, argv: list[str], env: dict | None, lifeline: bool, cwd: str | None = None

@@ -187,7 +187,14 @@ def run_managed(role: rank_env.RankEnv, secret: bytes, in_launcher: bool = False
 
 
 def main() -> int:
-    """The managed tier: a process our launcher started (locally or over ssh)."""
+    """The managed tier: a process our launcher started (locally or over ssh), or a warm one
+    (:mod:`flodl.runtime.warm`) that gets its role once a cohort takes it."""
+    from flodl.runtime import warm
+
+    if sys.argv[1:2] == [warm.WARM_FLAG]:
+        _die_with_parent()
+        if not warm.adopt_role():
+            return 0  # not needed: the launcher closed us before giving a role
     return run_managed(*_start())
 
 

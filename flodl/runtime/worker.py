@@ -171,9 +171,11 @@ class Worker:
                 eval_set, self.cfg.batch_size, self.cfg.seed, self.device, collate
             )
             place(self.eval_source, self.loader_cfg.model_copy(update={"placement": "auto"}))
-            # Before calibration: a bad metric fails now, and torchmetrics' import (dearer than
-            # torch's) does not land in the middle of paced training.
-            self.spec.evaluation.build(self.device)
+            # The metrics are built at this rank's first evaluation, not here: the launcher
+            # built them once already (a bad metric refuses the run there), and a rank that
+            # never evaluates (elected policy) never pays torchmetrics' import (~1.6 s CPU,
+            # dearer than torch's), which would delay every rank's first step. The import then
+            # lands in that evaluation, outside the paced steps.
 
     def _build_scheduler(self) -> None:
         self.per_step = self.spec.scheduler_interval == "step"
