@@ -102,6 +102,14 @@ def checksum(model: nn.Module) -> list[tuple[float, float]]:
     return out
 
 
+def _finite_grads(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    torch.nan_to_num_(p.grad, nan=0.0, posinf=0.0, neginf=0.0)
+
+
 @contextmanager
 def probe_model(
     model: nn.Module, optim_factory: Callable[[Any], torch.optim.Optimizer]
@@ -115,6 +123,10 @@ def probe_model(
         return
     for group in optimizer.param_groups:
         group["lr"] = 0.0
+    # 0 * NaN is NaN: a non-finite gradient (a NaN loss in the first steps, which training then
+    # skips and counts against trainer.max_nonfinite) would move the weights. The throwaway
+    # gradients are made finite before each step, at about the cost of one more pass over them.
+    optimizer.register_step_pre_hook(_finite_grads)
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     before = checksum(model)
     try:
