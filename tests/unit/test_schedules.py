@@ -162,7 +162,7 @@ def test_per_rank_batch_sizes_plan_samples_and_weight_the_average_by_them():
         ctl.attach(rank, link)
     for rank, size in enumerate((64, 16)):
         ctl._handle(rank, Ready(rank, "sig", 2, 1.0, "cpu", 800, batch_size=size))
-    assert ctl.batch_sizes == [64, 16]
+    assert ctl.planner.batch_sizes == [64, 16]
     first = [msg.windows[0] for msg in (link.sent[-1] for link in links)]
     samples = [sum(s for _, s in w.chunks) for w in first]
     assert samples == [640, 160]  # anchor 10 batches each, of their own size
