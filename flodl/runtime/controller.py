@@ -30,21 +30,16 @@ import logging
 import queue
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from flodl.callbacks import EarlyStopping
 from flodl.config import TrainerConfig
-from flodl.elche import (
-    ElChe,
-    ElCheState,
-)
-from flodl.metrics import EpochMetrics, SyncEvent
+from flodl.metrics import EpochMetrics
 from flodl.runtime import chaos
 from flodl.runtime.aggregation import Aggregator
 from flodl.runtime.checkpointing import Checkpointing, CommitFacts
-from flodl.runtime.dispatch import Coverage
 from flodl.runtime.elastic import Elastic, RunFailed
+from flodl.runtime.events import Disconnected, Exited, Hooks
 from flodl.runtime.links import Outbound
 from flodl.runtime.membership import Membership, failure_budget
 from flodl.runtime.messages import (
@@ -59,40 +54,14 @@ from flodl.runtime.messages import (
     Settled,
     Stop,
 )
+from flodl.runtime.opening import Opening, make_elche
 from flodl.runtime.planning import Planner
 from flodl.runtime.snapshots import Checkpointer, ResumePoint
 from flodl.runtime.tracking import ControllerResult, WindowTrack
 
 log = logging.getLogger(__name__)
-_STALL_S = 1.0  # a gap between two liveness checks longer than this is the judge's own stall
-_LIVENESS_S = 0.05  # how often silent ranks are looked for
 
 __all__ = ["Controller", "ControllerResult", "Disconnected", "Exited", "Hooks", "RunFailed"]
-
-
-@dataclass(frozen=True)
-class Exited:
-    """Posted by the supervisor when a rank process ends."""
-
-    code: int
-    tail: str = ""
-
-
-@dataclass(frozen=True)
-class Disconnected:
-    reason: str
-
-
-@dataclass
-class Hooks:
-    on_sync: Callable[[SyncEvent], None] = lambda ev: None
-    # A closed epoch; a returned string is a stop request (its reason).
-    on_epoch: Callable[[EpochMetrics], str | None] = lambda m: None
-    on_steps: Callable[[int, tuple], None] = lambda rank, steps: None
-    on_progress: Callable[[int, int, int, float | None, list[float]], None] = (
-        lambda epoch, done, total, loss, shares: None
-    )
-    kill_rank: Callable[[int], None] = lambda rank: None
 
 
 class Controller:
@@ -110,7 +79,7 @@ class Controller:
         resume: ResumePoint | None = None,
         eval_metric: str | None = None,
     ) -> None:
-        self.cfg, self.world, self.resume = config, world_size, resume
+        self.cfg, self.world = config, world_size
         self.hooks = hooks or Hooks()
         self.inbox: queue.Queue[tuple[int, Any]] = queue.Queue()
         self.out = Outbound()
@@ -119,7 +88,7 @@ class Controller:
             failure_budget(config.max_failure, world_size),
             config.cluster.heartbeat_timeout_s,
         )
-        self.elche = self._make_elche(speeds)
+        self.elche = make_elche(config, world_size, speeds, resume)
         self.planner = Planner(
             config,
             world_size,
@@ -134,9 +103,11 @@ class Controller:
         self.aggregator = Aggregator(
             config, world_size, self.elche, self.hooks, self.out, eval_metric, saved
         )
+        self.opening = Opening(config, world_size, self.members, self.out, resume)
         self.saves = Checkpointing(config, checkpointer, self._facts, self._stop_for_save)
-        self.elastic = Elastic(config, self.members, self.planner, self.saves, self.out, self)
-        self.ready: dict[int, Ready] = {}
+        self.elastic = Elastic(
+            config, self.members, self.planner, self.saves, self.out, self, self._kill
+        )
         self.final: Final | None = None
         self.stop_reason: str | None = None
         self.stopped_early: dict[str, Any] | None = None
@@ -147,47 +118,12 @@ class Controller:
         self._stop_sent = False
         self._stop_deadline = 0.0
         self._t_start = time.perf_counter()
-        self._last_check = time.monotonic()
-        self._last_liveness = 0.0
         self._t_train = 0.0
         self._t_end = 0.0
 
-    def _make_elche(self, speeds: list[float]) -> ElChe | None:
-        if self.world < 2:
-            return None
-        hint = speeds if len(set(speeds)) > 1 else None
-        saved = self.resume.meta.elche_state if self.resume is not None else None
-        state = ElCheState.from_dict(saved) if saved else None
-        if state is not None and state.world_size != self.world:
-            log.warning(
-                "checkpoint %s: ElChe state of %d ranks, this run has %d: re-calibrating",
-                self.resume.stem if self.resume is not None else "",
-                state.world_size,
-                self.world,
-            )
-            state = None
-        return ElChe(self.cfg.elche, self.world, speed_hint=hint, state=state)
-
-    # -- what the rest of the launcher (and the tests) read --------------------------------------
     @property
     def alive(self) -> list[int]:
         return self.members.members
-
-    @property
-    def events(self) -> list[SyncEvent]:
-        return self.aggregator.events
-
-    @property
-    def closed_epochs(self) -> list[EpochMetrics]:
-        return self.aggregator.closed_epochs
-
-    @property
-    def coverage(self) -> Coverage | None:
-        return self.planner.coverage
-
-    @property
-    def checkpointer(self) -> Checkpointer | None:
-        return self.saves.checkpointer
 
     # -- wiring --------------------------------------------------------------------------------
     def attach(self, rank: int, link: Any) -> None:
@@ -241,36 +177,16 @@ class Controller:
         return self.stop_reason is not None or not self.planner.open
 
     def _check_deadlines(self) -> None:
-        self._excuse_stalls()
+        self.elastic.excuse_stalls()
         now = time.perf_counter()
         self.elastic.failure_due(now)
         timeout = self.cfg.cluster.start_timeout_s
         if self.planner.coverage is None and now - self._t_start > timeout:
-            missing = sorted(set(self.alive) - set(self.ready))
+            missing = self.opening.missing()
             if missing:
                 raise RunFailed(f"ranks {missing} did not get ready within {timeout:.0f} s")
-        # Liveness is O(ranks): judged every _LIVENESS_S, not on every message (a 128-rank
-        # window brings 128 reports), which is far finer than any heartbeat timeout.
-        if not self._stop_sent and now - self._last_liveness >= _LIVENESS_S:
-            self._last_liveness = now
-            for rank in self.members.stale():
-                log.warning(
-                    "rank %d: no heartbeat for %.0f s; dropping it",
-                    rank,
-                    self.members.heartbeat_timeout_s,
-                )
-                self.hooks.kill_rank(rank)
-                self.elastic.drop(rank, "heartbeat went stale")
-
-    def _excuse_stalls(self) -> None:
-        """A gap between two checks longer than a heartbeat interval means this process did not
-        run (SIGSTOP, a swapped-out VM) or this thread was blocked: heartbeats may be sitting
-        unread in the sockets, so the gap does not count as the ranks' silence."""
-        now = time.monotonic()
-        gap = now - self._last_check
-        self._last_check = now
-        if gap > _STALL_S:
-            self.members.excuse(gap)
+        if not self._stop_sent:
+            self.elastic.judge(now)
 
     def _handle(self, rank: int, msg: Any) -> None:
         self.elastic.tell_if_late(rank, started=self.planner.coverage is not None)
@@ -315,7 +231,10 @@ class Controller:
 
     # -- the Host protocol of the membership part (flodl.runtime.elastic) ----------------------
     def formed(self) -> bool:
-        return self.planner.coverage is not None and set(self.alive) <= set(self.ready)
+        return self.planner.coverage is not None and self.opening.all_ready()
+
+    def _kill(self, rank: int) -> None:
+        self.hooks.kill_rank(rank)  # read when called: a cohort sets the hook after construction
 
     def stopping(self) -> bool:
         return self._stop_sent
@@ -324,7 +243,7 @@ class Controller:
         return self.final is not None
 
     def not_ready(self, rank: int) -> None:
-        self.ready.pop(rank, None)
+        self.opening.forget(rank)
 
     def closed_count(self) -> int:
         return len(self.aggregator.closed_epochs)
@@ -418,58 +337,18 @@ class Controller:
 
     # -- start -----------------------------------------------------------------------------------
     def _on_ready(self, msg: Ready) -> None:
-        if msg.rank in self.alive:
-            self.ready[msg.rank] = msg
+        if self.opening.take(msg):
             self.maybe_begin()
 
     def maybe_begin(self) -> None:
         """Start training once every member is ready."""
-        if self.planner.coverage is not None or not set(self.alive) <= set(self.ready):
+        if self.planner.coverage is not None or not self.opening.all_ready():
             return
-        signatures = {r.signature for r in self.ready.values()}
-        if len(signatures) > 1:
-            detail = ", ".join(f"rank {r}: {m.signature}" for r, m in sorted(self.ready.items()))
-            raise RunFailed(f"ranks built different model architectures ({detail})")
-        sizes = {r.n_samples for r in self.ready.values()}
-        if len(sizes) > 1:
-            raise RunFailed(f"ranks loaded datasets of different sizes: {sorted(sizes)}")
-        n_samples = sizes.pop()
-        self.saves.sign(signatures.pop())
-        start = self._resume_ranks(n_samples)
-        if start[0] >= self.cfg.num_epochs:
-            raise RunFailed(
-                f"checkpoint already finished {start[0]} epochs; trainer.num_epochs="
-                f"{self.cfg.num_epochs} leaves nothing to train"
-            )
-        ready = list(self.ready.values())
+        start = self.opening.start()
+        self.saves.sign(start.signature)
         self._t_train = time.perf_counter()
-        self.aggregator.begin(self._t_train, ready[0].n_params)
-        self.planner.start(n_samples, start, ready)
-
-    def _resume_ranks(self, n_samples: int) -> tuple[int, list]:
-        """Hand every rank its saved state; return the epoch and ranges to start from."""
-        if self.resume is None:
-            return 0, []
-        meta = self.resume.meta
-        signature = next(iter(self.ready.values())).signature
-        if meta.signature and meta.signature != signature:
-            raise RunFailed(
-                f"checkpoint {self.resume.stem} was saved for another model (architecture "
-                f"{meta.signature} != {signature}); point trainer.resume_from at this model's"
-            )
-        saved_n = (meta.coverage or {}).get("n_samples", n_samples)
-        if saved_n != n_samples:
-            raise RunFailed(
-                f"checkpoint saw {saved_n} samples per epoch, the dataset has {n_samples}"
-            )
-        saved_world = int(meta.extra.get("launch_world", meta.world_size))
-        factor = self._lr_factor(self.world) / self._lr_factor(saved_world)
-        for rank in self.alive:
-            self.out.send(rank, self.resume.restore_for(rank, lr_factor=factor))
-        return meta.epoch, self.resume.uncovered()
-
-    def _lr_factor(self, world: int) -> float:
-        return 1.0 + (world - 1) * self.cfg.lr_scale_ratio
+        self.aggregator.begin(self._t_train, start.ready[0].n_params)
+        self.planner.start(start.n_samples, start.at, start.ready)
 
     # -- reports -----------------------------------------------------------------------------------
     def _on_report(self, report: Report) -> None:
@@ -521,7 +400,7 @@ class Controller:
             rank_peak_mem=[max((t.peak_mem[r] for t in tracks), default=0) for r in ranks],
             stopped_early=self.stopped_early,
             best=self.saves.best.to_dict() if self.saves.best is not None else None,
-            devices=[self.ready[r].device for r in ranks if r in self.ready],
+            devices=self.opening.devices(),
             stopped=self.stop_reason,
             saved=self.saves.saved,
             lost_ranks=list(self.members.lost),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 from flodl.config import TrainerConfig
@@ -23,6 +24,8 @@ from flodl.runtime.planning import Planner
 from flodl.runtime.tracking import WindowTrack
 
 log = logging.getLogger(__name__)
+_STALL_S = 1.0  # a gap between two liveness checks longer than this is the judge's own stall
+_LIVENESS_S = 0.05  # how often silent ranks are looked for
 
 
 class RunFailed(RuntimeError):
@@ -56,6 +59,7 @@ class Elastic:
         saves: Checkpointing,
         out: Outbound,
         host: Host,
+        kill: Callable[[int], None],
     ) -> None:
         self.cfg, self.members, self.planner, self.saves, self.out = (
             cfg,
@@ -64,7 +68,9 @@ class Elastic:
             saves,
             out,
         )
-        self.host = host
+        self.host, self._kill = host, kill  # kill: end a silent rank's process
+        self._last_check = time.monotonic()
+        self._last_liveness = 0.0
         self.regrouping: dict[int, bool] = {}  # survivor -> regrouped; planning waits on it
         self._told: dict[int, int] = {}  # the membership generation each rank was told
         self._failure: tuple[float, str, int | None] | None = None  # (due, message, rank)
@@ -92,6 +98,33 @@ class Elastic:
         self._recent[track.index] = track
         for old in [i for i in self._recent if i < track.index - 4]:
             del self._recent[old]
+
+    # -- liveness --------------------------------------------------------------------------------
+    def excuse_stalls(self) -> None:
+        """A gap between two checks longer than a heartbeat interval means this process did not
+        run (SIGSTOP, a swapped-out VM) or this thread was blocked: heartbeats may be sitting
+        unread in the sockets, so the gap does not count as the ranks' silence."""
+        now = time.monotonic()
+        gap = now - self._last_check
+        self._last_check = now
+        if gap > _STALL_S:
+            self.members.excuse(gap)
+
+    def judge(self, now: float) -> None:
+        """Drop the ranks whose heartbeat went stale. O(ranks), so judged every _LIVENESS_S,
+        not on every message (a 128-rank window brings 128 reports): far finer than any
+        heartbeat timeout."""
+        if now - self._last_liveness < _LIVENESS_S:
+            return
+        self._last_liveness = now
+        for rank in self.members.stale():
+            log.warning(
+                "rank %d: no heartbeat for %.0f s; dropping it",
+                rank,
+                self.members.heartbeat_timeout_s,
+            )
+            self._kill(rank)
+            self.drop(rank, "heartbeat went stale")
 
     # -- failures --------------------------------------------------------------------------------
     def on_failure(self, rank: int, message: str, immediate: bool = False) -> None:
@@ -229,6 +262,28 @@ class Elastic:
             if track is None:
                 continue
             for rank in sorted(set(track.reports) - set(self.alive)):
-                self.planner.give_back_settled(track, rank, self.host.closed_count())
+                self._give_back_settled(track, rank)
         self._unaveraged.clear()
         self.host.close_epochs()  # (planning resumes right after, in on_regrouped)
+
+    def _give_back_settled(self, track: WindowTrack, rank: int) -> None:
+        """``rank``'s work in a completed window whose averaging failed never reached the
+        model: trained again, unless its epoch already closed (its coverage is then short)."""
+        if track.epoch < self.planner.first_epoch() + self.host.closed_count():
+            self.planner.unrecord(track, rank)
+            log.warning(
+                "rank %d was lost while averaging window %d, the last of epoch %d: its %d "
+                "samples there never reached the model; epoch %d's coverage is short",
+                rank,
+                track.index,
+                track.epoch + 1,
+                sum(size for _, size in track.chunks[rank]),
+                track.epoch + 1,
+            )
+            return
+        log.warning(
+            "rank %d was lost while averaging window %d: its work there is trained again",
+            rank,
+            track.index,
+        )
+        self.planner.give_back(track, rank)  # the window stays completed; only this work returns

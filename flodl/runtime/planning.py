@@ -20,7 +20,13 @@ from flodl.elche import (
     step_max_overshoot,
 )
 from flodl.elche.guard import Verdict
-from flodl.runtime.dispatch import Coverage, EpochCursor, chunk_batches, clamp_to_samples
+from flodl.runtime.dispatch import (
+    Coverage,
+    EpochCursor,
+    chunk_batches,
+    clamp_to_samples,
+    eval_shards,
+)
 from flodl.runtime.links import Outbound
 from flodl.runtime.membership import Membership
 from flodl.runtime.messages import CohortPlan, EvalResult, PlannedWindow, Ready, Report
@@ -222,7 +228,7 @@ class Planner:
             if settle:
                 track.unsettled = set(self.alive)
                 self.settle_windows[index] = cursor.epoch
-            shards = self._eval_shards(cursor.epoch)
+            shards = eval_shards(self.cfg, self.has_eval, cursor.epoch, self.members, self.elche)
             track.plan_eval(index, set(shards))
             # save_best: every evaluated epoch is saved too, so the best one can be kept.
             best = bool(shards) and self.cfg.save_best is not None
@@ -257,29 +263,15 @@ class Planner:
             grad_sync=grads,
         )
 
-    def _eval_shards(self, epoch: int) -> dict[int, tuple[int, int]]:
-        """Which ranks evaluate after ``epoch``, each with its ``(shard, shards)``."""
-        last = epoch == self.cfg.num_epochs - 1
-        if not self.has_eval or not (last or (epoch + 1) % self.cfg.eval_every == 0):
-            return {}
-        if self.cfg.eval_policy == "sharded":
-            members = self.alive
-            return {r: (i, len(members)) for i, r in enumerate(members)}
-        return {self._eval_rank(): (0, 1)}
-
-    def _eval_rank(self) -> int:
-        policy = self.cfg.callback_policy
-        if policy.kind == "rank" and self.members.alive[policy.rank]:
-            return policy.rank
-        if self.elche is not None:
-            return self.elche.fastest_rank(alive=self.members.alive)
-        return self.head()
-
     # -- the ledger: what came back, and what goes back when a rank is lost -----------------------
     @property
     def open(self) -> bool:
         """Some epoch is not closed yet."""
         return any(not t.closed for t in self.epochs.values())
+
+    def first_epoch(self) -> int:
+        """The first epoch this run trains (a resumed run's is not 0)."""
+        return min(self.epochs, default=0)
 
     def epoch_samples(self, epoch: int) -> int:
         cursor = self.cursors.get(epoch)
@@ -384,30 +376,10 @@ class Planner:
         self.epochs[track.epoch].all_planned = False
         self.all_planned = False
 
-    def give_back_settled(self, track: WindowTrack, rank: int, closed_epochs: int) -> None:
-        """A completed window whose averaging failed: ``rank``'s work there never reached the
-        model. Trained again, unless its epoch already closed (``closed_epochs``): then that
-        epoch's coverage is recorded short."""
+    def unrecord(self, track: WindowTrack, rank: int) -> None:
+        """``rank``'s work in ``track`` never reached the model: coverage forgets it."""
         assert self.coverage is not None
-        chunks = track.chunks[rank]
-        if track.epoch < min(self.epochs, default=0) + closed_epochs:
-            self.coverage.unrecord(track.epoch, chunks)
-            log.warning(
-                "rank %d was lost while averaging window %d, the last of epoch %d: its %d "
-                "samples there never reached the model; epoch %d's coverage is short",
-                rank,
-                track.index,
-                track.epoch + 1,
-                sum(size for _, size in chunks),
-                track.epoch + 1,
-            )
-            return
-        log.warning(
-            "rank %d was lost while averaging window %d: its work there is trained again",
-            rank,
-            track.index,
-        )
-        self.give_back(track, rank)  # the window stays completed; only this work returns
+        self.coverage.unrecord(track.epoch, track.chunks[rank])
 
     def resume_point(self) -> tuple[int, list]:
         """The lowest unfinished epoch and its uncovered ranges (where a resumed run starts)."""
@@ -419,11 +391,4 @@ class Planner:
     def take_eval(self, msg: EvalResult) -> bool:
         """One eval shard into its epoch; True once the epoch's eval is complete."""
         track = self.epochs.get(msg.epoch)
-        if track is None or not track.take_eval(msg.rank, msg.window, msg.shard, msg.parts):
-            return False
-        if not track.eval_skipped:
-            from flodl.evaluation import merge  # torch only where metrics are computed
-
-            track.eval_metrics = merge([track.eval_parts[s] for s in sorted(track.eval_parts)])
-        track.eval_parts = {}
-        return True
+        return track is not None and track.take_eval(msg.rank, msg.window, msg.shard, msg.parts)

@@ -185,7 +185,7 @@ def test_save_best_keeps_the_bundle_of_the_best_epoch(tmp_path):
     best = ctl._result().best
     assert best == {"monitor": "accuracy", "mode": "max", "value": pytest.approx(0.8), "epoch": 2}
     # every evaluated epoch is checkpointed; epochs 1 and 2 improved, so were copied to _best
-    assert ctl.checkpointer.saved == ["checkpoint"] * 4 + ["final"]
+    assert ctl.saves.saved == ["checkpoint"] * 4 + ["final"]
 
 
 def test_epoch_checkpoints_take_the_weights_from_the_head_once_rank_0_is_lost(tmp_path):
@@ -200,5 +200,5 @@ def test_epoch_checkpoints_take_the_weights_from_the_head_once_rank_0_is_lost(tm
         w for p in links[1].sent if isinstance(p, Plan) for w in p.windows if w.checkpoint_after
     ]
     assert checkpoints and all(w.write_weights for w in checkpoints)
-    assert ctl.checkpointer.saved == ["checkpoint", "checkpoint", "final"]
+    assert ctl.saves.saved == ["checkpoint", "checkpoint", "final"]
     assert load_bundle(stem)[1].epoch == 3
