@@ -17,6 +17,7 @@ from flodl.config import Mode, Outer, TrainerConfig
 from flodl.elche import ElChe
 from flodl.elche.guard import Verdict
 from flodl.metrics import EpochMetrics, SyncEvent
+from flodl.runtime.events import Hooks
 from flodl.runtime.links import Outbound
 from flodl.runtime.messages import Average, Report
 from flodl.runtime.sums import SnapshotSums
@@ -35,7 +36,7 @@ class Aggregator:
         cfg: TrainerConfig,
         world: int,
         elche: ElChe | None,
-        hooks: Any,
+        hooks: Hooks,
         out: Outbound,
         eval_metric: str | None = None,
         saved: dict[str, Any] | None = None,

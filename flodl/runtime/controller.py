@@ -18,10 +18,12 @@ part                                                   owns
 :class:`~flodl.runtime.planning.Planner`               cursors, open windows, epochs, coverage
 :class:`~flodl.runtime.aggregation.Aggregator`         sync-event log, closed epochs, averages
 :class:`~flodl.runtime.checkpointing.Checkpointing`    bundles, keep-best, the save error
-:class:`~flodl.runtime.elastic.Elastic`                failures, losses, regroups
+:class:`~flodl.runtime.opening.Opening`                the Ready messages, the resume point
+:class:`~flodl.runtime.elastic.Elastic`                liveness, failures, losses, regroups
 =====================================================  =======================================
 
-This class wires them, routes each message to its part, and owns the start and the stop.
+This class wires them, routes each message to its part, and owns the stop. What it exchanges
+with the launcher besides the ranks' messages (hooks, posted events) is in ``events.py``.
 """
 
 from __future__ import annotations
@@ -89,16 +91,9 @@ class Controller:
             config.cluster.heartbeat_timeout_s,
         )
         self.elche = make_elche(config, world_size, speeds, resume)
-        self.planner = Planner(
-            config,
-            world_size,
-            has_eval,
-            self.members,
-            self.elche,
-            checkpointer,
-            self.out,
-            lookahead,
-        )
+        step = resume.meta.global_step if resume is not None else 0
+        parts = (self.members, self.elche, checkpointer, self.out)
+        self.planner = Planner(config, has_eval, *parts, lookahead=lookahead, global_step=step)
         saved = resume.controller_state() if resume is not None else None
         self.aggregator = Aggregator(
             config, world_size, self.elche, self.hooks, self.out, eval_metric, saved
@@ -114,12 +109,10 @@ class Controller:
         stopping = config.early_stopping
         self.early_stopping = EarlyStopping(stopping) if stopping is not None else None
         self.rounds_before = resume.meta.sync_round if resume is not None else 0
-        self.planner.global_step = resume.meta.global_step if resume is not None else 0
         self._stop_sent = False
         self._stop_deadline = 0.0
         self._t_start = time.perf_counter()
-        self._t_train = 0.0
-        self._t_end = 0.0
+        self._t_train = self._t_end = 0.0  # training began; its last window completed
 
     @property
     def alive(self) -> list[int]:
@@ -170,9 +163,8 @@ class Controller:
             )
 
     def _finished(self) -> bool:
-        if self.final is None or self.planner.windows or self.saves.pending:
-            return False
-        if self.elastic.regrouping:
+        busy = self.planner.windows or self.saves.pending or self.elastic.regrouping
+        if self.final is None or busy:
             return False
         return self.stop_reason is not None or not self.planner.open
 
@@ -292,7 +284,7 @@ class Controller:
         self._maybe_send_stop()
 
     def _stop_for_save(self, reason: str) -> None:
-        if self.stop_reason is None:
+        if self.stop_reason is None:  # a save failed mid-run
             self.begin_stop(reason)
 
     def _maybe_send_stop(self) -> None:

@@ -54,14 +54,15 @@ class Planner:
     def __init__(
         self,
         cfg: TrainerConfig,
-        world: int,
         has_eval: bool,
         members: Membership,
         elche: ElChe | None,
         checkpointer: Checkpointer | None,
         out: Outbound,
         lookahead: int = 1,
+        global_step: int = 0,
     ) -> None:
+        world = members.world_size
         self.cfg, self.world, self.mode, self.has_eval = cfg, world, cfg.elche.mode, has_eval
         self.members, self.elche, self.checkpointer, self.out = members, elche, checkpointer, out
         self.lookahead = lookahead
@@ -72,7 +73,7 @@ class Planner:
         self.next_window = 0
         self.completed = 0
         self.all_planned = False
-        self.global_step = 0
+        self.global_step = global_step  # optimizer steps so far (a resumed run's count on)
         self.overshoot = (0, 0, 0)  # cpu_async: (current, initial, cap) averages in flight
         self.batch_sizes = [cfg.batch_size] * world  # per rank, from their Ready messages
         self.shard_sizes: tuple[int, ...] = ()  # sharded data: samples per shard, from Ready
