@@ -40,8 +40,8 @@ from flodl.metrics import EpochMetrics
 from flodl.runtime import chaos
 from flodl.runtime.aggregation import Aggregator
 from flodl.runtime.checkpointing import Checkpointing, CommitFacts
-from flodl.runtime.elastic import Elastic, RunFailed
-from flodl.runtime.events import Disconnected, Exited, Hooks
+from flodl.runtime.elastic import Elastic
+from flodl.runtime.events import Disconnected, Exited, Hooks, RunFailed
 from flodl.runtime.links import Outbound
 from flodl.runtime.membership import Membership, failure_budget
 from flodl.runtime.messages import (

@@ -17,6 +17,7 @@ from typing import Protocol
 
 from flodl.config import TrainerConfig
 from flodl.runtime.checkpointing import Checkpointing
+from flodl.runtime.events import RunFailed
 from flodl.runtime.links import Outbound
 from flodl.runtime.membership import Membership
 from flodl.runtime.messages import Regroup, Regrouped, Stop
@@ -26,10 +27,6 @@ from flodl.runtime.tracking import WindowTrack
 log = logging.getLogger(__name__)
 _STALL_S = 1.0  # a gap between two liveness checks longer than this is the judge's own stall
 _LIVENESS_S = 0.05  # how often silent ranks are looked for
-
-
-class RunFailed(RuntimeError):
-    """A rank failed; the message is the rank's own, reported once."""
 
 
 class Host(Protocol):

@@ -1,6 +1,7 @@
 """The controller's events: what the launcher posts into its inbox besides the ranks' own
-messages (:class:`Exited`, :class:`Disconnected`), and the :class:`Hooks` it calls out through
-(progress, sync events, closed epochs, killing a silent rank)."""
+messages (:class:`Exited`, :class:`Disconnected`), the :class:`Hooks` it calls out through
+(progress, sync events, closed epochs, killing a silent rank), and :class:`RunFailed`, how it
+ends a run that cannot go on."""
 
 from __future__ import annotations
 
@@ -8,6 +9,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from flodl.metrics import EpochMetrics, SyncEvent
+
+
+class RunFailed(RuntimeError):
+    """A rank failed; the message is the rank's own, reported once."""
 
 
 @dataclass(frozen=True)
@@ -20,11 +25,15 @@ class Exited:
 
 @dataclass(frozen=True)
 class Disconnected:
+    """Posted by a rank's reader when its control channel is lost."""
+
     reason: str
 
 
 @dataclass
 class Hooks:
+    """What the launcher's side hears of the run (each a no-op unless set)."""
+
     on_sync: Callable[[SyncEvent], None] = lambda ev: None
     # A closed epoch; a returned string is a stop request (its reason).
     on_epoch: Callable[[EpochMetrics], str | None] = lambda m: None

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from flodl.config import TrainerConfig
 from flodl.elche import ElChe, ElCheState
-from flodl.runtime.elastic import RunFailed
+from flodl.runtime.events import RunFailed
 from flodl.runtime.links import Outbound
 from flodl.runtime.membership import Membership
 from flodl.runtime.messages import Ready
