@@ -85,11 +85,8 @@ class Controller:
         self.hooks = hooks or Hooks()
         self.inbox: queue.Queue[tuple[int, Any]] = queue.Queue()
         self.out = Outbound()
-        self.members = Membership(
-            world_size,
-            failure_budget(config.max_failure, world_size),
-            config.cluster.heartbeat_timeout_s,
-        )
+        budget = failure_budget(config.max_failure, world_size)
+        self.members = Membership(world_size, budget, config.cluster.heartbeat_timeout_s)
         self.elche = make_elche(config, world_size, speeds, resume)
         step = resume.meta.global_step if resume is not None else 0
         parts = (self.members, self.elche, checkpointer, self.out)
@@ -109,8 +106,7 @@ class Controller:
         stopping = config.early_stopping
         self.early_stopping = EarlyStopping(stopping) if stopping is not None else None
         self.rounds_before = resume.meta.sync_round if resume is not None else 0
-        self._stop_sent = False
-        self._stop_deadline = 0.0
+        self._stop_sent, self._stop_deadline = False, 0.0  # Stop went out; when it must be done
         self._t_start = time.perf_counter()
         self._t_train = self._t_end = 0.0  # training began; its last window completed
 
