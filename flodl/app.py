@@ -85,6 +85,7 @@ class CheckedJob:
     run: RunConfig
     config: TrainerConfig  # run.trainer_config(): the Python API's config bag
     signature: str | None  # the model's architecture, from the factories' dry build
+    data: dict[str, Any]  # the resolved job config that was validated (plain_config)
 
 
 def train(cfg: Any, checked: CheckedJob | None = None) -> Objective:
@@ -98,14 +99,17 @@ def train(cfg: Any, checked: CheckedJob | None = None) -> Objective:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
-    run_cfg = checked.run if checked is not None else schema.validate_run_config(plain_config(cfg))
+    data = plain_config(cfg)
+    if checked is not None and checked.data != data:
+        checked = None  # it resolves differently inside the job (a ${hydra:...} value): recheck
+    run_cfg = checked.run if checked is not None else schema.validate_run_config(data)
     logging.getLogger("flodl").setLevel(run_cfg.logger.level)
     hydra_cfg = HydraConfig.get()
     job_dir = Path(hydra_cfg.runtime.output_dir)
     run_info: dict[str, Any] = {
         "job": str(hydra_cfg.job.num),
         "overrides": list(hydra_cfg.overrides.task),
-        "config_yaml": OmegaConf.to_yaml(OmegaConf.create(plain_config(cfg))),
+        "config_yaml": OmegaConf.to_yaml(OmegaConf.create(data)),
     }
     try:
         handle = _start(run_cfg, job_dir, run_info, checked)

@@ -85,12 +85,13 @@ def check_job(job_cfg: Any) -> app.CheckedJob:
     before torch is imported, and only a good job imports its metrics (torchmetrics, scipy)."""
     from flodl.preflight import check_config, check_factories, check_task_targets
 
-    run_cfg = validate_run_config(app.plain_config(job_cfg))
+    data = app.plain_config(job_cfg)
+    run_cfg = validate_run_config(data)
     config = run_cfg.trainer_config()
     check_config(config)
     signature = check_factories(run_cfg)
     check_task_targets(run_cfg.task)
-    return app.CheckedJob(run_cfg, config, signature)
+    return app.CheckedJob(run_cfg, config, signature, data)
 
 
 def _require_flodl_job(job_cfg: Any) -> None:

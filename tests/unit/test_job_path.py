@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -31,11 +32,28 @@ def test_the_follower_is_decided_in_one_function(role, placed, follower):
     assert not placed_cohort(role, solo=True)  # solo trains on rank 0 alone: no cohort
 
 
-def _compose(overrides: list[str]) -> Any:
+@pytest.fixture(autouse=True)
+def _no_hydra_config_left():
+    """_compose sets Hydra's process-wide HydraConfig; other tests must not see it."""
+    yield
+    from hydra.core.hydra_config import HydraConfig
+
+    HydraConfig.instance().cfg = None
+
+
+def _compose(overrides: list[str], job_dir: Path) -> Any:
+    """A composed job as the launcher holds it (with its hydra node, HydraConfig set)."""
     from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
 
     with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
-        return compose("config", overrides=overrides)
+        cfg = compose("config", overrides=overrides, return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.hydra.runtime.output_dir = str(job_dir)
+        cfg.hydra.job.num = 0
+    HydraConfig.instance().set_config(cfg)
+    return cfg
 
 
 def _counting(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
@@ -66,15 +84,20 @@ def test_a_job_is_validated_once_and_run_py_is_not_entered_again(monkeypatch, tm
     """The launcher's checks (check_job) hand the job its validated config: running it checks
     nothing again, and its task function is app.train, not run.py's main a second time."""
     calls = _counting(monkeypatch)
-    job_cfg = _compose(["dataset=digits", "trainer.num_epochs=1"])
+    job_cfg = _compose(["dataset=digits", "trainer.num_epochs=1"], tmp_path)
     checked = sweep.check_job(job_cfg)
     assert calls == {"schema": 1, "trainer_config": 1, "factories": 1, "targets": 1}
 
     started: dict[str, Any] = {}
-    monkeypatch.setattr("flodl.trainer.Trainer.run", lambda *a, **k: started.update(k, cfg=a[3]))
-    app._start(checked.run, tmp_path, {}, checked)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        started.update(kwargs, cfg=args[3])
+        return SimpleNamespace(join=lambda: None, summary=None)
+
+    monkeypatch.setattr("flodl.trainer.Trainer.run", run)
+    row = app.train(job_cfg, checked=checked).row
     assert calls == {"schema": 1, "trainer_config": 1, "factories": 1, "targets": 1}
-    assert started["cfg"] is checked.config
+    assert started["cfg"] is checked.config and row["status"] == "failed"  # no summary: stub
     assert started["run_info"]["model_signature"] == checked.signature
 
     tasks: list[Any] = []
@@ -97,7 +120,21 @@ def test_another_launchers_job_validates_itself_once(monkeypatch, tmp_path):
     """Without the flodl launcher (hydra/launcher=basic, joblib, submitit) run.py's main calls
     app.train(cfg), which validates: once."""
     calls = _counting(monkeypatch)
-    run_cfg = config.validate_run_config(app.plain_config(_compose(["dataset=digits"])))
-    monkeypatch.setattr("flodl.trainer.Trainer.run", lambda *a, **k: None)
-    app._start(run_cfg, tmp_path, {}, None)
+    job_cfg = _compose(["dataset=digits"], tmp_path)
+    stub = SimpleNamespace(join=lambda: None, summary=None)
+    monkeypatch.setattr("flodl.trainer.Trainer.run", lambda *a, **k: stub)
+    app.train(job_cfg)
     assert calls == {"schema": 1, "trainer_config": 1, "factories": 1, "targets": 1}
+
+
+def test_a_job_that_resolves_differently_inside_is_checked_again(monkeypatch, tmp_path):
+    """A value that resolves per job (``${hydra:...}``) may differ from the launcher's check:
+    the job then validates what it really runs."""
+    job_cfg = _compose(["dataset=digits"], tmp_path)
+    checked = sweep.check_job(job_cfg)
+    stale = replace(checked, data={**checked.data, "seed_note": "resolved elsewhere"})
+    calls = _counting(monkeypatch)
+    stub = SimpleNamespace(join=lambda: None, summary=None)
+    monkeypatch.setattr("flodl.trainer.Trainer.run", lambda *a, **k: stub)
+    app.train(job_cfg, checked=stale)
+    assert calls["schema"] == 1 and calls["factories"] == 1
