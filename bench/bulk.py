@@ -282,7 +282,7 @@ def _controller(listener: Any, secret: bytes, n: int) -> None:
             t.join()
         mean = sums.take(i, [0, 1])
         senders = [threading.Thread(target=ch.send, args=(Average(i, mean),)) for ch in channels]
-        for t in senders:  # as the controller does (Outbound._send_each): at once
+        for t in senders:  # as the controller does (Outbound.send_each): at once
             t.start()
         for t in senders:
             t.join()

@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from flodl import config as schema
-from flodl.config import ConfigError, RunConfig, resolve_dotted
+from flodl.config import ConfigError, RunConfig, TrainerConfig, resolve_dotted
 from flodl.factories import (  # module-level: they pickle by reference to the ranks
     build_dataset,
     build_metric,
@@ -74,9 +75,23 @@ def plain_config(cfg: Any) -> dict[str, Any]:
     return {str(k): v for k, v in data.items()}
 
 
-def train(cfg: Any) -> Objective:
+@dataclass(frozen=True)
+class CheckedJob:
+    """A composed job, validated once: its schema, the knobs that need no topology, its
+    factories' dry build and its task's targets (:func:`flodl.sweep.check_job`). The flodl
+    launcher checks every job of a sweep before any starts, then hands each its own, so
+    nothing is validated twice."""
+
+    run: RunConfig
+    config: TrainerConfig  # run.trainer_config(): the Python API's config bag
+    signature: str | None  # the model's architecture, from the factories' dry build
+    data: dict[str, Any]  # the resolved job config that was validated (plain_config)
+
+
+def train(cfg: Any, checked: CheckedJob | None = None) -> Objective:
     """Run one job; return its objective (for optimizing sweepers: Optuna, Nevergrad, Ax)
-    carrying its summary row (for the A/B report).
+    carrying its summary row (for the A/B report). ``checked``: the job as the flodl launcher
+    already validated it (another launcher calls ``run.py``'s ``main``, which validates here).
 
     A failed job is a failed row and a NaN objective, never an aborted sweep. A configuration
     error exits with code 2 before any rank starts.
@@ -84,17 +99,20 @@ def train(cfg: Any) -> Objective:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
-    run_cfg = schema.validate_run_config(plain_config(cfg))
+    data = plain_config(cfg)
+    if checked is not None and checked.data != data:
+        checked = None  # it resolves differently inside the job (a ${hydra:...} value): recheck
+    run_cfg = checked.run if checked is not None else schema.validate_run_config(data)
     logging.getLogger("flodl").setLevel(run_cfg.logger.level)
     hydra_cfg = HydraConfig.get()
     job_dir = Path(hydra_cfg.runtime.output_dir)
     run_info: dict[str, Any] = {
         "job": str(hydra_cfg.job.num),
         "overrides": list(hydra_cfg.overrides.task),
-        "config_yaml": OmegaConf.to_yaml(OmegaConf.create(plain_config(cfg))),
+        "config_yaml": OmegaConf.to_yaml(OmegaConf.create(data)),
     }
     try:
-        handle = _start(run_cfg, job_dir, run_info)
+        handle = _start(run_cfg, job_dir, run_info, checked)
     except ConfigError as exc:
         where = (
             f" (job {run_info['job']}: {' '.join(run_info['overrides'])})"
@@ -118,20 +136,26 @@ def train(cfg: Any) -> Objective:
 _NO_SUMMARY: dict[str, Any] = {"status": "failed", "error": "no summary written"}
 
 
-def _start(run_cfg: RunConfig, job_dir: Path, run_info: dict[str, Any]) -> Any:
-    """Check everything the launcher can (:mod:`flodl.preflight`), then start the run."""
+def _start(
+    run_cfg: RunConfig, job_dir: Path, run_info: dict[str, Any], checked: CheckedJob | None
+) -> Any:
+    """Check what the launcher did not yet (:mod:`flodl.preflight`), then start the run."""
     from flodl import preflight
     from flodl.trainer import Trainer
 
     task = run_cfg.task
     has_eval = task.has_eval
-    run_info["model_signature"] = preflight.check_factories(run_cfg)
-    preflight.check_task_targets(task)  # last: its metrics import torchmetrics
+    if checked is None:
+        run_info["model_signature"] = preflight.check_factories(run_cfg)
+        preflight.check_task_targets(task)  # last: its metrics import torchmetrics
+        config = run_cfg.trainer_config()
+    else:
+        run_info["model_signature"], config = checked.signature, checked.config
     return Trainer.run(
         partial(build_model, run_cfg.model),
         partial(build_optimizer, run_cfg.optimizer),
         resolve_dotted(task.train_step),
-        run_cfg.trainer_config(),
+        config,
         dataset=partial(build_dataset, run_cfg.dataset, "train"),
         eval_dataset=partial(build_dataset, run_cfg.dataset, "test") if has_eval else None,
         eval_fn=_optional(task.eval_fn),

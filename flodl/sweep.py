@@ -10,6 +10,7 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import open_dict
 
 from flodl import app
-from flodl.config import ConfigError, RunConfig, validate_run_config
+from flodl.config import ConfigError, validate_run_config
 from flodl.failures import describe
 
 log = logging.getLogger("flodl")
@@ -40,15 +41,15 @@ def launch_sweep(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
             job_cfg.hydra.job.num = idx
         _require_flodl_job(job_cfg)
         try:  # every job of the batch, before any of them starts a rank
-            run_cfg = check_job(job_cfg, warm=offset == 0)
+            checked = check_job(job_cfg, warm=offset == 0)
         except ConfigError as exc:
             where = f" (job {idx}: {' '.join(overrides)})" if several else ""
             print(f"error: {exc}{where}", file=sys.stderr)
             sys.exit(2)
-        jobs.append((idx, list(overrides), job_cfg))
-        loggers.append(run_cfg.logger)
+        jobs.append((idx, list(overrides), job_cfg, checked))
+        loggers.append(checked.run.logger)
         if offset == 0 and initial_job_idx == 0:
-            _check_direction(config, run_cfg.task)
+            _check_direction(config, checked.run.task)
 
     try:
         return _launch(launcher, ctx, jobs, sweep_dir, loggers[0])
@@ -60,16 +61,17 @@ def launch_sweep(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
 
 
 def _launch(launcher: Any, ctx: Any, jobs: list, sweep_dir: Path, logger: Any) -> list:
-    from flodl.runtime.env import external_role
+    from flodl.runtime.env import external_role, is_follower
 
     role = external_role()  # this process's placement, read once
-    if role is not None and role.world_size > 1 and not role.is_controller:
+    if is_follower(role):
+        assert role is not None
         return _follow_jobs(role, jobs)  # torchrun / srun placed us: rank 0 runs the sweep
     sweep_dir.mkdir(parents=True, exist_ok=True)
     if logger.serve is None:
         return _run_jobs(launcher, ctx, jobs, sweep_dir)
     dashboard = _serve(sweep_dir, logger)
-    for _, _, job_cfg in jobs:  # the sweep serves one dashboard over all jobs
+    for _, _, job_cfg, _ in jobs:  # the sweep serves one dashboard over all jobs
         with open_dict(job_cfg):
             job_cfg.logger.serve = None
     try:
@@ -78,20 +80,22 @@ def _launch(launcher: Any, ctx: Any, jobs: list, sweep_dir: Path, logger: Any) -
         _linger(dashboard, logger.keep_serving)
 
 
-def check_job(job_cfg: Any, warm: bool = False) -> RunConfig:
-    """Validate one composed job, cheapest check first: a pure-config refusal exits before
-    torch is imported, and only a good job imports its metrics (torchmetrics, scipy).
+def check_job(job_cfg: Any, warm: bool = False) -> app.CheckedJob:
+    """Validate one composed job, once and cheapest check first: a pure-config refusal exits
+    before torch is imported, and only a good job imports its metrics (torchmetrics, scipy).
     ``warm``: once the pure-config checks passed, start the job's CPU-rig rank interpreters,
     so their imports overlap the checks that need torch (:func:`_warm_ranks`)."""
     from flodl.preflight import check_config, check_factories, check_task_targets
 
-    run_cfg = validate_run_config(app.plain_config(job_cfg))
-    check_config(run_cfg.trainer_config())
+    data = app.plain_config(job_cfg)
+    run_cfg = validate_run_config(data)
+    config = run_cfg.trainer_config()
+    check_config(config)
     if warm:
         _warm_ranks(run_cfg.cluster)
-    check_factories(run_cfg)
+    signature = check_factories(run_cfg)
     check_task_targets(run_cfg.task)
-    return run_cfg
+    return app.CheckedJob(run_cfg, config, signature, data)
 
 
 def _warm_ranks(cluster: Any) -> None:
@@ -152,15 +156,11 @@ def _check_direction(config: Any, task: Any) -> None:
 
 def _follow_jobs(role: Any, jobs: list) -> list:
     """Train every job of the sweep as a worker of rank 0 (which writes every output)."""
-    from flodl.runtime.external import follow
+    from flodl.runtime.external import follow_job
 
     codes = []
-    for idx, _, job_cfg in jobs:
-        run_cfg = validate_run_config(app.plain_config(job_cfg))
-        if run_cfg.elche.mode.value == "solo":
-            codes.append(0)  # solo trains on rank 0 alone
-            continue
-        code = follow(role, run_cfg.cluster.start_timeout_s)
+    for idx, _, _, checked in jobs:
+        code = follow_job(role, checked.config)
         log.info("job %d: rank %d finished with exit code %d", idx, role.rank, code)
         codes.append(code)
     if any(codes):
@@ -195,11 +195,11 @@ def _run_jobs(launcher: Any, ctx: Any, jobs: list, sweep_dir: Path) -> list:
     from hydra.core.utils import JobReturn, JobStatus, run_job
 
     returns = []
-    for idx, overrides, job_cfg in jobs:
+    for idx, overrides, job_cfg, checked in jobs:
         log.info("job %d: %s", idx, " ".join(overrides) or "(defaults)")
-        ret = run_job(
+        ret = run_job(  # the job itself, as validated above (not run.py's main again)
             hydra_context=ctx,
-            task_function=launcher.task_function,
+            task_function=partial(app.train, checked=checked),
             config=job_cfg,
             job_dir_key="hydra.sweep.dir",
             job_subdir_key="hydra.sweep.subdir",

@@ -86,7 +86,7 @@ def resolve_topology(
     cluster = config.cluster
     solo = config.elche.mode is Mode.SOLO
     external = rank_env.external_role() if isinstance(placed, EllipsisType) else placed
-    if external is not None and external.world_size > 1 and not solo:
+    if external is not None and rank_env.placed_cohort(external, solo):
         return _external(cluster, external)
     if cluster.kind == "cpu_rig":
         speeds = cluster.rank_speeds()

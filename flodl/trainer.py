@@ -32,7 +32,7 @@ from flodl.config import (
 )
 from flodl.metrics import EpochMetrics, RunSummary
 from flodl.results import RunResult, TrainedState
-from flodl.runtime.env import ExternalRole, external_role
+from flodl.runtime.env import ExternalRole, external_role, is_follower, placed_cohort
 from flodl.runtime.spec import Callbacks, JobSpec
 from flodl.signals import sigterm_as_interrupt
 
@@ -280,20 +280,18 @@ class TrainerBuilder:
 
 def _follow_if_placed(config: TrainerConfig, cooperative: bool, role: ExternalRole | None) -> None:
     """Under torchrun / srun, every rank but 0 becomes a worker of rank 0's job, then exits."""
-    if role is None or role.world_size == 1:
+    if not placed_cohort(role):
         return
+    assert role is not None
     if cooperative:
         raise RuntimeError(
             f"into_worker() under {role.launcher}: flodl's cooperative tier re-executes the "
             "script itself; start it with python, or use Trainer.run / Ddp.wrap under torchrun"
         )
-    if role.is_controller:
-        return
-    if config.elche.mode.value == "solo":
-        raise SystemExit(0)  # solo trains on rank 0 alone
-    from flodl.runtime.external import follow
+    if is_follower(role):
+        from flodl.runtime.external import follow_job
 
-    raise SystemExit(follow(role, config.cluster.start_timeout_s))
+        raise SystemExit(follow_job(role, config))
 
 
 class Trainer:

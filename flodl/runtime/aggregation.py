@@ -1,7 +1,8 @@
-"""Aggregation: what the controller makes of completed windows — ElChe cycles, controller-side
-averages (``cpu_*`` modes), progress, epoch metrics and the run's result.
+"""Aggregation: what the controller makes of completed windows — ElChe cycles (the sync-event
+log), controller-side averages (``cpu_*`` modes), progress and the closed epochs' metrics.
 
-A mixin of :class:`flodl.runtime.controller.Controller` (see ``planning.py`` for the other half).
+A part of :class:`flodl.runtime.controller.Controller`: the :class:`Aggregator` owns the event
+log, the closed epochs, the ``cpu_*`` snapshot sums, the EASGD centre and the outer momentum.
 """
 
 from __future__ import annotations
@@ -13,52 +14,93 @@ from collections.abc import Callable
 from typing import Any
 
 from flodl.config import Mode, Outer, TrainerConfig
-from flodl.elche import ElChe, step_max_overshoot
+from flodl.elche import ElChe
+from flodl.elche.guard import Verdict
 from flodl.metrics import EpochMetrics, SyncEvent
-from flodl.runtime.dispatch import Coverage, EpochCursor
+from flodl.runtime.events import Hooks
 from flodl.runtime.links import Outbound
-from flodl.runtime.membership import Membership
-from flodl.runtime.messages import Average, Final, Ready, Report
-from flodl.runtime.snapshots import Checkpointer
+from flodl.runtime.messages import Average, Report
 from flodl.runtime.sums import SnapshotSums
-from flodl.runtime.tracking import ControllerResult, EpochTrack, WindowTrack, shares
+from flodl.runtime.tracking import EpochTrack, WindowTrack, shares
 
 log = logging.getLogger(__name__)
 
+AfterEpoch = Callable[[int, EpochMetrics, "str | None"], None]
 
-class Aggregation(Outbound):
-    """Turns completed windows into ElChe cycles, averages, metrics and the final result."""
 
-    cfg: TrainerConfig
-    world: int
-    mode: Mode
-    lookahead: int
-    members: Membership
-    elche: ElChe | None
-    checkpointer: Checkpointer | None
-    hooks: Any
-    ready: dict[int, Ready]
-    cursors: dict[int, EpochCursor]
-    epochs: dict[int, EpochTrack]
-    closed_epochs: list[EpochMetrics]
-    events: list[SyncEvent]
-    coverage: Coverage | None
-    final: Final | None
-    center: Any
-    outer: Any
-    sums: SnapshotSums | None  # cpu_* modes: the running sums of the snapshots
-    overshoot: tuple[int, int, int]
-    stop_reason: str | None
-    _t_train: float
-    _t_end: float
-    eval_metric: str | None
-    stopped_early: dict[str, Any] | None
-    best: Any
-    _after_epoch: Callable[[int, EpochMetrics, str | None], None]  # the controller's
+class Aggregator:
+    """Turns completed windows into ElChe cycles, averages and epoch metrics."""
 
-    def _record_cycle(self, track: WindowTrack, reports: list[Report]) -> None:
-        if self.elche is None:
+    def __init__(
+        self,
+        cfg: TrainerConfig,
+        world: int,
+        elche: ElChe | None,
+        hooks: Hooks,
+        out: Outbound,
+        eval_metric: str | None = None,
+        saved: dict[str, Any] | None = None,
+    ) -> None:
+        self.cfg, self.world, self.mode, self.elche = cfg, world, cfg.elche.mode, elche
+        self.hooks, self.out, self.eval_metric = hooks, out, eval_metric
+        self.events: list[SyncEvent] = []
+        self.closed_epochs: list[EpochMetrics] = []
+        self.sums = SnapshotSums(cfg.elche.gamma) if self.mode.via_controller else None
+        self.center: Any = None
+        self.outer: Any = None
+        self.t_train = 0.0  # when training started (see begin)
+        self._restore(saved)
+
+    def begin(self, now: float, n_params: int) -> None:
+        """Training starts: event times and the first epoch's start count from ``now``;
+        ``n_params``: the model's (the cpu_* sums' length)."""
+        self.t_train = now
+        if self.sums is not None:
+            self.sums.n_params = n_params
+
+    def _restore(self, saved: dict[str, Any] | None) -> None:
+        """cpu_* modes: the EASGD centre and the outer momentum a resumed bundle holds."""
+        if not saved:
             return
+        self.center = saved.get("center")
+        if saved.get("outer_previous") is not None:
+            from flodl.runtime.outer import make_outer
+
+            self.outer = make_outer(self.cfg.elche, int(saved["outer_previous"].numel()))
+            if self.outer is not None:
+                self.outer.previous = saved["outer_previous"].clone()
+                buffer = saved.get("outer_buffer")
+                self.outer.buffer = buffer.clone() if buffer is not None else None
+
+    def release(self) -> None:
+        """Drop the EASGD centre and the outer state (at Stop, once they are saved)."""
+        self.center = self.outer = None
+
+    def state(self) -> dict[str, Any] | None:
+        """cpu_* modes: what only the controller holds (EASGD centre, outer momentum)."""
+        if self.center is None and self.outer is None:
+            return None
+        outer = self.outer
+        return {
+            "center": self.center,
+            "outer_previous": outer.previous if outer is not None else None,
+            "outer_buffer": outer.buffer if outer is not None else None,
+        }
+
+    def route(self, msg: Any, descriptors: list) -> dict:
+        """For the launcher's readers: a cpu_* snapshot is summed as it arrives (no copy)."""
+        return self.sums.route(msg, descriptors) if self.sums is not None else {}
+
+    def complete(self, track: WindowTrack) -> Verdict | None:
+        """A complete window: average it (cpu_* modes), log its cycle; ElChe's verdict."""
+        reports = [track.reports[r] for r in sorted(track.reports)]
+        if self.mode.via_controller and self.world > 1:
+            self._average(track, reports)
+        return self._record_cycle(track, reports)
+
+    def _record_cycle(self, track: WindowTrack, reports: list[Report]) -> Verdict | None:
+        if self.elche is None:
+            return None
         compute, batches = [0.0] * self.world, [0] * self.world
         for r in reports:
             compute[r.rank], batches[r.rank] = r.compute_ms, r.batches
@@ -75,7 +117,7 @@ class Aggregation(Outbound):
         event = SyncEvent(
             index=track.index,
             epoch=track.epoch,
-            wall_s=time.perf_counter() - self._t_train,
+            wall_s=time.perf_counter() - self.t_train,
             anchor=cycle.anchor,
             counts=list(cycle.counts),
             batches=batches,
@@ -88,18 +130,7 @@ class Aggregation(Outbound):
         )
         self.events.append(event)
         self.hooks.on_sync(event)
-        if self.mode is Mode.CPU_ASYNC and self.cfg.elche.max_overshoot is None:
-            current, initial, cap = self.overshoot
-            self.overshoot = (
-                step_max_overshoot(current, cycle.verdict, initial, cap),
-                initial,
-                cap,
-            )
-            self.lookahead = max(self.lookahead, self.overshoot[0] + 1)
-
-    def route(self, msg: Any, descriptors: list) -> dict:
-        """For the launcher's readers: a cpu_* snapshot is summed as it arrives (no copy)."""
-        return self.sums.route(msg, descriptors) if self.sums is not None else {}
+        return cycle.verdict
 
     def _average(self, track: WindowTrack, reports: list[Report]) -> None:
         assert self.sums is not None
@@ -114,41 +145,40 @@ class Aggregation(Outbound):
                 "this round averages nothing (every rank keeps its weights; the next averages)",
                 track.index,
             )
-            self._send_each([r.rank for r in reports], Average(track.index, None))
+            self.out.send_each([r.rank for r in reports], Average(track.index, None))
             return
         alpha = self.cfg.elche.effective_easgd_alpha
-        n_params = self.sums.n_params
         if alpha is not None and self.center is not None:
             self.center.mul_(1 - alpha).add_(mean, alpha=alpha)
         elif self.cfg.elche.outer is Outer.NESTEROV:
             if self.outer is None:
                 from flodl.runtime.outer import make_outer
 
-                self.outer = make_outer(self.cfg.elche, n_params)
+                self.outer = make_outer(self.cfg.elche, self.sums.n_params)
             self.center = self.outer.step(mean)
         else:
             self.center = mean
-        self._send_each([r.rank for r in reports], Average(track.index, self.center))
+        self.out.send_each([r.rank for r in reports], Average(track.index, self.center))
         if alpha is None:
             # A plain average is not state: holding it would overlap the next round's snapshots
             # (with outer=nesterov the state is the outer step's own, ``outer.previous``)
             self.center = None
 
-    def _progress(self, epoch: EpochTrack) -> None:
-        cursor = self.cursors.get(epoch.epoch)
-        total = cursor.n_samples if cursor is not None else 0
+    def progress(self, epoch: EpochTrack, total: int) -> None:
         loss = epoch.loss_sum / epoch.loss_count if epoch.loss_count else None
         self.hooks.on_progress(epoch.epoch, epoch.samples, total, loss, shares(epoch.batches))
 
-    def _close_epochs(self) -> None:
+    def close_epochs(self, epochs: dict[int, EpochTrack], after: AfterEpoch) -> None:
+        """Close, in order, every epoch whose work, eval and averaging are all in; ``after``
+        gets each closed epoch's metrics and the stop request its ``on_epoch`` hook made."""
         while True:
-            first = min(self.epochs) if self.epochs else 0
+            first = min(epochs) if epochs else 0
             epoch = first + len(self.closed_epochs)
-            track = self.epochs.get(epoch)
+            track = epochs.get(epoch)
             if track is None or not track.closed:
                 return
-            previous = self.epochs.get(epoch - 1)
-            track.start = previous.end if previous is not None else self._t_train
+            previous = epochs.get(epoch - 1)
+            track.start = previous.end if previous is not None else self.t_train
             syncs = len(self.events) if self.world > 1 and self.mode is not Mode.SOLO else 0
             metrics = track.metrics(
                 syncs,
@@ -157,29 +187,4 @@ class Aggregation(Outbound):
                 self.eval_metric,
             )
             self.closed_epochs.append(metrics)
-            self._after_epoch(track.epoch, metrics, self.hooks.on_epoch(metrics))
-
-    def _result(self) -> ControllerResult:
-        tracks = list(self.epochs.values())
-        ranks = range(self.world)
-        rank_samples = [sum(t.rank_samples[r] for t in tracks) for r in ranks]
-        return ControllerResult(
-            final=self.final,
-            epochs=self.closed_epochs,
-            events=self.events,
-            coverage=self.coverage,
-            train_s=max((self._t_end or time.perf_counter()) - self._t_train, 1e-9),
-            samples=sum(rank_samples),
-            rank_samples=rank_samples,
-            rank_batches=[sum(t.batches[r] for t in tracks) for r in range(self.world)],
-            rank_compute_ms=[sum(t.compute_ms[r] for t in tracks) for r in range(self.world)],
-            rank_data_ms=[sum(t.data_ms[r] for t in tracks) for r in range(self.world)],
-            rank_peak_mem=[max((t.peak_mem[r] for t in tracks), default=0) for r in ranks],
-            stopped_early=self.stopped_early,
-            best=self.best.to_dict() if self.best is not None else None,
-            devices=[self.ready[r].device for r in range(self.world) if r in self.ready],
-            stopped=self.stop_reason,
-            saved=list(self.checkpointer.saved) if self.checkpointer is not None else [],
-            lost_ranks=list(self.members.lost),
-            save_error=getattr(self, "save_error", None),
-        )
+            after(track.epoch, metrics, self.hooks.on_epoch(metrics))

@@ -14,8 +14,14 @@ import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from flodl.runtime.messages import Chunk
+
+if TYPE_CHECKING:
+    from flodl.config import TrainerConfig
+    from flodl.elche import ElChe
+    from flodl.runtime.membership import Membership
 
 
 @dataclass
@@ -171,3 +177,22 @@ class Coverage:
                 for e in sorted(self.trained)
             ],
         }
+
+
+def eval_shards(
+    cfg: TrainerConfig, has_eval: bool, epoch: int, members: Membership, elche: ElChe | None
+) -> dict[int, tuple[int, int]]:
+    """Which ranks evaluate after ``epoch``, each with its ``(shard, shards)`` (``elche``: None
+    under one rank)."""
+    last = epoch == cfg.num_epochs - 1
+    if not has_eval or not (last or (epoch + 1) % cfg.eval_every == 0):
+        return {}
+    alive = members.members
+    if cfg.eval_policy == "sharded":
+        return {r: (i, len(alive)) for i, r in enumerate(alive)}
+    policy = cfg.callback_policy
+    if policy.kind == "rank" and members.alive[policy.rank]:
+        return {policy.rank: (0, 1)}
+    if elche is not None:
+        return {elche.fastest_rank(alive=members.alive): (0, 1)}
+    return {alive[0] if alive else 0: (0, 1)}

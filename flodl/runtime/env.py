@@ -118,6 +118,19 @@ def external_role(environ: Mapping[str, str] | None = None) -> ExternalRole | No
     return role
 
 
+def placed_cohort(role: ExternalRole | None, solo: bool = False) -> bool:
+    """Whether another launcher placed this process as one rank of a cohort of several
+    (``solo``: the job trains on rank 0 alone, so the placement forms no cohort)."""
+    return role is not None and role.world_size > 1 and not solo
+
+
+def is_follower(role: ExternalRole | None) -> bool:
+    """Whether this process is a follower: a rank other than 0 of a placed cohort, which trains
+    as a worker of rank 0's jobs and never runs a job itself. The one place this is decided
+    (the Hydra launcher and ``Trainer.run`` both ask here)."""
+    return placed_cohort(role) and role is not None and not role.is_controller
+
+
 def submitit_role(task: Any, rendezvous_file: str) -> ExternalRole:
     """A task of our own SLURM launcher's ``controller: rank0`` job, from submitit's
     ``JobEnvironment`` (which reads SLURM's variables): rank 0 publishes itself in

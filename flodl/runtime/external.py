@@ -42,6 +42,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from flodl.config import Mode, TrainerConfig
 from flodl.runtime import env as rank_env
 from flodl.runtime import groups
 from flodl.runtime.control_plane import ControlPlane
@@ -242,6 +243,14 @@ def _own_rank(role: rank_env.RankEnv, secret: bytes, failures: list[BaseExceptio
         run_managed(role, secret, in_launcher=True)
     except BaseException as exc:  # reported to the controller by run_managed already
         failures.append(exc)
+
+
+def follow_job(role: rank_env.ExternalRole, config: TrainerConfig) -> int:
+    """A follower's part in one job (see :func:`flodl.runtime.env.is_follower`): train as a
+    worker of rank 0's; the exit code (a solo job trains on rank 0 alone: nothing to do)."""
+    if config.elche.mode is Mode.SOLO:
+        return 0
+    return follow(role, config.cluster.start_timeout_s)
 
 
 def follow(role: rank_env.ExternalRole, timeout_s: float = 120.0) -> int:

@@ -62,11 +62,17 @@ class QueueLink(_InboxLink):
 
 
 class Outbound:
-    """The controller's sending side: one link per rank; a rank going away is not an error."""
+    """The controller's sending side: one link per rank; a rank going away is not an error.
 
-    links: dict[int, Any]
+    One object, handed to every controller part that tells ranks something."""
 
-    def _send(self, rank: int, msg: Any) -> None:
+    def __init__(self) -> None:
+        self.links: dict[int, Any] = {}
+
+    def attach(self, rank: int, link: Any) -> None:
+        self.links[rank] = link
+
+    def send(self, rank: int, msg: Any) -> None:
         link = self.links.get(rank)
         if link is None:  # never attached (lost before it said hello): nothing to tell it
             return
@@ -75,7 +81,7 @@ class Outbound:
         except OSError as exc:  # the rank is going away; its exit is handled as a loss
             log.debug("send to rank %d failed: %s", rank, exc)
 
-    def _send_shared(self, ranks: list[int], msg: Any, part: Callable[[int], Any]) -> None:
+    def send_shared(self, ranks: list[int], msg: Any, part: Callable[[int], Any]) -> None:
         """One message for many ranks, pickled once: a link that takes raw frames (a socket
         channel's ``send_bytes``) gets the same bytes, and the rank's end keeps its own part
         on arrival (:func:`flodl.runtime.messages.own_part`); any other link gets ``part(rank)``
@@ -88,23 +94,23 @@ class Outbound:
             if not hasattr(link, "send_bytes"):
                 own = part(rank)
                 if own is not None:
-                    self._send(rank, own)
+                    self.send(rank, own)
                 continue
             if payload is None:
                 payload = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
             try:
                 link.send_bytes(payload)
-            except OSError as exc:  # as in _send: its exit is handled as a loss
+            except OSError as exc:  # as in send: its exit is handled as a loss
                 log.debug("send to rank %d failed: %s", rank, exc)
 
-    def _send_each(self, ranks: list[int], msg: Any) -> None:
+    def send_each(self, ranks: list[int], msg: Any) -> None:
         """The same (bulk) message to several ranks at once: one thread per rank, so the
         transfers overlap instead of queueing behind each other on one thread."""
         if len(ranks) < 2:
             for rank in ranks:
-                self._send(rank, msg)
+                self.send(rank, msg)
             return
-        senders = [threading.Thread(target=self._send, args=(r, msg)) for r in ranks]
+        senders = [threading.Thread(target=self.send, args=(r, msg)) for r in ranks]
         for t in senders:
             t.start()
         for t in senders:

@@ -1,21 +1,39 @@
-"""Planning: which rank trains which chunks in each window, and when the next window goes out.
+"""Planning: which rank trains which chunks in each window, and the ledger of that work.
 
-A mixin of :class:`flodl.runtime.controller.Controller`, split out so that each file holds one
-question: this one decides *what* is dispatched; the controller decides *when* and handles events.
+A part of :class:`flodl.runtime.controller.Controller`: the :class:`Planner` owns the epoch
+cursors, the open windows, the epochs' running totals and the coverage; it decides *what* is
+dispatched and takes work back when a rank is lost. The controller decides *when* (it calls
+:meth:`Planner.fill` with whether planning is paused) and routes the ranks' messages.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 
 from flodl.config import Mode, TrainerConfig
-from flodl.elche import ElChe, auto_max_overshoot, averaging_weights, buffer_weights
-from flodl.runtime.dispatch import EpochCursor, chunk_batches, clamp_to_samples
+from flodl.elche import (
+    ElChe,
+    auto_max_overshoot,
+    averaging_weights,
+    buffer_weights,
+    step_max_overshoot,
+)
+from flodl.elche.guard import Verdict
+from flodl.runtime.dispatch import (
+    Coverage,
+    EpochCursor,
+    chunk_batches,
+    clamp_to_samples,
+    eval_shards,
+)
 from flodl.runtime.links import Outbound
 from flodl.runtime.membership import Membership
-from flodl.runtime.messages import CohortPlan, PlannedWindow
+from flodl.runtime.messages import CohortPlan, EvalResult, PlannedWindow, Ready, Report
 from flodl.runtime.snapshots import Checkpointer
 from flodl.runtime.tracking import EpochTrack, WindowTrack
+
+log = logging.getLogger(__name__)
 
 # A sync-mode plan bundles enough lock-step windows for about this much work, so the controller
 # is not on every step's critical path.
@@ -30,37 +48,58 @@ def whole_steps(counts: list[int], cfg: TrainerConfig) -> list[int]:
     return [math.ceil(c / n) * n for c in counts]
 
 
-class Planning(Outbound):
-    """Window planning over the epoch cursors (needs the controller's state below)."""
+class Planner:
+    """Plans windows over the epoch cursors and keeps the ledger of the work they hand out."""
 
-    cfg: TrainerConfig
-    world: int
-    mode: Mode
-    has_eval: bool
-    lookahead: int
-    members: Membership
-    elche: ElChe | None
-    checkpointer: Checkpointer | None
-    cursors: dict[int, EpochCursor]
-    epochs: dict[int, EpochTrack]
-    windows: dict[int, WindowTrack]
-    next_window: int
-    completed: int
-    all_planned: bool
-    stop_reason: str | None
-    shard_sizes: tuple[int, ...] = ()  # sharded data: samples per shard, from Ready
-    regrouping: dict[int, bool]
-    overshoot: tuple[int, int, int]
-    batch_sizes: list[int]  # per rank, from their Ready messages
-    _settle_windows: dict[int, int]
+    def __init__(
+        self,
+        cfg: TrainerConfig,
+        has_eval: bool,
+        members: Membership,
+        elche: ElChe | None,
+        checkpointer: Checkpointer | None,
+        out: Outbound,
+        lookahead: int = 1,
+        global_step: int = 0,
+    ) -> None:
+        world = members.world_size
+        self.cfg, self.world, self.mode, self.has_eval = cfg, world, cfg.elche.mode, has_eval
+        self.members, self.elche, self.checkpointer, self.out = members, elche, checkpointer, out
+        self.lookahead = lookahead
+        self.cursors: dict[int, EpochCursor] = {}
+        self.epochs: dict[int, EpochTrack] = {}
+        self.windows: dict[int, WindowTrack] = {}
+        self.coverage: Coverage | None = None  # set when training starts
+        self.next_window = 0
+        self.completed = 0
+        self.all_planned = False
+        self.global_step = global_step  # optimizer steps so far (a resumed run's count on)
+        self.overshoot = (0, 0, 0)  # cpu_async: (current, initial, cap) averages in flight
+        self.batch_sizes = [cfg.batch_size] * world  # per rank, from their Ready messages
+        self.shard_sizes: tuple[int, ...] = ()  # sharded data: samples per shard, from Ready
+        self.settle_windows: dict[int, int] = {}  # an epoch's last window -> the epoch
 
     @property
     def alive(self) -> list[int]:
         return self.members.members
 
-    def _head(self) -> int:
+    def head(self) -> int:
         """The rank that sends the final state: the first survivor."""
         return self.alive[0] if self.alive else 0
+
+    def start(self, n_samples: int, at: tuple[int, list], ready: list[Ready]) -> None:
+        """Training starts at epoch ``at[0]`` (``at[1]``: a resumed epoch's uncovered samples);
+        ``ready``: the members' Ready messages (batch sizes, shard sizes)."""
+        sizes = {r.rank: r.batch_size for r in ready}
+        self.batch_sizes = [  # a rank lost before it was ready gets no work: any size will do
+            sizes.get(r) or self.cfg.batch_size for r in range(self.world)
+        ]
+        self.shard_sizes = ready[0].shard_sizes
+        epoch, ranges = at
+        self._init_async(n_samples)
+        self.coverage = Coverage(n_samples)
+        self._new_epoch(epoch, n_samples, ranges)
+        self.fill(paused=False)
 
     def _init_async(self, n_samples: int) -> None:
         if self.mode is not Mode.CPU_ASYNC:
@@ -71,6 +110,14 @@ class Planning(Outbound):
         else:
             initial, cap = auto_max_overshoot(math.ceil(n_samples / self.cfg.batch_size))
             self.overshoot = (initial, initial, cap)
+        self.lookahead = max(self.lookahead, self.overshoot[0] + 1)
+
+    def on_verdict(self, verdict: Verdict) -> None:
+        """cpu_async with an automatic overshoot: ElChe's verdict moves the averages in flight."""
+        if self.mode is not Mode.CPU_ASYNC or self.cfg.elche.max_overshoot is not None:
+            return
+        current, initial, cap = self.overshoot
+        self.overshoot = (step_max_overshoot(current, verdict, initial, cap), initial, cap)
         self.lookahead = max(self.lookahead, self.overshoot[0] + 1)
 
     def _new_epoch(self, epoch: int, n_samples: int, ranges: list | None = None) -> None:
@@ -84,10 +131,10 @@ class Planning(Outbound):
         )
         self.epochs[epoch] = EpochTrack(epoch, self.world)
 
-    def _fill(self) -> None:
+    def fill(self, paused: bool) -> None:
+        """Plan until ``lookahead`` windows are in flight (``paused``: stopping or regrouping)."""
         while (
-            self.stop_reason is None
-            and not self.regrouping
+            not paused
             and not self.all_planned
             and self.next_window - self.completed <= self.lookahead
             and not self._awaiting_verdict()
@@ -131,7 +178,7 @@ class Planning(Outbound):
             planned.append(self._plan_window(cursor))
         if planned:
             plan = CohortPlan(tuple(planned))
-            self._send_shared(self.alive, plan, plan.for_rank)
+            self.out.send_shared(self.alive, plan, plan.for_rank)
         if not self.all_planned and self._cursor() is None:
             self.all_planned = True
 
@@ -181,8 +228,8 @@ class Planning(Outbound):
             settle = self.world > 1 and self.mode is not Mode.SOLO and not self.mode.via_controller
             if settle:
                 track.unsettled = set(self.alive)
-                self._settle_windows[index] = cursor.epoch
-            shards = self._eval_shards(cursor.epoch)
+                self.settle_windows[index] = cursor.epoch
+            shards = eval_shards(self.cfg, self.has_eval, cursor.epoch, self.members, self.elche)
             track.plan_eval(index, set(shards))
             # save_best: every evaluated epoch is saved too, so the best one can be kept.
             best = bool(shards) and self.cfg.save_best is not None
@@ -190,7 +237,7 @@ class Planning(Outbound):
                 self.checkpointer.due(cursor.epoch, self.cfg.num_epochs) or best
             ):
                 save = self.checkpointer.open(
-                    index, "checkpoint", cursor.epoch + 1, self.alive, writer=self._head()
+                    index, "checkpoint", cursor.epoch + 1, self.alive, writer=self.head()
                 )
         # nccl_sync: DDP's gradient all-reduce when every member steps (else, at an epoch's
         # tail with fewer batches than ranks, the parameter average as in the other modes).
@@ -217,20 +264,132 @@ class Planning(Outbound):
             grad_sync=grads,
         )
 
-    def _eval_shards(self, epoch: int) -> dict[int, tuple[int, int]]:
-        """Which ranks evaluate after ``epoch``, each with its ``(shard, shards)``."""
-        last = epoch == self.cfg.num_epochs - 1
-        if not self.has_eval or not (last or (epoch + 1) % self.cfg.eval_every == 0):
-            return {}
-        if self.cfg.eval_policy == "sharded":
-            members = self.alive
-            return {r: (i, len(members)) for i, r in enumerate(members)}
-        return {self._eval_rank(): (0, 1)}
+    # -- the ledger: what came back, and what goes back when a rank is lost -----------------------
+    @property
+    def open(self) -> bool:
+        """Some epoch is not closed yet."""
+        return any(not t.closed for t in self.epochs.values())
 
-    def _eval_rank(self) -> int:
-        policy = self.cfg.callback_policy
-        if policy.kind == "rank" and self.members.alive[policy.rank]:
-            return policy.rank
-        if self.elche is not None:
-            return self.elche.fastest_rank(alive=self.members.alive)
-        return self._head()
+    def first_epoch(self) -> int:
+        """The first epoch this run trains (a resumed run's is not 0)."""
+        return min(self.epochs, default=0)
+
+    def epoch_samples(self, epoch: int) -> int:
+        cursor = self.cursors.get(epoch)
+        return cursor.n_samples if cursor is not None else 0
+
+    def completed_index(self) -> int:
+        """Index of the oldest window not completed yet (every later one is open too)."""
+        return min(self.windows, default=self.next_window)
+
+    def record(self, report: Report) -> WindowTrack | None:
+        """One rank's report into its window and epoch; the window once it is complete."""
+        track = self.windows.get(report.window)
+        if track is None or report.rank not in track.expected:
+            return None  # a void window's report (planned before a loss): its work came back
+        track.reports[report.rank] = report
+        assert self.coverage is not None
+        self.coverage.record(report.epoch, report.chunks)
+        self.epochs[report.epoch].add(report)
+        return track if track.complete else None
+
+    def finish(self, track: WindowTrack, now: float) -> EpochTrack:
+        """A complete window leaves the open ones; its epoch's counts move on."""
+        del self.windows[track.index]
+        self.completed += 1
+        epoch = self.epochs[track.epoch]
+        epoch.done += 1
+        if epoch.all_planned and epoch.done == epoch.planned:
+            epoch.end = now
+        self.global_step += sum(track.batches)
+        return epoch
+
+    def settle(self, window: int, rank: int) -> bool:
+        """``rank`` averaged ``window``, an epoch's last: True once its epoch is settled."""
+        epoch = self.settle_windows.get(window)
+        if epoch is None or epoch not in self.epochs:
+            return False
+        track = self.epochs[epoch]
+        track.unsettled.discard(rank)
+        return not track.unsettled  # O(1) until the last member's: only that one can close it
+
+    def unsettle(self, window: int, ranks: set[int]) -> None:
+        """``ranks`` will never settle ``window`` (they regrouped instead)."""
+        epoch = self.settle_windows.get(window)
+        if epoch is not None and epoch in self.epochs:
+            self.epochs[epoch].unsettled -= ranks
+
+    def lose(self, dead: int) -> tuple[int, WindowTrack | None]:
+        """``dead`` is lost: its acknowledgements, pending eval and open work go back. Returns
+        the first open window and, if that window is complete without it, the window."""
+        for epoch in self.epochs.values():
+            epoch.unsettled.discard(dead)  # its acknowledgement will never come
+        first_open = self.completed_index()
+        self._lose_eval(dead, first_open)
+        return first_open, self._void_windows(dead, first_open)
+
+    def _lose_eval(self, dead: int, first_open: int) -> None:
+        """A lost rank's pending eval shard: the epoch's eval is skipped (a replanned last
+        window plans its eval afresh), so no epoch waits forever for a shard that cannot come."""
+        for track in self.epochs.values():
+            replanned = track.eval_window in self.windows and track.eval_window != first_open
+            if not replanned and track.lose_eval(dead):
+                log.warning(
+                    "rank %d was lost before its eval of epoch %d arrived: that epoch's eval "
+                    "is skipped",
+                    dead,
+                    track.epoch + 1,
+                )
+
+    def _void_windows(self, dead: int, first_open: int) -> WindowTrack | None:
+        """The dead rank's work in open windows is lost. Later windows are void: what survivors
+        already reported there (cpu_async runs ahead) stays trained, the rest is given back."""
+        assert self.coverage is not None
+        for index in sorted(self.windows):
+            track = self.windows[index]
+            if self.checkpointer is not None and (index != first_open or track.chunks[dead]):
+                self.checkpointer.void(index)  # its epoch is not complete any more: re-planned
+            for r in sorted(track.expected):
+                if r == dead or (index != first_open and r not in track.reports):
+                    self.give_back(track, r)
+            if index == first_open:
+                track.expected.discard(dead)
+                track.batches[dead] = 0
+            else:
+                del self.windows[index]
+                self.epochs[track.epoch].planned -= 1
+                self.completed += 1
+        first = self.windows.get(first_open)
+        return first if first is not None and first.complete else None
+
+    def give_back(self, track: WindowTrack, rank: int) -> None:
+        """``rank``'s chunks of ``track`` go back to their epoch's cursor (its report, if any,
+        leaves the totals)."""
+        chunks = track.chunks[rank]
+        if not chunks:
+            return
+        report = track.reports.pop(rank, None)
+        if report is not None:
+            assert self.coverage is not None
+            self.coverage.unrecord(track.epoch, chunks)
+            self.epochs[track.epoch].remove(report)
+        self.cursors[track.epoch].give_back(list(chunks))
+        self.epochs[track.epoch].all_planned = False
+        self.all_planned = False
+
+    def unrecord(self, track: WindowTrack, rank: int) -> None:
+        """``rank``'s work in ``track`` never reached the model: coverage forgets it."""
+        assert self.coverage is not None
+        self.coverage.unrecord(track.epoch, track.chunks[rank])
+
+    def resume_point(self) -> tuple[int, list]:
+        """The lowest unfinished epoch and its uncovered ranges (where a resumed run starts)."""
+        for epoch in sorted(self.cursors):
+            if not self.cursors[epoch].done:
+                return epoch, list(self.cursors[epoch].ranges)
+        return max(self.cursors, default=-1) + 1, []
+
+    def take_eval(self, msg: EvalResult) -> bool:
+        """One eval shard into its epoch; True once the epoch's eval is complete."""
+        track = self.epochs.get(msg.epoch)
+        return track is not None and track.take_eval(msg.rank, msg.window, msg.shard, msg.parts)

@@ -78,12 +78,20 @@ class EpochTrack:
         self.eval_skipped = False
 
     def take_eval(self, rank: int, window: int, shard: int, parts: Any) -> bool:
-        """Keep a shard; True once every expected shard is in (stale results are ignored)."""
+        """Keep a shard; True once every expected shard is in (stale results are ignored),
+        the shards then merged into :attr:`eval_metrics` (unless the eval was skipped)."""
         if window != self.eval_window or rank not in self.eval_waiting:
             return False
         self.eval_waiting.discard(rank)
         self.eval_parts[shard] = parts
-        return not self.eval_waiting
+        if self.eval_waiting:
+            return False
+        if not self.eval_skipped:
+            from flodl.evaluation import merge  # torch only where metrics are computed
+
+            self.eval_metrics = merge([self.eval_parts[s] for s in sorted(self.eval_parts)])
+        self.eval_parts = {}
+        return True
 
     def lose_eval(self, rank: int) -> bool:
         """``rank`` is lost with its shard pending: skip this epoch's eval. True if it was."""

@@ -3,7 +3,7 @@
 The simulator owns only what the hardware would: a virtual clock, what each rank's batches
 cost (:mod:`flodl.sim.costs`), and when a collective completes. Everything the runtime decides
 is decided by the real code: :class:`flodl.runtime.controller.Controller` (with its planning,
-dispatch, aggregation and membership mixins) and the :class:`flodl.elche.ElChe` it owns receive
+aggregation and membership parts) and the :class:`flodl.elche.ElChe` it owns receive
 the same messages (``Ready``, ``Report``, ``Settled``, ``Regrouped``, ``Final``, a rank's
 ``Exited``) that reader threads post in a launch, through the same per-message steps as
 ``Controller.run``; their ``Plan``, ``Regroup`` and ``Stop`` replies reach the virtual ranks
@@ -220,7 +220,7 @@ class Simulator:
         lock = lockstep_ms(
             total, self.scenario, self.n, self.work, self.comm, self.lost_ms, self.seed
         )
-        windows = max(len(ctl.events), 1)
+        windows = max(len(res.events), 1)
         cov = res.coverage
         exact = cov is not None and all(cov.exact(e) for e in range(self.epochs))
         return SimResult(
@@ -230,13 +230,13 @@ class Simulator:
             virtual_ms=end,
             ideal_ms=self.ideal,
             lockstep_ms=lock,
-            windows=len(ctl.events),
+            windows=len(res.events),
             controller_ms_per_window=self.cpu_s * 1e3 / windows,
-            syncs_per_epoch=len(ctl.events) / self.epochs,
+            syncs_per_epoch=len(res.events) / self.epochs,
             coverage_exact=exact and sum(res.rank_samples) == total,
             lost_ranks=list(res.lost_ranks),
-            anchors=[e.anchor for e in ctl.events],
-            overheads=[e.overhead for e in ctl.events],
+            anchors=[e.anchor for e in res.events],
+            overheads=[e.overhead for e in res.events],
         )
 
     # -- what arrives at a rank ----------------------------------------------------------------

@@ -72,17 +72,17 @@ def launcher_refusal(overrides: list[str]) -> str:
     """What run.py checks before starting a rank, in this process; the refusal's message."""
     from hydra import compose, initialize_config_dir
 
-    from flodl.preflight import check_factories, check_run
+    from flodl.preflight import check_run
     from flodl.sweep import check_job
     from flodl.topology import resolve_topology
 
     with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
         cfg = compose("config", overrides=overrides)
     with pytest.raises(ConfigError) as info:
-        run_cfg = check_job(cfg)
-        signature = check_factories(run_cfg)  # what train() passes on to the run's checks
-        config = run_cfg.trainer_config()
-        check_run(config, resolve_topology(config, probe_hosts=False).world_size, signature)
+        checked = check_job(cfg)  # its signature is what train() passes on to the run's checks
+        config = checked.config
+        world = resolve_topology(config, probe_hosts=False).world_size
+        check_run(config, world, checked.signature)
     message = str(info.value)
     assert "\n" not in message and info.value.exit_code == 2
     return message

@@ -242,8 +242,8 @@ def test_an_epoch_closes_only_once_its_last_averaging_held():
                     report = Report(rank, w.index, w.epoch, w.chunks, b, samples, 1.0 * b, 1.0, b)
                     ctl._handle(rank, report)
                     held += [(rank, w.index)] if w.settle else []
-    assert len(held) == 2 and not ctl.closed_epochs  # all reported, nothing settled: open
+    assert len(held) == 2 and not ctl.aggregator.closed_epochs  # reported, unsettled: open
     ctl._handle(*held[0][:1], Settled(*held[0]))
-    assert not ctl.closed_epochs  # one rank's averaging is still unconfirmed
+    assert not ctl.aggregator.closed_epochs  # one rank's averaging is still unconfirmed
     ctl._handle(*held[1][:1], Settled(*held[1]))
-    assert len(ctl.closed_epochs) == 1
+    assert len(ctl.aggregator.closed_epochs) == 1

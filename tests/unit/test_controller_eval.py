@@ -139,7 +139,7 @@ def test_a_lost_shard_skips_that_epochs_eval_instead_of_hanging(caplog):
     eval_parts = counted(lambda e: 0.5)
     held = lambda rank, w: None if (rank, w.epoch) == (1, 0) else eval_parts(rank, w)  # noqa: E731
     with caplog.at_level(logging.WARNING, logger="flodl"):
-        drive(ctl, links, held, on_stall=lambda: ctl._lose(1, "killed"))
+        drive(ctl, links, held, on_stall=lambda: ctl.elastic.lose(1, "killed"))
     epochs = ctl._result().epochs
     assert [m.epoch for m in epochs] == [1, 2]
     assert epochs[0].eval_metrics == {} and epochs[0].eval_value is None
@@ -185,7 +185,7 @@ def test_save_best_keeps_the_bundle_of_the_best_epoch(tmp_path):
     best = ctl._result().best
     assert best == {"monitor": "accuracy", "mode": "max", "value": pytest.approx(0.8), "epoch": 2}
     # every evaluated epoch is checkpointed; epochs 1 and 2 improved, so were copied to _best
-    assert ctl.checkpointer.saved == ["checkpoint"] * 4 + ["final"]
+    assert ctl.saves.saved == ["checkpoint"] * 4 + ["final"]
 
 
 def test_epoch_checkpoints_take_the_weights_from_the_head_once_rank_0_is_lost(tmp_path):
@@ -194,11 +194,11 @@ def test_epoch_checkpoints_take_the_weights_from_the_head_once_rank_0_is_lost(tm
 
     stem = str(tmp_path / "run")
     ctl, links = make(epochs=3, checkpointer=Checkpointer(stem, 1, "hash", 2), save_path=stem)
-    ctl._lose(0, "killed")
+    ctl.elastic.lose(0, "killed")
     drive(ctl, links, counted(lambda e: 0.5))
     checkpoints = [
         w for p in links[1].sent if isinstance(p, Plan) for w in p.windows if w.checkpoint_after
     ]
     assert checkpoints and all(w.write_weights for w in checkpoints)
-    assert ctl.checkpointer.saved == ["checkpoint", "checkpoint", "final"]
+    assert ctl.saves.saved == ["checkpoint", "checkpoint", "final"]
     assert load_bundle(stem)[1].epoch == 3

@@ -20,10 +20,10 @@ def _controller(tmp_path) -> tuple[Controller, Checkpointer]:
 def test_the_centre_is_written_into_every_pending_save_then_dropped(tmp_path) -> None:
     ctl, saver = _controller(tmp_path)
     centre = torch.arange(1000, dtype=torch.float32)
-    ctl.center = centre.clone()
+    ctl.aggregator.center = centre.clone()
     saves = [saver.open(3, "epoch", 1, [0, 1], writer=0), saver.open(-1, "final", None, [0, 1], 0)]
     ctl._release_controller_state()
-    assert ctl.center is None and ctl.outer is None
+    assert ctl.aggregator.center is None and ctl.aggregator.outer is None
     for save in saves:
         info = save.written[shards.CONTROLLER]
         loaded = shards.load_shard(str(tmp_path / info.file))

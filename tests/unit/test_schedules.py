@@ -162,7 +162,7 @@ def test_per_rank_batch_sizes_plan_samples_and_weight_the_average_by_them():
         ctl.attach(rank, link)
     for rank, size in enumerate((64, 16)):
         ctl._handle(rank, Ready(rank, "sig", 2, 1.0, "cpu", 800, batch_size=size))
-    assert ctl.batch_sizes == [64, 16]
+    assert ctl.planner.batch_sizes == [64, 16]
     first = [msg.windows[0] for msg in (link.sent[-1] for link in links)]
     samples = [sum(s for _, s in w.chunks) for w in first]
     assert samples == [640, 160]  # anchor 10 batches each, of their own size
@@ -238,9 +238,9 @@ def test_cadence_shares_follow_samples_per_second_with_unequal_batch_sizes(ms_pe
     for rank, size in enumerate((64, 16)):
         ctl._handle(rank, Ready(rank, "sig", 2, 1.0, "cpu", 4000, batch_size=size))
     _drive_sized(ctl, links, (64, 16), ms_per_sample)
-    last = ctl.closed_epochs[-1]
+    last = ctl.aggregator.closed_epochs[-1]
     samples = [r["samples"] for r in last.per_rank]
     assert samples[0] / sum(samples) == pytest.approx(share, abs=0.05)
     rate = [s / r["compute_ms"] for s, r in zip(samples, last.per_rank, strict=True)]
     assert samples[0] / samples[1] == pytest.approx(rate[0] / rate[1], rel=0.1)  # ∝ samples/s
-    assert all(ctl.coverage.exact(e) for e in range(4))
+    assert all(ctl.planner.coverage.exact(e) for e in range(4))

@@ -173,5 +173,6 @@ def test_resume_maps_saved_ranks_onto_any_world_and_restores_the_centre(tmp_path
 
     cfg = TrainerConfig(elche=ElCheConfig(mode="cpu_cadence", outer="nesterov"))
     ctl = Controller(cfg, 2, [1.0, 1.0], has_eval=False, resume=point)
-    assert torch.equal(ctl.center, centre)
-    assert torch.equal(ctl.outer.buffer, torch.ones(2)) and ctl.outer.n_params == 2
+    held = ctl.aggregator
+    assert torch.equal(held.center, centre)
+    assert torch.equal(held.outer.buffer, torch.ones(2)) and held.outer.n_params == 2
