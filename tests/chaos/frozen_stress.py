@@ -52,6 +52,15 @@ def run_once(mode: str, victim: int, timeout_s: float, epochs: int) -> dict:
         return {"victim": victim, "verdict": verdict, "wall_s": wall, "outcome": out, "tail": tail}
 
 
+def _line(run: dict) -> dict:
+    """What one run printed: its verdict, and why when it did not complete."""
+    line = {k: run[k] for k in ("victim", "verdict", "wall_s")}
+    if run["verdict"] != "completed":
+        out = run["outcome"] or {}
+        line["why"] = (out.get("summary_error") or out.get("error") or " ".join(run["tail"]))[:300]
+    return line
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=40)
@@ -66,7 +75,7 @@ def main() -> int:
     try:
         for i in range(args.runs):
             runs.append(run_once(args.mode, i % 3, args.timeout, args.epochs))
-            print(json.dumps({k: runs[-1][k] for k in ("victim", "verdict", "wall_s")}), flush=True)
+            print(json.dumps(_line(runs[-1])), flush=True)
     finally:
         if busy is not None:
             busy.kill()
