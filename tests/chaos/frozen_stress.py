@@ -7,7 +7,8 @@ Each run is one ``tests/chaos/run_one.py`` process with ``FLODL_CHAOS=V:average:
 (0, 1, 2 in turn) freezes once the second averaging collective is entered, alive but silent, so
 the survivors are blocked in a collective on it until the heartbeat declares it lost and they
 regroup (flodl/runtime/groups.py). A run is classified as in the chaos matrix (``completed``,
-``stopped``, ``hang``, ``broken``). One core is kept busy (a spinning child) for the whole
+``stopped``, ``hang``, ``broken``), and ``not-started`` when the ranks' start-up outlasted its
+timeout (60 s here) before anything was frozen. One core is kept busy (a spinning child) for the whole
 stress, as in the stress of the first elastic fix. Not part of ``make test`` (about 40 min).
 """
 
@@ -27,12 +28,13 @@ from tests.chaos.matrix import _kill_leftovers, classify
 RESULT = Path(__file__).with_name("frozen_result.json")
 
 
-def run_once(mode: str, victim: int, timeout_s: float, epochs: int) -> dict:
+def run_once(mode: str, victim: int, timeout_s: float, epochs: int, start_s: float) -> dict:
     """One frozen-rank run in its own process; its verdict and wall time."""
     with tempfile.TemporaryDirectory(prefix="flodl-frozen-") as tmp:
         cmd = [sys.executable, "-m", "tests.chaos.run_one", "--mode", mode, "--ranks", "3"]
         cmd += ["--faults", f"{victim}:average:2:stop", "--epochs", str(epochs)]
         cmd += ["--job-dir", str(Path(tmp) / "job"), "--timeout", str(timeout_s)]
+        cmd += ["--start-timeout", str(start_s)]
         out, timed_out, tail = None, False, []
         t0 = time.perf_counter()
         try:
@@ -48,6 +50,8 @@ def run_once(mode: str, victim: int, timeout_s: float, epochs: int) -> dict:
         finally:
             _kill_leftovers(tmp)  # the frozen rank too: SIGKILL ends a stopped process
         verdict = classify(out, {victim}, ckpt=False, timed_out=timed_out)
+        if "did not get ready" in str((out or {}).get("summary_error")):
+            verdict = "not-started"  # the ranks' start-up outlasted its timeout: nothing frozen
         wall = round(time.perf_counter() - t0, 1)
         return {"victim": victim, "verdict": verdict, "wall_s": wall, "outcome": out, "tail": tail}
 
@@ -67,6 +71,7 @@ def main() -> int:
     parser.add_argument("--mode", default="nccl_cadence")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=240.0)
+    parser.add_argument("--start-timeout", type=float, default=60.0)
     parser.add_argument("--no-busy", action="store_true", help="no spinning core beside")
     parser.add_argument("--out", default=str(RESULT))
     args = parser.parse_args()
@@ -74,7 +79,7 @@ def main() -> int:
     runs: list[dict] = []
     try:
         for i in range(args.runs):
-            runs.append(run_once(args.mode, i % 3, args.timeout, args.epochs))
+            runs.append(run_once(args.mode, i % 3, args.timeout, args.epochs, args.start_timeout))
             print(json.dumps(_line(runs[-1])), flush=True)
     finally:
         if busy is not None:
