@@ -8,8 +8,8 @@ Each run is one ``tests/chaos/run_one.py`` process with ``FLODL_CHAOS=V:average:
 the survivors are blocked in a collective on it until the heartbeat declares it lost and they
 regroup (flodl/runtime/groups.py). A run is classified as in the chaos matrix (``completed``,
 ``stopped``, ``hang``, ``broken``), and ``not-started`` when the ranks' start-up outlasted its
-timeout (60 s here) before anything was frozen. One core is kept busy (a spinning child) for the whole
-stress, as in the stress of the first elastic fix. Not part of ``make test`` (about 40 min).
+timeout (60 s here) before anything was frozen. One core is kept busy (a spinning child) for the
+whole stress, as in the stress of the first elastic fix. Not part of ``make test`` (~40 min).
 """
 
 from __future__ import annotations

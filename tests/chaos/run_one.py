@@ -65,7 +65,10 @@ def ssh_cluster(ranks: int, hosts_file: str) -> ClusterConfig:
 
 def run(args: argparse.Namespace) -> dict:
     os.environ["FLODL_CHAOS"] = args.faults
-    cluster = ssh_cluster(args.ranks, args.hosts) if args.hosts else local_cluster(args.ranks, args.start_timeout)
+    if args.hosts:
+        cluster = ssh_cluster(args.ranks, args.hosts)
+    else:
+        cluster = local_cluster(args.ranks, args.start_timeout)
     cfg = (
         Trainer.builder(model_factory, optim_factory, classification_step)
         .batch_size(32)
