@@ -4,19 +4,36 @@ The training loop forms the group and re-forms it over the survivors (:func:`for
 when a collective on it failed (:func:`release`). The hard case is a rank blocked in a collective
 on a peer that is alive but no longer taking part (it failed its own side and went to regroup):
 nothing on the data plane tells it, and gloo would wait out its timeout (minutes). The controller's
-Regroup does tell it, so a collective is awaited in short slices (:func:`wait`) and *abandoned*
-once the control channel has announced a newer membership. Usually the operation then fails by
-itself within milliseconds (the lost rank was killed) and the group is released like any failed
-one. gloo cannot cancel an operation in flight, so one still blocked after a short grace is ended
-by hanging up the group's connections (:func:`hang_up`: ``shutdown``, never ``close``, so no
-descriptor number is reused under gloo). Only if even that fails is the group unregistered and
-leaked (destroying it would join the blocked thread). NCCL can abort a
-communicator, which the control reader does at once (:func:`abort`).
+Regroup does tell it, so a collective is awaited in short slices (``Work.wait(timeout)``,
+:func:`wait`) and *abandoned* once the control channel has announced a newer membership. Usually
+the operation then fails by itself within milliseconds (the lost rank was killed) and the group is
+released like any failed one.
+
+What each step rests on (checked against torch 2.13.0; the floor is torch 2.3):
+
+* NCCL: the control reader aborts the communicators at once (:func:`abort`: torch's NCCL group
+  abort ``_abort_process_group``, torch >= 2.5, else ``ProcessGroup.abort()``; ncclCommAbort), so
+  a kernel waiting on a gone peer ends now.
+* gloo has no abort: ``ProcessGroupGloo`` inherits ``Backend::abort()`` and ``shutdown()``, which
+  do nothing (pytorch/pytorch#130345, gloo PR #388 are open); measured: an all-reduce blocked on a
+  live peer is still blocked after either. ``tests/unit/test_groups_gloo.py`` fails the day that
+  changes, and :func:`hang_up` can then give way to ``abort()``.
+* So a gloo operation still blocked after a short grace is ended by :func:`hang_up`: the one
+  remaining trick, isolated at the end of this module. No torch or gloo API reaches a group's
+  connections; torchft's way out (collectives in a killable child process, its "baby" groups)
+  costs a copy through shared memory and an IPC round trip on every collective.
+* A group whose operation is still blocked is dropped with the public
+  ``dist.destroy_process_group()``: it unregisters the group and calls the no-op ``shutdown()``
+  (measured: returns at once with an operation in flight, and a new group forms after it). What
+  would block is the group's destructor, which joins the thread stuck in the operation until
+  gloo's timeout; so such a group is handed to a daemon thread that keeps it referenced
+  (:func:`_keep`). Python documents that a daemon thread's resources are not released at exit, so
+  neither the loop nor the process's exit waits for it (measured: the process exits in 2 s, not
+  gloo's timeout).
 """
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import logging
 import os
@@ -128,43 +145,6 @@ def _settles(work: Any, grace_s: float, poll_s: float) -> bool:
     return False
 
 
-def hang_up() -> int:
-    """Shut down (not close) every connection of the current group: gloo sees end-of-stream on
-    each and fails the operation in flight, and every peer still in it fails too. The descriptors
-    stay open until the group is destroyed, so none can be reused under gloo. The count."""
-    count = 0
-    for fd in sorted(_group_sockets):
-        try:
-            with socket.socket(fileno=os.dup(fd)) as dup:  # a dup: closing it closes only ours
-                if dup.family not in (socket.AF_INET, socket.AF_INET6):
-                    continue
-                if dup.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                    continue  # gloo's listener: shut down, its accept loop aborts the process
-                if dup.getsockname()[1] in _protected_ports:
-                    continue
-                dup.shutdown(socket.SHUT_RDWR)
-                count += 1
-        except OSError:
-            continue  # gone or not connected (a listener): nothing to hang up
-    log.debug("hung up %d connection(s) of the abandoned group", count)
-    return count
-
-
-def _socket_fds() -> set[int]:
-    fds: set[int] = set()
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:  # not Linux: no descriptors to hang up; the leak below still applies
-        return fds
-    for name in names:
-        try:
-            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
-                fds.add(int(name))
-        except OSError:
-            continue
-    return fds
-
-
 def _finished(work: Any, poll_s: float, reraise: bool = True) -> bool:
     """Whether ``work`` completed within ``poll_s``; its error is raised when ``reraise``."""
     try:
@@ -183,15 +163,15 @@ def release(abandoned: bool = False) -> None:
     """Drop this rank's side of the current group after a failed collective. A group whose
     collective failed really dies (its sockets close, so a peer still blocked on us fails at
     once); nothing may reference it (a failed collective's traceback does: call this outside the
-    ``except`` block). An abandoned group still has an operation in flight: leaked, not joined."""
+    ``except`` block). An abandoned group still has an operation in flight: it is unregistered
+    like any other, but kept alive (:func:`_keep`), as its destructor would join that operation."""
     import torch.distributed as dist
 
     with _lock:
         if not dist.is_initialized():
             return
         if abandoned:
-            _forget_default_group()
-            return
+            _keep(dist.group.WORLD)
         try:
             dist.destroy_process_group()
         except Exception as exc:  # already broken: what matters is dropping our references
@@ -200,46 +180,92 @@ def release(abandoned: bool = False) -> None:
     gc.collect()  # frames of the failed collective may sit in reference cycles
 
 
-def _forget_default_group() -> None:
-    """Unregister the default group *without* shutting it down, and leak it: destroying a gloo
-    group joins the thread still blocked in its operation (measured: until gloo's timeout). The
-    last resort, after :func:`hang_up` failed to end the operation."""
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
-
-    pg = dist.group.WORLD
-    _leak(pg)
-    _group_sockets.clear()
-    world = c10d._world
-    maps = ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag")
-    if not hasattr(c10d, "_update_default_pg") or not all(hasattr(world, m) for m in maps):
-        dist.destroy_process_group()  # a torch whose registry we do not know: the safe old way
-        return
-    c10d._update_default_pg(None)
-    for name in (*maps, "tags_to_pg", "pg_coalesce_state"):
-        getattr(world, name, {}).clear()
-    world.group_count = 0
-    unregister = getattr(c10d, "_unregister_all_process_groups", None)
-    if unregister is not None:
-        unregister()
-
-
 def abort() -> None:
     """Called by the control reader when a new membership is announced. NCCL: abort the
     communicators, so a kernel waiting on a gone peer ends now. gloo cannot abort an operation in
     flight; :func:`wait` abandons it instead."""
     import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
 
     with _lock:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_backend() != "nccl":
             return
-        _leak(dist.group.WORLD)
+        pg = dist.group.WORLD
+        if pg is None:
+            return
+        _keep(pg)  # the worker may still hold its work: the last reference must not drop here
         try:
-            dist.distributed_c10d._abort_process_group()
+            if hasattr(c10d, "_abort_process_group"):  # torch >= 2.5: aborts and unregisters
+                c10d._abort_process_group()
+            else:
+                pg.abort()  # ncclCommAbort on each communicator; release() unregisters it
         except (AttributeError, RuntimeError, ValueError, AssertionError) as exc:
             log.warning("could not abort the NCCL group (%s); its timeout will end it", exc)
 
 
-def _leak(obj: Any) -> None:
-    """Keep ``obj`` alive for the life of the process: its destructor would block."""
-    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+_kept: list[Any] = []  # groups left behind: referenced for the life of the process
+
+
+def _keep(obj: Any) -> None:
+    """Keep ``obj`` referenced for the life of the process: its destructor would block. The list
+    is also held by a daemon thread's frame, which Python never unwinds at exit (threading docs:
+    a daemon thread's resources are not released), so not even the exit runs the destructor."""
+    if not _kept:
+        threading.Thread(target=_hold, args=(_kept,), name="flodl-kept", daemon=True).start()
+    _kept.append(obj)
+
+
+def _hold(kept: list[Any]) -> None:
+    threading.Event().wait()  # forever: ``kept`` stays referenced from this frame
+
+
+def kept() -> int:
+    """How many groups were left behind (kept alive instead of destroyed)."""
+    return len(_kept)
+
+
+# -- the one remaining trick (checked against torch 2.13.0 with gloo's TCP transport) ------------
+# No torch or gloo API ends a gloo operation in flight or reaches a group's connections (see the
+# module docstring). The descriptors a group opened are told apart by listing this process's
+# sockets before and after ``init_process_group`` (Linux /proc); gloo connects its pairs there,
+# eagerly, unless TORCH_GLOO_LAZY_INIT is set (then nothing is found and the group is kept alive
+# instead). tests/unit/test_groups_gloo.py fails if shutting them down stops ending the operation.
+
+
+def hang_up() -> int:
+    """Shut down (not close) every connection of the current group: gloo sees end-of-stream on
+    each and fails the operation in flight, and every peer still in it fails too. The descriptors
+    stay open until the group is destroyed, so none can be reused under gloo. The count."""
+    count = sum(_shut_down(fd) for fd in sorted(_group_sockets))
+    log.debug("hung up %d connection(s) of the abandoned group", count)
+    return count
+
+
+def _shut_down(fd: int) -> bool:
+    try:
+        with socket.socket(fileno=os.dup(fd)) as dup:  # a dup: closing it closes only ours
+            if dup.family not in (socket.AF_INET, socket.AF_INET6):
+                return False
+            if dup.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                return False  # gloo's listener: shut down, its accept loop aborts the process
+            if dup.getsockname()[1] in _protected_ports:
+                return False
+            dup.shutdown(socket.SHUT_RDWR)
+            return True
+    except OSError:
+        return False  # gone or not connected (a listener): nothing to hang up
+
+
+def _socket_fds() -> set[int]:
+    fds: set[int] = set()
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:  # not Linux: no descriptors to hang up; the group is kept alive instead
+        return fds
+    for name in names:
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                fds.add(int(name))
+        except OSError:
+            continue
+    return fds

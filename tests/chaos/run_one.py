@@ -30,14 +30,14 @@ ROOT = Path(__file__).resolve().parents[2]
 SPEEDS = [1.0, 0.7, 0.5, 0.6]
 
 
-def local_cluster(ranks: int) -> ClusterConfig:
+def local_cluster(ranks: int, start_s: float = START_S) -> ClusterConfig:
     return ClusterConfig(
         kind="cpu_rig",
         ranks=ranks,
         speeds=SPEEDS[:ranks],
         warmup_steps=2,
         heartbeat_timeout_s=HEARTBEAT_S,
-        start_timeout_s=START_S,
+        start_timeout_s=start_s,
     )
 
 
@@ -65,7 +65,10 @@ def ssh_cluster(ranks: int, hosts_file: str) -> ClusterConfig:
 
 def run(args: argparse.Namespace) -> dict:
     os.environ["FLODL_CHAOS"] = args.faults
-    cluster = ssh_cluster(args.ranks, args.hosts) if args.hosts else local_cluster(args.ranks)
+    if args.hosts:
+        cluster = ssh_cluster(args.ranks, args.hosts)
+    else:
+        cluster = local_cluster(args.ranks, args.start_timeout)
     cfg = (
         Trainer.builder(model_factory, optim_factory, classification_step)
         .batch_size(32)
@@ -135,6 +138,7 @@ def main() -> int:
     parser.add_argument("--n-train", type=int, default=3072)
     parser.add_argument("--job-dir", required=True)
     parser.add_argument("--timeout", type=float, default=240.0)
+    parser.add_argument("--start-timeout", type=float, default=START_S, help="local ranks'")
     parser.add_argument("--hosts", default="", help="fake hosts' JSON: run the ranks over ssh")
     out = run(parser.parse_args())
     print("CHAOS-RESULT " + json.dumps(out), flush=True)
