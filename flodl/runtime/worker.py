@@ -757,30 +757,15 @@ class Worker:
         """The collective average; False when a peer is gone (the group is then released) or
         the controller announced a new membership while it was in flight (abandoned).
         ``measure``: record the divergence from the average (the guard's signal)."""
-        failure, abandoned = None, False
-        try:
+
+        def average() -> None:
             divergence = collective_average(
                 self.state, weight, buffer_weight, doomed=self._doomed, measure=measure
             )
             if divergence is not None:
                 self._last_divergence = divergence
-        except groups.Abandoned as exc:
-            failure, abandoned = str(exc), not exc.settled
-        except (RuntimeError, dist.DistBackendError) as exc:  # a peer is gone
-            failure = str(exc)
-        if failure is None:
-            return True
-        # Out of the except block: its traceback pins the group, whose sockets must close now
-        # so a survivor blocked on us fails at once.
-        log.warning(
-            "rank %d: averaging failed in generation %d (%s); waiting to regroup",
-            self.rank,
-            self.generation,
-            failure,
-        )
-        if self.regroup_fn is not None:
-            groups.release(abandoned)
-        return False
+
+        return self._collective(average, "averaging")
 
     def _collective(self, run: Callable[[], Any], what: str) -> bool:
         """Run one of the step's collectives; False when a peer is gone (the group released)."""
@@ -793,6 +778,8 @@ class Worker:
             failure = str(exc)
         if failure is None:
             return True
+        # Out of the except block: its traceback pins the group, whose sockets must close now
+        # so a survivor blocked on us fails at once.
         log.warning(
             "rank %d: %s failed in generation %d (%s); waiting to regroup",
             self.rank,
