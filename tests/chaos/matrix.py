@@ -192,6 +192,16 @@ def render(path: Path) -> str:
     return "\n".join(lines)
 
 
+def _write(out: Path, cohort: str, cells: list[dict]) -> dict:
+    per_moment: dict[str, Counter] = defaultdict(Counter)
+    for cell in cells:
+        per_moment[cell["moment"]][cell["verdict"]] += 1
+    summary = {m: dict(c) for m, c in per_moment.items()}
+    record = {"cohort": cohort, "summary": summary, "cells": cells}
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    return summary
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--modes", default=",".join(MODES))
@@ -208,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     out = Path(args.out or (SSH_RESULT if args.cohort == "ssh" else RESULT))
     ckpts = {"off": [False], "on": [True], "both": [False, True]}[args.checkpoints]
-    cells = []
+    cells: list[dict] = []
+    summary: dict = {}
     grid = itertools.product(
         args.modes.split(","), args.moments.split(","), args.victims.split(","), ckpts
     )
@@ -224,12 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{cell['wall_s']:6.1f} s",
                 flush=True,
             )
-    per_moment: dict[str, Counter] = defaultdict(Counter)
-    for cell in cells:
-        per_moment[cell["moment"]][cell["verdict"]] += 1
-    summary = {m: dict(c) for m, c in per_moment.items()}
-    record = {"cohort": args.cohort, "summary": summary, "cells": cells}
-    out.write_text(json.dumps(record, indent=1) + "\n")
+            summary = _write(out, args.cohort, cells)  # after every cell: a cut run keeps its part
     print(json.dumps(summary, indent=1))
     # Two of three ranks lost is always survivable (max_failure unset): only completed passes.
     bad = sum(c["verdict"] not in ("completed", "not-reached") for c in cells)
