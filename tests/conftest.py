@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import sys
 from pathlib import Path
@@ -25,7 +26,7 @@ pytest_plugins = ["tests.netns_hosts"]  # make_test_hosts: fake hosts in network
 # ends about when "a" reaches _PACED: the paced tests then have the machine to themselves. The
 # rank-starting tests outside _PACED assert completion, counts, leaks and exact equalities, which
 # hold under contention (the suite passed at load 13-21 with two of them side by side).
-_PACED = ("test_hetero_modes.py", "test_loader.py", "test_modes.py")
+_PACED = ("test_hetero_modes.py", "test_loader.py", "test_modes.py", "test_run_py.py")
 _COST_S = {
     "test_multihost.py": 114,
     "test_cohorts.py": 97,
@@ -60,9 +61,9 @@ def _starts_ranks(item: pytest.Item) -> bool:
 def _halves(files: list[str]) -> set[str]:
     """The rank-starting files (not _PACED) that go to group "b": largest first, each to the
     group that ends earlier, with "b" starting behind the unit tests."""
-    # "a" counts only its part before _PACED, plus a third of _PACED: the paced tests may
-    # overlap the end of "b" a little, which costs less wall time than idling "b" for them.
-    a = sum(_COST_S.get(f, _DEFAULT_S) for f in _PACED if f in files) / 3
+    # "a" counts only its part before _PACED: both parts end together, then the paced modules
+    # run alone (they wait for the shared lock of "b"'s last module: _paced_alone).
+    a = 0.0
     b = _UNIT_AND_LIGHT_S
     to_b: set[str] = set()
     for name in sorted(files, key=lambda f: -_COST_S.get(f, _DEFAULT_S)):
@@ -97,6 +98,26 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         item.add_marker(pytest.mark.xdist_group(group(item)))
     items.sort(key=order)  # stable: collection order within each part
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _paced_alone(request, tmp_path_factory):
+    """Ordering alone cannot promise the _PACED modules a quiet machine (the other worker's
+    share of the work is only estimated; measured: shares 0.57-0.66 against 0.67-0.71 when a
+    rank-starting test ran beside them). So, between xdist workers: a _PACED module holds an
+    exclusive lock for its whole run (its module fixtures included: autouse module fixtures are
+    set up first), every other module of tests/integration and tests/e2e a shared one. Each
+    worker holds one lock at a time (a module's is released before the next module's is taken),
+    so no cycle can form."""
+    parts = Path(request.node.path).relative_to(ROOT / "tests").parts
+    if "PYTEST_XDIST_WORKER" not in os.environ or parts[0] == "unit":
+        yield
+        return
+    mode = fcntl.LOCK_EX if parts[-1] in _PACED else fcntl.LOCK_SH
+    lock = tmp_path_factory.getbasetemp().parent / "paced.lock"  # shared by this run's workers
+    with open(lock, "a") as handle:
+        fcntl.flock(handle, mode)
+        yield  # closing the file releases the lock
 
 
 @pytest.fixture(autouse=True)
