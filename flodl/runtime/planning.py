@@ -283,7 +283,7 @@ class Planner:
         return min(self.windows, default=self.next_window)
 
     def record(self, report: Report) -> WindowTrack | None:
-        """One rank's report into its window and epoch; the window once it is complete."""
+        """One rank's report into its window and epoch; its window (None: a void window's)."""
         track = self.windows.get(report.window)
         if track is None or report.rank not in track.expected:
             return None  # a void window's report (planned before a loss): its work came back
@@ -291,7 +291,7 @@ class Planner:
         assert self.coverage is not None
         self.coverage.record(report.epoch, report.chunks)
         self.epochs[report.epoch].add(report)
-        return track if track.complete else None
+        return track
 
     def finish(self, track: WindowTrack, now: float) -> EpochTrack:
         """A complete window leaves the open ones; its epoch's counts move on."""

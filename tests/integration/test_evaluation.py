@@ -40,7 +40,7 @@ def run(tmp_path_factory):
         progress="off",
         tensorboard=False,
         csv=True,
-        log_every_n_steps=5,
+        log_every_n_steps=2,  # the slow rank logs too, however few steps it gets
         wandb=WandbConfig() if HAVE_WANDB else None,
         mlflow=MlflowConfig() if HAVE_MLFLOW else None,
     )
@@ -115,7 +115,7 @@ def test_every_logger_holds_the_final_metrics_of_summary_json(run):
     assert set(steps) == {f"step/rank_{r}/{k}" for r in (0, 1) for k in ("loss", "lr")}
     with open(job / "metrics.csv", newline="") as f:
         logged_steps = [int(r["step"]) for r in csv.DictReader(f) if r["kind"] == "step"]
-    assert logged_steps and all(s % 5 == 0 for s in logged_steps)  # log_every_n_steps=5
+    assert logged_steps and all(s % 2 == 0 for s in logged_steps)  # log_every_n_steps=2
 
 
 def test_per_rank_telemetry_is_present_and_plausible(run):
