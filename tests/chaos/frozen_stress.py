@@ -23,7 +23,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from tests.chaos.matrix import _kill_leftovers, classify
+from tests.chaos.matrix import classify, run_faulted
 
 RESULT = Path(__file__).with_name("frozen_result.json")
 
@@ -35,20 +35,8 @@ def run_once(mode: str, victim: int, timeout_s: float, epochs: int, start_s: flo
         cmd += ["--faults", f"{victim}:average:2:stop", "--epochs", str(epochs)]
         cmd += ["--job-dir", str(Path(tmp) / "job"), "--timeout", str(timeout_s)]
         cmd += ["--start-timeout", str(start_s)]
-        out, timed_out, tail = None, False, []
         t0 = time.perf_counter()
-        try:
-            proc = subprocess.run(
-                cmd, capture_output=True, text=True, timeout=timeout_s, start_new_session=True
-            )
-            for line in proc.stdout.splitlines():
-                if line.startswith("CHAOS-RESULT "):
-                    out = json.loads(line.removeprefix("CHAOS-RESULT "))
-            tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
-        except subprocess.TimeoutExpired:
-            timed_out, tail = True, ["timeout"]
-        finally:
-            _kill_leftovers(tmp)  # the frozen rank too: SIGKILL ends a stopped process
+        out, timed_out, tail = run_faulted(cmd, tmp, timeout_s)
         verdict = classify(out, {victim}, ckpt=False, timed_out=timed_out)
         if "did not get ready" in str((out or {}).get("summary_error")):
             verdict = "not-started"  # the ranks' start-up outlasted its timeout: nothing frozen

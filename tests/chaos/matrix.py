@@ -106,19 +106,7 @@ def run_cell(mode: str, victim: str, moment: str, ckpt: bool, timeout_s: float, 
         if hosts is not None:
             cmd += ["--hosts", _hosts_file(hosts, Path(tmp))]
         t0 = time.perf_counter()
-        out, timed_out = None, False
-        try:
-            proc = subprocess.run(
-                cmd, capture_output=True, text=True, timeout=timeout_s, start_new_session=True
-            )
-            for line in proc.stdout.splitlines():
-                if line.startswith("CHAOS-RESULT "):
-                    out = json.loads(line.removeprefix("CHAOS-RESULT "))
-            tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
-        except subprocess.TimeoutExpired:
-            tail, timed_out = ["timeout"], True
-        finally:
-            _kill_leftovers(tmp, hosts)
+        out, timed_out, tail = run_faulted(cmd, tmp, timeout_s, hosts)
         verdict = classify(out, struck(victim, moment), ckpt, timed_out)
         return {
             "mode": mode,
@@ -130,6 +118,25 @@ def run_cell(mode: str, victim: str, moment: str, ckpt: bool, timeout_s: float, 
             "outcome": out,
             "tail": tail if verdict in ("hang", "broken") else [],
         }
+
+
+def run_faulted(cmd: list[str], tmp: str, timeout_s: float, hosts=None) -> tuple:
+    """Run one ``run_one`` command: its outcome (None: none printed), whether it timed out,
+    and its output's last lines; whatever it left behind is killed (a frozen rank too)."""
+    out, timed_out = None, False
+    try:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout_s, start_new_session=True
+        )
+        for line in proc.stdout.splitlines():
+            if line.startswith("CHAOS-RESULT "):
+                out = json.loads(line.removeprefix("CHAOS-RESULT "))
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
+    except subprocess.TimeoutExpired:
+        tail, timed_out = ["timeout"], True
+    finally:
+        _kill_leftovers(tmp, hosts)
+    return out, timed_out, tail
 
 
 def _hosts_file(hosts, tmp: Path) -> str:
