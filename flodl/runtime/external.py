@@ -175,7 +175,6 @@ class ExternalCohort:
         """Listen, publish the controller to the followers, start rank 0's worker thread."""
         role = self.role
         host, port = self.plane.listen(_bind_address(role.master_addr), 0)
-        groups.protect_port(port)  # rank 0 trains in this process, beside us
         key = next_run_key(role)
         store_host, store_port = self._publish(key, f"{role.master_addr}:{port}")
         log.info("%s placement: controller on port %d", role.launcher, port)

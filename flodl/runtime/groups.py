@@ -17,27 +17,28 @@ What each step rests on (checked against torch 2.13.0; the floor is torch 2.3):
 * gloo has no abort: ``ProcessGroupGloo`` inherits ``Backend::abort()`` and ``shutdown()``, which
   do nothing (pytorch/pytorch#130345, gloo PR #388 are open); measured: an all-reduce blocked on a
   live peer is still blocked after either. ``tests/unit/test_groups_gloo.py`` fails the day that
-  changes, and :func:`hang_up` can then give way to ``abort()``.
-* So a gloo operation still blocked after a short grace is ended by :func:`hang_up`: the one
-  remaining trick, isolated at the end of this module. No torch or gloo API reaches a group's
-  connections; torchft's way out (collectives in a killable child process, its "baby" groups)
-  costs a copy through shared memory and an IPC round trip on every collective.
-* A group whose operation is still blocked is dropped with the public
-  ``dist.destroy_process_group()``: it unregisters the group and calls the no-op ``shutdown()``
-  (measured: returns at once with an operation in flight, and a new group forms after it). What
-  would block is the group's destructor, which joins the thread stuck in the operation until
-  gloo's timeout; so such a group is handed to a daemon thread that keeps it referenced
-  (:func:`_keep`). Python documents that a daemon thread's resources are not released at exit, so
-  neither the loop nor the process's exit waits for it (measured: the process exits in 2 s, not
-  gloo's timeout).
+  changes, and :func:`abort` can then end gloo operations too.
+* So a gloo operation still blocked after a short grace is *left behind*, on public APIs only: the
+  group is dropped with ``dist.destroy_process_group()``, which unregisters it and calls the no-op
+  ``shutdown()`` (measured: returns at once with an operation in flight, and a new group forms
+  after it), and the rank goes on in the new group. What would block is the old group's
+  destructor, which joins the thread stuck in the operation; so such a group is handed to a daemon
+  thread that keeps it referenced (:func:`_keep`). Python documents that a daemon thread's
+  resources are not released at exit, so neither the loop nor the process's exit waits for it
+  (measured: the process exits in 2 s, not gloo's timeout). The operation itself ends at the
+  group's own timeout (``cluster.start_timeout_s``, given to ``init_process_group``): until then
+  it holds its thread and the tensor it was reducing (one flat copy of the model for an average,
+  one 25 MiB bucket for nccl_sync). It is rare: a peer that is killed or that fails its own side
+  releases its group, which closes its connections, and the operation fails within milliseconds
+  (``Abandoned.settled``); only a peer that is alive and stuck too (frozen, or itself left behind)
+  leaves one. torchft's other way out (collectives in a killable child process, its "baby"
+  groups) costs a copy through shared memory and an IPC round trip on every collective.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-import os
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -64,15 +65,6 @@ class Abandoned(RuntimeError):
         self.settled = settled
 
 
-_group_sockets: set[int] = set()  # descriptors the current group opened (its rendezvous, pairs)
-_protected_ports: set[int] = set()  # local ports of this process's control plane: never touched
-
-
-def protect_port(port: int) -> None:
-    """Sockets on this local port (a controller hosted in this process) are not a group's."""
-    _protected_ports.add(port)
-
-
 def form(
     backend: str,
     store: Any,
@@ -92,7 +84,6 @@ def form(
     import torch.distributed as dist
 
     _await_members(store, rank, world_size, timeout_s, doomed, poll_s)
-    before = _socket_fds()
     dist.init_process_group(
         backend,
         store=store,
@@ -100,8 +91,6 @@ def form(
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
     )
-    _group_sockets.clear()
-    _group_sockets.update(_socket_fds() - before)
 
 
 def _await_members(
@@ -128,12 +117,11 @@ def wait(
     work: Any, doomed: Callable[[], bool], poll_s: float = POLL_S, grace_s: float = GRACE_S
 ) -> None:
     """Wait for an async collective; raise :class:`Abandoned` once ``doomed()`` says the
-    membership changed. Adds no latency: ``wait`` returns the moment the work completes."""
+    membership changed (``settled``: it ended within the grace that followed; else it is still
+    blocked and the caller leaves it behind: ``release(abandoned=True)``). Adds no latency:
+    ``wait`` returns the moment the work completes."""
     while not _finished(work, poll_s):
         if doomed():
-            if _settles(work, grace_s, poll_s):
-                raise Abandoned(settled=True)
-            hang_up()  # still blocked: end it by hanging up the group's connections
             raise Abandoned(settled=_settles(work, grace_s, poll_s))
 
 
@@ -176,7 +164,6 @@ def release(abandoned: bool = False) -> None:
             dist.destroy_process_group()
         except Exception as exc:  # already broken: what matters is dropping our references
             log.debug("destroying the broken group: %s", exc)
-        _group_sockets.clear()
     gc.collect()  # frames of the failed collective may sit in reference cycles
 
 
@@ -222,50 +209,3 @@ def _hold(kept: list[Any]) -> None:
 def kept() -> int:
     """How many groups were left behind (kept alive instead of destroyed)."""
     return len(_kept)
-
-
-# -- the one remaining trick (checked against torch 2.13.0 with gloo's TCP transport) ------------
-# No torch or gloo API ends a gloo operation in flight or reaches a group's connections (see the
-# module docstring). The descriptors a group opened are told apart by listing this process's
-# sockets before and after ``init_process_group`` (Linux /proc); gloo connects its pairs there,
-# eagerly, unless TORCH_GLOO_LAZY_INIT is set (then nothing is found and the group is kept alive
-# instead). tests/unit/test_groups_gloo.py fails if shutting them down stops ending the operation.
-
-
-def hang_up() -> int:
-    """Shut down (not close) every connection of the current group: gloo sees end-of-stream on
-    each and fails the operation in flight, and every peer still in it fails too. The descriptors
-    stay open until the group is destroyed, so none can be reused under gloo. The count."""
-    count = sum(_shut_down(fd) for fd in sorted(_group_sockets))
-    log.debug("hung up %d connection(s) of the abandoned group", count)
-    return count
-
-
-def _shut_down(fd: int) -> bool:
-    try:
-        with socket.socket(fileno=os.dup(fd)) as dup:  # a dup: closing it closes only ours
-            if dup.family not in (socket.AF_INET, socket.AF_INET6):
-                return False
-            if dup.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                return False  # gloo's listener: shut down, its accept loop aborts the process
-            if dup.getsockname()[1] in _protected_ports:
-                return False
-            dup.shutdown(socket.SHUT_RDWR)
-            return True
-    except OSError:
-        return False  # gone or not connected (a listener): nothing to hang up
-
-
-def _socket_fds() -> set[int]:
-    fds: set[int] = set()
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:  # not Linux: no descriptors to hang up; the group is kept alive instead
-        return fds
-    for name in names:
-        try:
-            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
-                fds.add(int(name))
-        except OSError:
-            continue
-    return fds

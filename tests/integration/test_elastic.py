@@ -144,8 +144,6 @@ from flodl.runtime.channel import Channel
 from flodl.runtime.links import SocketLink
 
 rank, store_port, control_port = (int(a) for a in sys.argv[1:4])
-if sys.argv[4] == "no-hang-up":  # as where no connection can be found: the group is kept alive
-    groups.hang_up = lambda: 0
 store = dist.TCPStore("127.0.0.1", store_port, 2, is_master=rank == 0, use_libuv=False)
 groups.form("gloo", store, rank, 2, 300.0)  # gloo's own timeout: far beyond this test
 dist.all_reduce(torch.ones(4))
@@ -178,13 +176,12 @@ def _line(proc, timeout_s: float = 20.0) -> str:
     return proc.stdout.readline().strip()
 
 
-@pytest.mark.parametrize("hang_up", ["hang-up", "no-hang-up"])
-def test_a_regroup_frees_a_rank_blocked_on_a_live_peer(tmp_path, hang_up):
+def test_a_regroup_frees_a_rank_blocked_on_a_live_peer(tmp_path):
     """The hang CI once hit: a survivor blocked in the old group's collective on a peer that is
     alive but has moved on (it failed its own side and waits to regroup). Only the controller's
     Regroup can tell it: the collective is abandoned within the grace after the announcement
-    instead of waiting out gloo's timeout (300 s here). Without the hang-up the operation stays
-    blocked: the group is destroyed but kept alive, and neither the loop nor the exit waits."""
+    instead of waiting out gloo's timeout (300 s here). The operation stays blocked (gloo cannot
+    end it): the group is destroyed but kept alive, and neither the loop nor the exit waits."""
     import socket
     import subprocess
     import sys
@@ -202,7 +199,7 @@ def test_a_regroup_frees_a_rank_blocked_on_a_live_peer(tmp_path, hang_up):
     script.write_text(_BLOCKED_RANK)
     procs = [
         subprocess.Popen(
-            [sys.executable, str(script), str(r), str(store_port), str(control_port), hang_up],
+            [sys.executable, str(script), str(r), str(store_port), str(control_port)],
             stdout=subprocess.PIPE,
             text=True,
         )
@@ -216,13 +213,11 @@ def test_a_regroup_frees_a_rank_blocked_on_a_live_peer(tmp_path, hang_up):
         sent = time.monotonic()
         Channel(conn).send(Regroup(1, (0,), 0, {0: 1.0}))
         outcome = _line(procs[0])
-        # The peer never joins: after the grace the group's connections are hung up, which
-        # ends the operation, so the group is destroyed for real (nothing kept).
-        settled = hang_up == "hang-up"
-        assert outcome.startswith(f"abandoned settled={settled}"), outcome
+        # The peer never joins: after the grace the operation is still blocked.
+        assert outcome.startswith("abandoned settled=False"), outcome
         # The message still reaches the loop, the group is gone, and the process exits at once
         # (a group still blocked is kept alive, not joined: joining would wait out the timeout).
-        assert _line(procs[0]) == f"Regroup 1 False {0 if settled else 1}"
+        assert _line(procs[0]) == "Regroup 1 False 1"
         assert procs[0].wait(timeout=20) == 0
         assert time.monotonic() - sent < 20.0
         conn.close()

@@ -1,8 +1,8 @@
 """What flodl/runtime/groups.py rests on in torch's gloo backend, checked on a real in-process pair.
 
 These fail loudly when a torch upgrade changes it: the day gloo can abort an operation in
-flight, groups.hang_up (the one remaining trick) should give way to ``abort()``; the day shutting
-down a group's connections stops ending its operation, the hang-up no longer frees a rank.
+flight, groups.abort should end gloo operations too instead of leaving them behind; the day
+destroying a group with an operation in flight blocks, a regroup would wait out gloo's timeout.
 """
 
 from __future__ import annotations
@@ -24,11 +24,10 @@ TIMEOUT = timedelta(seconds=20)  # gloo's own: far beyond every wait below
 
 @pytest.fixture
 def blocked():
-    """Rank 0 of an in-process gloo pair in an all-reduce that rank 1 never joins: (pg, work,
-    the sockets the pair opened). Ended afterwards by hanging up, so no destructor waits."""
+    """Rank 0 of an in-process gloo pair in an all-reduce that rank 1 has not joined: (pg, work,
+    rank 1's pg). Ended afterwards by rank 1 joining it, so no destructor waits."""
     store = dist.HashStore()
     pgs: list = [None, None]
-    before = groups._socket_fds()
 
     def make(rank: int) -> None:
         pgs[rank] = dist.ProcessGroupGloo(store, rank, 2, TIMEOUT)
@@ -38,13 +37,10 @@ def blocked():
         t.start()
     for t in threads:
         t.join(timeout=30)
-    opened = groups._socket_fds() - before
     work = pgs[0].allreduce([torch.ones(4)])
-    yield pgs[0], work, opened
-    for fd in opened:
-        groups._shut_down(fd)
-    with pytest.raises(RuntimeError):
-        work.wait()
+    yield pgs[0], work, pgs[1]
+    pgs[1].allreduce([torch.ones(4)]).wait(timeout=TIMEOUT)
+    work.wait(timeout=TIMEOUT)
 
 
 def _still_blocked(work, seconds: float = 0.5) -> bool:
@@ -61,19 +57,30 @@ def test_gloo_still_cannot_abort_an_operation_in_flight(blocked):
     pg.shutdown()
     assert _still_blocked(work), (
         f"torch {torch.__version__} ends a gloo operation with abort()/shutdown(): use that in "
-        "groups.abort/release and drop groups.hang_up"
+        "groups.abort instead of leaving the operation behind"
     )
 
 
-def test_shutting_down_the_group_connections_ends_its_operation(blocked):
-    _, work, opened = blocked
-    assert _still_blocked(work)
+def test_an_operation_left_behind_ends_at_the_group_timeout():
+    """What bounds a left-behind operation (and the tensor it holds): the timeout the group was
+    formed with (``cluster.start_timeout_s`` in a run), not a hang for ever."""
+    store = dist.HashStore()
+    pgs: list = [None, None]
+
+    def make(rank: int) -> None:
+        pgs[rank] = dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=2))
+
+    threads = [threading.Thread(target=make, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
     start = time.monotonic()
-    assert sum(groups._shut_down(fd) for fd in opened) >= 1  # found by listing /proc/self/fd
+    work = pgs[0].allreduce([torch.ones(4)])  # rank 1 never joins
     with pytest.raises(RuntimeError):
         work.wait()
+    assert 1.5 < time.monotonic() - start < 10.0
     assert work.is_completed()
-    assert time.monotonic() - start < 5.0  # not gloo's 20 s timeout
 
 
 def test_a_kept_object_outlives_its_other_references_and_the_exit_skips_its_destructor():
