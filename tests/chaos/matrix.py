@@ -13,9 +13,10 @@ killed after each cell.
 Each cell runs ``tests/chaos/run_one.py`` in its own process with a hard timeout and is
 classified:
 
-* ``completed`` — the run finished with the survivors: status ok, coverage exact, every struck
-  victim among the lost ranks, the final weights returned (and, with checkpoints, the last
-  bundle loads);
+* ``completed`` — the run finished with the survivors: status ok, coverage exact, no rank lost
+  that the cell did not strike, the final weights returned (and, with checkpoints, the last
+  bundle loads); with two victims, one may never come to the moment (``unreached``: at
+  ``eval`` only the elected rank evaluates) — the loss that happened is what was tested;
 * ``stopped`` — it stopped with a message that says what failed; with one survivor left and
   ``max_failure`` unset every loss is survivable, so this counts as a failure too;
 * ``not-reached`` — the victim never came to that moment (e.g. the eval moment of a rank that is
@@ -68,15 +69,29 @@ def struck(victim: str, moment: str) -> set[int]:
     return ranks
 
 
-def classify(out: dict | None, victims: set[int], ckpt: bool, timed_out: bool = False) -> str:
+def classify(
+    out: dict | None,
+    victims: set[int],
+    ckpt: bool,
+    timed_out: bool = False,
+    aimed: set[int] | None = None,
+) -> str:
+    """The verdict of one run. ``victims``: every rank the cell strikes; ``aimed``: those struck
+    at the cell's own moment (default: all; ``regroup`` strikes a first victim in a window to
+    cause the regroup). A run that ended ok with none of ``aimed`` lost never reached the
+    moment. One that lost some of them completed if nothing else went wrong: the others never
+    came to their moment (two victims at ``eval``: only the elected one evaluates), and what was
+    tested is the loss that happened. A lost rank the cell did not strike is a false loss."""
     if out is None:
         return "hang" if timed_out else "broken"  # broken: it died without an outcome
+    aimed = victims if aimed is None else aimed
     lost = set(out.get("lost_ranks", []))
     message = out.get("summary_error") or out.get("error") or ""
     if out.get("status") == "ok":
-        if not victims & lost:
+        if not aimed & lost:
             return "not-reached"
-        good = out["coverage_exact"] and out["has_state"] and victims <= lost
+        good = out["coverage_exact"] and out["has_state"] and lost <= victims
+        good = good and (victims - aimed) <= lost  # the set-up losses happened
         if ckpt and not str(out.get("bundle", "")).startswith("epoch"):
             good = False
         return "completed" if good else "broken"
@@ -107,13 +122,16 @@ def run_cell(mode: str, victim: str, moment: str, ckpt: bool, timeout_s: float, 
             cmd += ["--hosts", _hosts_file(hosts, Path(tmp))]
         t0 = time.perf_counter()
         out, timed_out, tail = run_faulted(cmd, tmp, timeout_s, hosts)
-        verdict = classify(out, struck(victim, moment), ckpt, timed_out)
+        aimed = {int(r) for r in victim.split("+")}
+        verdict = classify(out, struck(victim, moment), ckpt, timed_out, aimed)
+        lost = set((out or {}).get("lost_ranks", []))
         return {
             "mode": mode,
             "victim": victim,
             "moment": moment,
             "checkpoints": ckpt,
             "verdict": verdict,
+            "unreached": sorted(aimed - lost) if verdict == "completed" else [],
             "wall_s": round(time.perf_counter() - t0, 1),
             "outcome": out,
             "tail": tail if verdict in ("hang", "broken") else [],

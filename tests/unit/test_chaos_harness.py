@@ -44,6 +44,13 @@ def test_matrix_cells_name_their_faults_and_victims():
     assert matrix.classify({**ok, "bundle": "unloadable: x"}, {1}, ckpt=True) == "broken"
     assert matrix.classify({**ok, "lost_ranks": []}, {1}, ckpt=False) == "not-reached"
     assert matrix.classify(None, {1}, ckpt=False, timed_out=True) == "hang"
+    # Two victims at eval, only the elected one evaluates: the loss that happened was tested.
+    assert matrix.classify(ok, {1, 2}, ckpt=False) == "completed"
+    assert matrix.classify({**ok, "lost_ranks": [1, 0]}, {1}, ckpt=False) == "broken"  # false loss
+    # regroup: the first victim (2) is lost in a window; only the cell's victim (1) is aimed.
+    assert matrix.classify({**ok, "lost_ranks": [2]}, {1, 2}, False, aimed={1}) == "not-reached"
+    assert matrix.classify({**ok, "lost_ranks": [2, 1]}, {1, 2}, False, aimed={1}) == "completed"
+    assert matrix.classify(ok, {1, 2}, False, aimed={1}) == "broken"  # the set-up loss is missing
 
 
 def test_rank_lookup_skips_a_loader_worker_that_inherited_the_rank(monkeypatch):
