@@ -33,6 +33,7 @@ class InProcessCohort:
         self._failure: list[BaseException] = []
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
+        self._threads: int | None = None  # the caller's torch thread count, while we pin it
 
     def _heartbeat(self, every_s: float = 1.0) -> None:
         """Beat for the rank as a rank process's link does: it shares this process, so it is
@@ -51,6 +52,7 @@ class InProcessCohort:
         device = in_process_device(self.spec.config.device)
         cluster = self.spec.config.cluster
         if cluster.kind == "cpu_rig":  # the rig simulates one device per rank: pin its threads
+            self._threads = torch.get_num_threads()  # process-wide: given back at stop
             torch.set_num_threads(cluster.threads_per_rank)
         threading.Thread(target=self._heartbeat, name="flodl-heartbeat", daemon=True).start()
         if self.on_cooperative is not None:
@@ -91,6 +93,9 @@ class InProcessCohort:
         self._stopped.set()
         if self._thread is not None:
             self._thread.join(timeout=5.0)
+        if self._threads is not None:  # the caller's process (a notebook, a test) gets its own back
+            torch.set_num_threads(self._threads)
+            self._threads = None
 
 
 def in_process_device(kind: str) -> torch.device:

@@ -268,6 +268,40 @@ def _one_slow_step(model: Any, batch: Any) -> torch.Tensor:
 
 
 @pytest.mark.light
+def test_an_in_process_rig_run_gives_the_caller_its_torch_threads_back(tmp_path):
+    """The rig pins a rank to ``cluster.threads_per_rank`` threads; in-process that is the
+    caller's own process (a notebook, this test process). torch's count is process-wide and
+    taken up by each thread at its first parallel work, so a thread started after the run (a
+    later run's launcher or rank thread) would get the rank's 1 thread."""
+    import threading
+
+    def fresh_thread_count() -> int:
+        seen: list[int] = []
+        thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        thread.start()
+        thread.join()
+        return seen[0]
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        handle = (
+            Trainer.builder(model_factory, sgd, classification_step)
+            .dataset(partial(data, "train", 128))
+            .batch_size(32)
+            .num_epochs(1)
+            .cluster(ClusterConfig(kind="cpu_rig", ranks=1, warmup_steps=1, threads_per_rank=1))
+            .logger(LoggerConfig(progress="off", tensorboard=False))
+            .output_dir(tmp_path)
+            .run()
+        )
+        handle.join(timeout=60)
+        assert handle.result.coverage_exact
+        assert fresh_thread_count() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_an_in_process_step_longer_than_the_heartbeat_timeout_drops_no_rank(tmp_path):
     """Measured: torch.compile's first step on a loaded machine outlasted the 30 s heartbeat
     timeout and the only rank of an in-process run was dropped as stale (``every rank was lost;
