@@ -44,7 +44,6 @@ from typing import Any
 
 from flodl.config import Mode, TrainerConfig
 from flodl.runtime import env as rank_env
-from flodl.runtime import groups
 from flodl.runtime.control_plane import ControlPlane
 from flodl.runtime.controller import Controller, ControllerResult, RunFailed
 from flodl.runtime.spec import JobSpec

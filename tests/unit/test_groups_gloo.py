@@ -17,8 +17,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from flodl.runtime import groups
-
 TIMEOUT = timedelta(seconds=20)  # gloo's own: far beyond every wait below
 
 
