@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from flodl.runtime.messages import Average, Plan, Regroup, Restore, Stop, Window
+from flodl.runtime.messages import Plan, Regroup, Stop, Window
 from flodl.runtime.worker import WindowTally, Worker
 
 
@@ -147,16 +147,15 @@ class CooperativeWorker:
                 self._queue.extend(w for w in msg.windows if not self._core.is_void(w))
                 self._core.feed(self._queue)  # the loader's workers start on them now
             elif isinstance(msg, Stop):
-                self._core._finish(msg)
+                self._core.finish(msg)
                 self._core.data.close()
                 self._finished = True
-            elif isinstance(msg, Average):
-                self._core._apply_average(msg)
-            elif isinstance(msg, Restore):
-                self._core.restore(msg)
-            elif isinstance(msg, Regroup):
-                self._core.regroup(msg)
-                self._queue = collections.deque(w for w in self._queue if not self._core.is_void(w))
+            else:
+                self._core.handle(msg)
+                if isinstance(msg, Regroup):  # windows planned for the old membership go
+                    self._queue = collections.deque(
+                        w for w in self._queue if not self._core.is_void(w)
+                    )
         return self._queue.popleft()
 
 

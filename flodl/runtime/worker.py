@@ -294,14 +294,20 @@ class Worker:
                 for window in msg.windows:
                     self.run_window(window)
             elif isinstance(msg, Stop):
-                self._finish(msg)
+                self.finish(msg)
                 return
-            elif isinstance(msg, Average):
-                self._apply_average(msg)
-            elif isinstance(msg, Restore):
-                self.restore(msg)
-            elif isinstance(msg, Regroup):
-                self.regroup(msg)
+            else:
+                self.handle(msg)
+
+    def handle(self, msg: Any) -> None:
+        """A control message that is neither a plan nor a stop: an average (cpu_*), a resume's
+        state, a new membership. Shared with the cooperative tier's loop."""
+        if isinstance(msg, Average):
+            self._apply_average(msg)
+        elif isinstance(msg, Restore):
+            self.restore(msg)
+        elif isinstance(msg, Regroup):
+            self.regroup(msg)
 
     def _meet(self) -> float | None:
         """One set of weights (the first member's) and the calibration; ``None`` when a member
@@ -386,7 +392,7 @@ class Worker:
             )
         )
 
-    def _finish(self, msg: Stop) -> None:
+    def finish(self, msg: Stop) -> None:
         """Save and send what Stop asks; a held rank then waits for the controller's next Stop:
         its release, or the order to take over from a lost sender (its weights are the same)."""
         while self._outstanding:  # cpu_async: take the averages still in flight
