@@ -92,10 +92,24 @@ class Checkpointer:
         assert self.stem is not None
         for name, shard in msg.shards.items():
             if not isinstance(shard, shards.ShardInfo):  # relayed: the launcher writes it
-                shard = shards.write_shard(self.stem, save.tag, name, shard)
+                shard = self._relay(save, msg.rank, name, shard)
             save.written[name] = shard
         save.reported.add(msg.rank)
         return self._take(save)
+
+    def _relay(self, save: PendingSave, rank: int, name: str, payload: Any) -> shards.ShardInfo:
+        """Write a shard a rank streamed to the launcher's own store. A failure discards the
+        save (a save left pending would keep a run that ends naturally waiting for ever)."""
+        assert self.stem is not None
+        try:
+            return shards.write_shard(self.stem, save.tag, name, payload)
+        except Exception as exc:
+            from flodl.failures import describe
+
+            del self.pending[save.key]
+            why = f"writing rank {rank}'s {name} shard failed: {describe(exc)}"
+            self.discard(save, why)
+            raise ShardWriteFailed(why) from exc
 
     def _take(self, save: PendingSave) -> PendingSave | None:
         if not save.complete:

@@ -247,3 +247,62 @@ def test_an_epoch_closes_only_once_its_last_averaging_held():
     assert not ctl.aggregator.closed_epochs  # one rank's averaging is still unconfirmed
     ctl._handle(*held[1][:1], Settled(*held[1]))
     assert len(ctl.aggregator.closed_epochs) == 1
+
+
+def test_a_relayed_shard_the_launcher_cannot_write_ends_the_run_with_the_error(
+    tmp_path, monkeypatch
+):
+    """Found by review: a save whose relayed shard (a rank streamed it; the launcher writes it)
+    failed to write stayed pending for ever, so a run ending naturally never finished (its
+    final save at Stop: no deadline). Now the save is discarded and the error is the run's."""
+    from flodl import shards
+    from flodl.runtime.messages import RankState
+    from flodl.runtime.snapshots import Checkpointer
+
+    cfg = TrainerConfig(num_epochs=1, batch_size=10, elche=ElCheConfig(anchor=5))
+    stem = str(tmp_path / "run")
+    ctl = Controller(
+        cfg, 2, [1.0, 1.0], has_eval=False, checkpointer=Checkpointer(stem, None, "h", 2)
+    )
+    links = [FakeLink(), FakeLink()]
+    for rank, link in enumerate(links):
+        ctl.attach(rank, link)
+    for rank in range(2):
+        ctl._handle(rank, Ready(rank, "sig", 4, 1.0, "cpu", 200))
+    real = shards.write_shard
+
+    def disk_full(stem_, tag, name, payload):
+        if name == "model":
+            raise OSError(28, "No space left on device")
+        return real(stem_, tag, name, payload)
+
+    monkeypatch.setattr(shards, "write_shard", disk_full)
+    done = [0, 0]
+    progressed = True
+    while progressed:
+        progressed = False
+        for rank, link in enumerate(links):
+            while done[rank] < len(link.sent):
+                msg = link.sent[done[rank]]
+                done[rank] += 1
+                progressed = True
+                if isinstance(msg, Plan):
+                    for w in msg.windows:
+                        b = chunk_batches(w.chunks, 10)
+                        samples = sum(size for _, size in w.chunks)
+                        ctl._handle(
+                            rank, Report(rank, w.index, w.epoch, w.chunks, b, samples, 1.0, 1.0, b)
+                        )
+                        if w.settle:
+                            ctl._handle(rank, Settled(rank, w.index))
+                elif isinstance(msg, Stop):
+                    if msg.checkpoint:
+                        payload = {f"rank{rank}": {"optimizer": {}}}
+                        if msg.write_weights:
+                            payload["model"] = {"params": {"w": torch.ones(2)}}
+                        ctl._handle(rank, RankState(rank, -1, msg.save_tag, payload))
+                    if msg.send_state:
+                        ctl._handle(rank, Final(rank, {}, {}))
+    assert not ctl.saves.pending
+    assert ctl._finished()
+    assert "No space left on device" in ctl.saves.save_error
