@@ -6,6 +6,7 @@ third job of a sweep fails the sweep at once with exit code 2 rather than after 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import time
@@ -71,9 +72,7 @@ def _launch(launcher: Any, ctx: Any, jobs: list, sweep_dir: Path, logger: Any) -
     if logger.serve is None:
         return _run_jobs(launcher, ctx, jobs, sweep_dir)
     dashboard = _serve(sweep_dir, logger)
-    for _, _, job_cfg, _ in jobs:  # the sweep serves one dashboard over all jobs
-        with open_dict(job_cfg):
-            job_cfg.logger.serve = None
+    jobs = [(idx, overrides, cfg, unserved(cfg, checked)) for idx, overrides, cfg, checked in jobs]
     try:
         return _run_jobs(launcher, ctx, jobs, sweep_dir)
     finally:
@@ -166,6 +165,20 @@ def _follow_jobs(role: Any, jobs: list) -> list:
     if any(codes):
         raise app.JobsFailed(sum(1 for c in codes if c))
     return []
+
+
+def unserved(job_cfg: Any, checked: app.CheckedJob) -> app.CheckedJob:
+    """A job without its own dashboard (the sweep serves one over all jobs): the same change in
+    the composed config and in what was validated, so the job is not checked again."""
+    with open_dict(job_cfg):
+        job_cfg.logger.serve = None
+    logger = checked.run.logger.model_copy(update={"serve": None})
+    return dataclasses.replace(
+        checked,
+        run=checked.run.model_copy(update={"logger": logger}),
+        config=checked.config.model_copy(update={"logger": logger}),
+        data=app.plain_config(job_cfg),
+    )
 
 
 def _serve(sweep_dir: Path, logger: Any) -> Any:

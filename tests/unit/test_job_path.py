@@ -116,6 +116,26 @@ def test_a_job_is_validated_once_and_run_py_is_not_entered_again(monkeypatch, tm
     assert tasks[0].func is app.train and tasks[0].keywords == {"checked": checked}
 
 
+def test_a_sweep_with_a_dashboard_still_validates_each_job_once(monkeypatch, tmp_path):
+    """Found by review: the sweep serves one dashboard, so each job's ``logger.serve`` is unset
+    after its check; the job then differed from what was checked and was validated again (the
+    factories' dry build included). The change is made in both now."""
+    calls = _counting(monkeypatch)
+    job_cfg = _compose(["dataset=digits", "trainer.num_epochs=1", "logger.serve=6006"], tmp_path)
+    checked = sweep.unserved(job_cfg, sweep.check_job(job_cfg))
+    assert checked.run.logger.serve is None and checked.config.logger.serve is None
+    started: dict[str, Any] = {}
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        started.update(cfg=args[3])
+        return SimpleNamespace(join=lambda: None, summary=None)
+
+    monkeypatch.setattr("flodl.trainer.Trainer.run", run)
+    app.train(job_cfg, checked=checked)
+    assert calls == {"schema": 1, "trainer_config": 1, "factories": 1, "targets": 1}
+    assert started["cfg"] is checked.config  # no dashboard of its own
+
+
 def test_another_launchers_job_validates_itself_once(monkeypatch, tmp_path):
     """Without the flodl launcher (hydra/launcher=basic, joblib, submitit) run.py's main calls
     app.train(cfg), which validates: once."""
