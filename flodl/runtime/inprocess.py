@@ -35,7 +35,7 @@ class InProcessCohort:
         self._stopped = threading.Event()
         self._threads: int | None = None  # the caller's torch thread count, while we pin it
 
-    def _heartbeat(self, every_s: float = 1.0) -> None:
+    def _heartbeat(self, every_s: float) -> None:
         """Beat for the rank as a rank process's link does: it shares this process, so it is
         alive while the process is. A step that outlasts the heartbeat timeout (torch.compile's
         first step, a slow eval) must not get the only rank dropped as stale."""
@@ -54,7 +54,12 @@ class InProcessCohort:
         if cluster.kind == "cpu_rig":  # the rig simulates one device per rank: pin its threads
             self._threads = torch.get_num_threads()  # process-wide: given back at stop
             torch.set_num_threads(cluster.threads_per_rank)
-        threading.Thread(target=self._heartbeat, name="flodl-heartbeat", daemon=True).start()
+        # Well inside the timeout: a beat every 1 s against heartbeat_timeout_s=1 dropped the
+        # only rank whenever this thread was scheduled a little late (measured at load 7).
+        every_s = min(1.0, cluster.heartbeat_timeout_s / 4)
+        threading.Thread(
+            target=self._heartbeat, args=(every_s,), name="flodl-heartbeat", daemon=True
+        ).start()
         if self.on_cooperative is not None:
             self.on_cooperative(Worker(self.spec, rank_end, 0, device))
             return

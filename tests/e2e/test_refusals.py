@@ -68,6 +68,35 @@ def test_a_refusal_after_the_config_checks_exits_2_through_run_py(tmp_path):
     assert f"trainer.resume_from={tmp_path}/none: no checkpoint" in line, line
 
 
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        (
+            "trainer.nmu_epochs=3",
+            "trainer.nmu_epochs: unknown key (did you mean trainer.num_epochs?)",
+        ),
+        ("model=nonexistent", "model"),
+    ],
+)
+def test_hydra_composition_errors_exit_2_through_run_py(tmp_path, override, expected):
+    """What Hydra refuses itself (an unknown key, a missing config group option) is turned into
+    exit 2 by run.py, before any rank; an unknown key in one line with the likely key."""
+    sweep = tmp_path / "sweep"
+    out = subprocess.run(
+        [sys.executable, "run.py", override, f"hydra.sweep.dir={sweep}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert expected in out.stderr
+    if override != "model=nonexistent":
+        assert out.stderr.strip().startswith("error:"), out.stderr
+        assert out.stderr.strip().count("\n") == 0, out.stderr  # one line, no traceback
+    assert not list(tmp_path.glob("**/rank_*.log"))  # no rank was started
+
+
 def launcher_refusal(overrides: list[str]) -> str:
     """What run.py checks before starting a rank, in this process; the refusal's message."""
     from hydra import compose, initialize_config_dir
@@ -111,6 +140,9 @@ def test_launcher_refusals_name_key_value_and_fix(tmp_path):
             "trainer.callback_policy.rank=2: this run has 2 rank(s)"
         ),
         "trainer.precision=16-mixed": "trainer.precision=16-mixed: rank(s) [0, 1] run on CPU",
+        "elche.mode=fast": "elche.mode=fast",
+        "trainer.batch_size=0": "trainer.batch_size=0",
+        "cluster.speeds=[1,-1]": "cluster.speeds=[1, -1]",
     }
     for overrides, expected in cases.items():
         assert expected in launcher_refusal(overrides.split()), overrides

@@ -1,4 +1,8 @@
-"""Small, fast runs on the CPU rig for integration tests (real processes over gloo)."""
+"""Small, fast runs on the CPU rig for integration tests (real processes over gloo).
+
+Every rank of a test that passes these functions imports this module to unpickle them: it
+imports nothing a rank does not need (torchmetrics pulls scipy and matplotlib, ~1.3 CPU s per
+rank start; test_evaluation, which needs it, imports it itself)."""
 
 from __future__ import annotations
 
@@ -8,7 +12,6 @@ from typing import Any
 
 import psutil
 import torch
-from torchmetrics import Metric
 
 from flodl import ClusterConfig, ElCheConfig, LoggerConfig, Trainer
 from recipes.datasets import synthetic
@@ -21,22 +24,6 @@ CLASSES = 4
 
 def data(split: str, n_train: int = 1536) -> Any:
     return synthetic(split, n_train=n_train, n_test=256, input_shape=SHAPE, num_classes=CLASSES)
-
-
-class SampleCount(Metric):
-    """How many eval samples were seen: a sum, which a mean of chunk values would get wrong."""
-
-    full_state_update = False
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.add_state("n", torch.tensor(0), dist_reduce_fx="sum")
-
-    def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
-        self.n += target.shape[0]
-
-    def compute(self) -> torch.Tensor:
-        return self.n
 
 
 def model_factory(device: torch.device) -> torch.nn.Module:

@@ -73,9 +73,11 @@ def rank1_killed(tmp_path_factory) -> dict:
     return killed_run(tmp_path_factory.mktemp("rank1_killed"), "nccl_cadence", 1)
 
 
+# Rank 0 writes the weights, every rank its own optimizer shard: victim 0 is the writer, victim 1
+# a rank that writes only its own shard (rank 2 would take the same path as rank 1).
 @pytest.mark.parametrize(
     ("mode", "victim"),
-    [("nccl_cadence", 0), ("nccl_cadence", 1), ("nccl_cadence", 2), ("cpu_async", 0)],
+    [("nccl_cadence", 0), ("nccl_cadence", 1), ("cpu_async", 0)],
 )
 def test_killed_rank_with_checkpoint_every_epoch(tmp_path, request, mode, victim):
     shared = (mode, victim) == ("nccl_cadence", 1)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
 from functools import partial
+from pathlib import Path
 
 import fsspec
 import pytest
@@ -53,11 +55,24 @@ def run(tmp_path, name, epochs, ranks=2, model=model_factory, outer="average", *
     return handle, handle.join(timeout=240)
 
 
+@pytest.fixture(scope="module")
+def first_bundle(tmp_path_factory) -> str:
+    """One 1-epoch run (outer average) with a save, shared: the bundle the average-outer resume
+    continues from, which the refusal tests load for another model or damage (in a copy)."""
+    root = tmp_path_factory.mktemp("first_bundle")
+    stem = str(root / "ckpt" / "run")
+    run(root, "first", 1, save_path=stem)
+    return stem
+
+
 @pytest.mark.parametrize("outer", ["average", "nesterov"])
-def test_stop_after_epoch_k_and_resume_equals_uninterrupted(tmp_path, outer):
+def test_stop_after_epoch_k_and_resume_equals_uninterrupted(tmp_path, request, outer):
     _, straight = run(tmp_path, "straight", 3, outer=outer)
-    stem = str(tmp_path / "ckpt" / "run")
-    _first, _ = run(tmp_path, "first", 1, outer=outer, save_path=stem)
+    if outer == "average":
+        stem = request.getfixturevalue("first_bundle")
+    else:
+        stem = str(tmp_path / "ckpt" / "run")
+        run(tmp_path, "first", 1, outer=outer, save_path=stem)
     payload, meta = load_bundle(stem)
     assert (meta.epoch, meta.world_size, meta.save_reason) == (1, 2, "final")
     assert meta.coverage["uncovered"] == [] and meta.elche_state is not None
@@ -80,9 +95,9 @@ def test_checkpoint_every_on_a_memory_url(tmp_path):
     fsspec.filesystem("memory").rm("/flodl-tests", recursive=True)
 
 
-def test_corrupt_bundle_is_refused_and_kept(tmp_path):
+def test_corrupt_bundle_is_refused_and_kept(tmp_path, first_bundle):
+    shutil.copytree(Path(first_bundle).parent, tmp_path / "bad")  # the shared one stays whole
     stem = str(tmp_path / "bad" / "run")
-    run(tmp_path, "first", 1, save_path=stem)
     pt = next((tmp_path / "bad").glob("run.*.model.pt"))  # the weights shard
     blob = pt.read_bytes()
     pt.write_bytes(blob[: len(blob) // 2])  # truncated
@@ -91,9 +106,8 @@ def test_corrupt_bundle_is_refused_and_kept(tmp_path):
     assert pt.read_bytes() == blob[: len(blob) // 2]  # nothing touched what was there
 
 
-def test_bundle_for_another_model_is_refused(tmp_path):
-    stem = str(tmp_path / "other" / "run")
-    run(tmp_path, "first", 1, save_path=stem)
+def test_bundle_for_another_model_is_refused(tmp_path, first_bundle):
+    stem = first_bundle
 
     def wider(device):
         from recipes.models import MLP
