@@ -189,7 +189,9 @@ class Elastic:
         if not self.members.lose(rank):
             return True
         log.warning("lost rank %d while stopping (%s)", rank, why)
+        self.planner.lose_after_stop(rank)  # the last epoch may still await its eval shard
         self.saves.after_loss(rank, self.planner.head(), mid_run=False)
+        self.host.close_epochs()
         if sender:
             self._hand_over_final(rank)
         return True

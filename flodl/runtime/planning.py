@@ -322,11 +322,20 @@ class Planner:
     def lose(self, dead: int) -> tuple[int, WindowTrack | None]:
         """``dead`` is lost: its acknowledgements, pending eval and open work go back. Returns
         the first open window and, if that window is complete without it, the window."""
+        first_open = self.completed_index()
+        self._forget(dead, first_open)
+        return first_open, self._void_windows(dead, first_open)
+
+    def lose_after_stop(self, dead: int) -> None:
+        """``dead`` is lost after Stop went out (no window in flight): what an open epoch may
+        still await from it, its acknowledgements and its eval shard, is given up, so that
+        epoch closes instead of keeping the run from finishing."""
+        self._forget(dead, self.completed_index())
+
+    def _forget(self, dead: int, first_open: int) -> None:
         for epoch in self.epochs.values():
             epoch.unsettled.discard(dead)  # its acknowledgement will never come
-        first_open = self.completed_index()
         self._lose_eval(dead, first_open)
-        return first_open, self._void_windows(dead, first_open)
 
     def _lose_eval(self, dead: int, first_open: int) -> None:
         """A lost rank's pending eval shard: the epoch's eval is skipped (a replanned last

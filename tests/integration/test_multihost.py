@@ -96,7 +96,9 @@ def run_on_hosts(tmp_path, cluster, mode, epochs=2, n_train=2048, metrics_fn=Non
 @pytest.mark.parametrize("mode", ["nccl_cadence", "cpu_async"])
 def test_two_hosts_train_together(tmp_path, make_test_hosts, capfd, mode):
     hosts = make_test_hosts(2)
-    cluster = cluster_for(hosts, speeds=[[1.0], [0.5]])
+    # 4:1, so the share (0.8 when paced exactly) stays clear of an equal split while other
+    # rank-starting tests share the cores (at 2:1 it measured 0.50 and 0.53 beside them).
+    cluster = cluster_for(hosts, speeds=[[1.0], [0.25]])
     seen = {}
 
     def where(m):  # during the run: which namespace holds which rank
@@ -110,7 +112,7 @@ def test_two_hosts_train_together(tmp_path, make_test_hosts, capfd, mode):
     assert result.summary.status == "ok" and result.summary.world_size == 2
     assert result.coverage_exact and result.summary.samples_seen == 2 * 2048
     share = result.epochs[-1].per_rank_batch_share
-    assert share[0] > 0.55, share  # the host paced at speed 1.0 does more than the one at 0.5
+    assert share[0] > 0.6, share  # the host paced at speed 1.0 does more than the one at 0.25
     assert result.summary.eval_value > 0.8
     log = (tmp_path / mode / "rank_1.log").read_text()
     assert "Traceback" not in log and "model built on rank 1" in log

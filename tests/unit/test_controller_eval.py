@@ -147,6 +147,27 @@ def test_a_lost_shard_skips_that_epochs_eval_instead_of_hanging(caplog):
     assert "eval of epoch 1 arrived: that epoch's eval is skipped" in caplog.text
 
 
+def test_a_shard_lost_after_stop_skips_the_last_epochs_eval_instead_of_hanging(caplog):
+    """Found by the chaos matrix (nccl_sync, victim 2 at eval, 4 hangs in 25 tries): Stop goes
+    out once the last window is in, before the last epoch's eval shards; a rank lost then was
+    handled as a loss after Stop, which kept the epoch waiting for its shard for ever."""
+    ctl, links = make(world=2, epochs=2, eval_policy="sharded")
+    eval_parts = counted(lambda e: 0.5)
+    held = lambda rank, w: None if (rank, w.epoch) == (1, 1) else eval_parts(rank, w)  # noqa: E731
+
+    def lose_after_stop() -> None:
+        assert ctl.stopping()  # the loss comes after Stop, as in the matrix's hang
+        ctl.elastic.on_failure(1, "rank 1 exited with code -9")
+
+    with caplog.at_level(logging.WARNING, logger="flodl"):
+        drive(ctl, links, held, on_stall=lose_after_stop)
+    epochs = ctl._result().epochs
+    assert [m.epoch for m in epochs] == [1, 2]
+    assert epochs[0].eval_metrics["count"] == N_EVAL
+    assert epochs[1].eval_metrics == {} and epochs[1].eval_value is None
+    assert "eval of epoch 2 arrived: that epoch's eval is skipped" in caplog.text
+
+
 def test_early_stopping_stops_after_patience_epochs_without_improvement():
     stopping = EarlyStoppingConfig(monitor="accuracy", mode="max", patience=2)
     ctl, links = make(epochs=6, early_stopping=stopping)
