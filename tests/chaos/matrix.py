@@ -1,6 +1,6 @@
 """The chaos matrix: moments x modes x victims x checkpoints, each a real 3-rank run.
 
-    python -m tests.chaos.matrix                 # the full matrix (about 40 min on 2 cores)
+    python -m tests.chaos.matrix                 # the full matrix (228 cells, ~75 min on 2 cores)
     python -m tests.chaos.matrix --modes nccl_cadence --victims 1 --moments report,eval
     python -m tests.chaos.matrix --cohort ssh    # the same cells, ranks on ssh hosts
     python -m tests.chaos.matrix --render tests/chaos/ssh_result.json   # README's table
