@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from sklearn.metrics import f1_score
-from torchmetrics import Metric
 from torchmetrics.classification import MulticlassF1Score
 
 from flodl import ClusterConfig, ElCheConfig, EpochMetrics, LoggerConfig, Trainer
@@ -21,28 +20,13 @@ from flodl.config import EarlyStoppingConfig, MlflowConfig, MonitorConfig, Wandb
 from recipes.steps import classification_step
 from tests.integration.helpers import CLASSES, data, model_factory, optim_factory
 from tests.loggers_readback import csv_last, mlflow_last, wandb_last
+from tests.unit.test_evaluation import SampleCount
 
 pytestmark = pytest.mark.slow
 
 HAVE_WANDB = importlib.util.find_spec("wandb") is not None
 HAVE_MLFLOW = importlib.util.find_spec("mlflow") is not None
 N_TEST = 256  # data("test") size
-
-
-class SampleCount(Metric):
-    """How many eval samples were seen: a sum, which a mean of chunk values would get wrong."""
-
-    full_state_update = False
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.add_state("n", torch.tensor(0), dist_reduce_fx="sum")
-
-    def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
-        self.n += target.shape[0]
-
-    def compute(self) -> torch.Tensor:
-        return self.n
 
 
 def f1_metric() -> MulticlassF1Score:

@@ -168,6 +168,31 @@ def test_a_shard_lost_after_stop_skips_the_last_epochs_eval_instead_of_hanging(c
     assert "eval of epoch 2 arrived: that epoch's eval is skipped" in caplog.text
 
 
+def test_a_relayed_shard_the_launcher_cannot_write_ends_the_run_with_the_error(
+    tmp_path, monkeypatch
+):
+    """Found by review: a save whose relayed shard (a rank streamed it; the launcher writes it)
+    failed to write stayed pending for ever, so a run ending naturally never finished (its
+    final save at Stop has no deadline). Now the save is discarded and the error is the run's."""
+    from flodl import shards
+    from flodl.runtime.snapshots import Checkpointer
+
+    real = shards.write_shard
+
+    def disk_full(stem, tag, name, payload):
+        if name == "model":
+            raise OSError(28, "No space left on device")
+        return real(stem, tag, name, payload)
+
+    monkeypatch.setattr(shards, "write_shard", disk_full)
+    ctl, links = make(
+        world=2, epochs=1, checkpointer=Checkpointer(str(tmp_path / "run"), None, "h", 2)
+    )
+    drive(ctl, links, counted(lambda e: 0.5))  # stalled here before the fix
+    assert not ctl.saves.pending
+    assert "No space left on device" in ctl.saves.save_error
+
+
 def test_early_stopping_stops_after_patience_epochs_without_improvement():
     stopping = EarlyStoppingConfig(monitor="accuracy", mode="max", patience=2)
     ctl, links = make(epochs=6, early_stopping=stopping)
