@@ -8,6 +8,7 @@ the job, joins the data plane, and trains. Any failure is reported to the contro
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
 import os
@@ -18,7 +19,7 @@ import threading
 import traceback
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, NoReturn
 
 from flodl.runtime import env as rank_env
 from flodl.runtime import groups
@@ -229,5 +230,20 @@ def cooperative_worker() -> Any:
     return CooperativeWorker(core, finish_hook=finish)
 
 
+def end_process(code: int) -> NoReturn:
+    """Leave the rank process as multiprocessing's children do: exit handlers and flushed output,
+    then ``os._exit``, without interpreter finalization. A gloo worker thread can still hold the
+    last reference to a finished work's tensors; dropping it while the interpreter is torn down
+    aborts the process (SIGABRT, "terminate called without an active exception";
+    pytorch/pytorch#179291), and the launcher would see a finished rank fail."""
+    try:
+        atexit._run_exitfuncs()
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    end_process(main())

@@ -74,3 +74,19 @@ def test_take_skips_a_dead_interpreter_and_close_kills_the_rest(monkeypatch) -> 
     warm.close()
     assert idle.returncode is not None and idle.returncode < 0  # killed, not left waiting
     assert warm.pool_size() == 0
+
+
+def test_a_rank_process_ends_with_its_code_after_exit_handlers_and_flushed_output(tmp_path) -> None:
+    # end_process skips interpreter finalization (where a gloo worker's last reference can abort
+    # the process) but keeps what a normal exit gives: atexit handlers, logs and output flushed.
+    mark = tmp_path / "atexit"
+    code = (
+        "import atexit, logging, sys; from flodl.runtime.rank import end_process; "
+        f"atexit.register(lambda: open({str(mark)!r}, 'w').write('ran')); "
+        "logging.basicConfig(); logging.getLogger('x').warning('logged'); "
+        "sys.stdout.write('unflushed'); end_process(3)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3
+    assert done.stdout == "unflushed" and "logged" in done.stderr
+    assert mark.read_text() == "ran"
