@@ -98,9 +98,9 @@ def check_job(job_cfg: Any, warm: bool = False) -> app.CheckedJob:
 
 
 def _warm_ranks(cluster: Any) -> None:
-    """A local CPU rig: start its rank interpreters now, so their imports (torch, the worker)
-    overlap the launcher's remaining checks (torch, torchmetrics, the dry build) instead of
-    following them (:mod:`flodl.runtime.warm`). A refused job kills them unused."""
+    """A local CPU rig: start the fork server its ranks fork from now, so its imports (torch,
+    the worker) overlap the launcher's remaining checks (torch, torchmetrics, the dry build)
+    instead of following them (:mod:`flodl.runtime.warm`)."""
     from flodl.runtime.env import external_role
 
     if cluster.kind != "cpu_rig" or cluster.ranks < 2:
@@ -109,7 +109,7 @@ def _warm_ranks(cluster: Any) -> None:
         return
     from flodl.runtime import warm
 
-    warm.start(cluster.ranks)
+    warm.start()
 
 
 def _require_flodl_job(job_cfg: Any) -> None:

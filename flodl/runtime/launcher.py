@@ -1,9 +1,10 @@
 """The local-children cohort: one child process per rank, their output, supervision, teardown.
 
 The cohort hosts the control plane (:class:`~flodl.runtime.control_plane.ControlPlane`) and the
-``TCPStore`` the ranks rendezvous on (data plane). Children are fresh interpreters
-(``python -m flodl.runtime.rank``), never forks of a process that has torch initialised; on a
-worker host of a cluster file they are started by the OpenSSH client
+``TCPStore`` the ranks rendezvous on (data plane). A local CPU rank is a fork of the launcher's
+fork server (:mod:`flodl.runtime.warm`: torch imported, nothing initialised), any other a fresh
+interpreter (``python -m flodl.runtime.rank``), never a fork of a process that has torch
+initialised; on a worker host of a cluster file they are started by the OpenSSH client
 (:mod:`flodl.runtime.hosts`). Each child's output goes to ``<job_dir>/rank_N.log`` and,
 prefixed ``[rank N]`` (``[host:N]`` for a remote rank), to the console when it is a warning, an
 error or the user's own print.
@@ -52,7 +53,7 @@ class RankProcess:
     def __init__(
         self,
         rank: int,
-        popen: subprocess.Popen,
+        popen: subprocess.Popen | warm.Forked,
         log_path: Path,
         echo: Callable[[str], None],
         label: str | None = None,
@@ -137,7 +138,6 @@ class ProcessCohort:
         self.plane.serve(replace(self.spec, store_host=address.host, store_port=self._store.port))
         for placement in self.topology.placements:
             self.procs.append(self._spawn(placement))
-        warm.close()  # interpreters started ahead that this cohort did not need
         threading.Thread(target=self._supervise, name="flodl-supervise", daemon=True).start()
 
     def join(self, stop_requested: Callable[[], bool]) -> ControllerResult:
@@ -193,8 +193,8 @@ class ProcessCohort:
 
     def _warm(
         self, argv: list[str], env: dict | None, lifeline: bool, cwd: str | None
-    ) -> subprocess.Popen | None:
-        """A warm interpreter (:mod:`flodl.runtime.warm`) for a plain local CPU rank: the
+    ) -> warm.Forked | None:
+        """A fork of the fork server (:mod:`flodl.runtime.warm`) for a plain local CPU rank: the
         managed entry, no lifeline, no working directory of its own; else None (start cold)."""
         plain = argv == [sys.executable, "-u", "-m", "flodl.runtime.rank"]
         if not plain or env is None or lifeline or cwd is not None:

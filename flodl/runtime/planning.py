@@ -327,10 +327,15 @@ class Planner:
         return first_open, self._void_windows(dead, first_open)
 
     def lose_after_stop(self, dead: int) -> None:
-        """``dead`` is lost after Stop went out (no window in flight): what an open epoch may
-        still await from it, its acknowledgements and its eval shard, is given up, so that
-        epoch closes instead of keeping the run from finishing."""
-        self._forget(dead, self.completed_index())
+        """``dead`` is lost after Stop went out (every window reported, the last ones perhaps
+        still being averaged): what an open epoch may still await from it, its
+        acknowledgements and its eval shard, is given up, so that epoch closes instead of
+        keeping the run from finishing. So are the survivors' acknowledgements: one whose
+        average of the last window failed with ``dead`` gets no new membership (the run is
+        stopping) and never acknowledges it; it stops with the weights it has."""
+        for epoch in self.epochs.values():
+            epoch.unsettled.clear()
+        self._lose_eval(dead, self.completed_index())
 
     def _forget(self, dead: int, first_open: int) -> None:
         for epoch in self.epochs.values():

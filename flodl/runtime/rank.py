@@ -188,14 +188,8 @@ def run_managed(role: rank_env.RankEnv, secret: bytes, in_launcher: bool = False
 
 
 def main() -> int:
-    """The managed tier: a process our launcher started (locally or over ssh), or a warm one
-    (:mod:`flodl.runtime.warm`) that gets its role once a cohort takes it."""
-    from flodl.runtime import warm
-
-    if sys.argv[1:2] == [warm.WARM_FLAG]:
-        _die_with_parent()
-        if not warm.adopt_role():
-            return 0  # not needed: the launcher closed us before giving a role
+    """The managed tier: a process our launcher started (locally, over ssh, or as a fork of its
+    fork server, :mod:`flodl.runtime.warm`, whose environment and stdin are then the rank's)."""
     return run_managed(*_start())
 
 

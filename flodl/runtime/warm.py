@@ -1,109 +1,364 @@
-"""Warm rank interpreters: local CPU-rig ranks started before the job is checked.
+"""A warm fork server for local CPU ranks: torch imported once, each rank a fork of it.
 
-A rank's start is mostly imports: torch, the worker, and ``torch._dynamo``, which torch.optim
-imports on the first optimizer it builds (about 1.3 s of CPU with sympy). The Hydra launcher
-spends about as long validating the job (torch, the task's torchmetrics targets, the dry build)
-before any rank exists. :func:`start` (called by the Hydra launcher as soon as the first job is
-composed) starts the rig's rank interpreters at once, so their imports overlap the launcher's
-checks; :class:`~flodl.runtime.launcher.ProcessCohort` then :func:`take` s one per local CPU
-rank and writes it its environment (one JSON line) and the secret, as a cold child would get
-them at its start. Interpreters left over (a refused job, a smaller cohort) are killed (they
-hold nothing yet); they also die with the launcher (``PR_SET_PDEATHSIG``).
+A rank's start is mostly imports: torch, the worker, and ``torch._dynamo``, which the first
+``optimizer.step()`` imports (with sympy): about 4 s of CPU, paid again by every rank of every
+run. The fork server (one interpreter per launcher process, :func:`start`) pays it once: it
+imports all that, then waits on a Unix socket; :func:`take` asks it to fork a rank, hands the
+child its environment, working directory, secret and an output pipe, and returns a
+:class:`Forked` that the cohort supervises as it would a :class:`subprocess.Popen` (pid, poll,
+wait, the output to forward). Nothing of a run is ever in the server: it has run no torch op, no
+thread pool and no process group (forking is safe, as for DataLoader workers); each child
+becomes exactly what a cold ``python -m flodl.runtime.rank`` would be, with its own session
+(the cohort's ``killpg`` reaches its loader workers) and ``PR_SET_PDEATHSIG`` on the server.
+
+The server reaps its children and reports each exit code over the socket. It lives as long as
+the launcher process (the next run, the next job of a sweep, forks from it at once): when the
+launcher closes it or dies, the socket ends and the server kills what it forked, then exits.
+``FLODL_FORK_SERVER=0`` turns it off (every rank is then a cold interpreter); a server that
+cannot start or dies is not an error either: :func:`take` returns None and the cohort starts a
+cold child.
+
+Used only for a plain local CPU rank (:meth:`ProcessCohort._warm`): a GPU rank's
+``CUDA_VISIBLE_DEVICES`` must be set before its interpreter starts, a remote rank starts on its
+host, a cooperative rank re-executes the user's script.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import importlib
 import json
+import logging
 import os
+import queue
+import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
+import traceback
+import warnings
+from typing import IO, Any
 
-WARM_FLAG = "--warm"  # python -m flodl.runtime.rank --warm: import, then wait for the role
+log = logging.getLogger(__name__)
+
+ENABLE = "FLODL_FORK_SERVER"  # "0": no fork server, every rank a cold interpreter
+RANK_TARGET = "flodl.runtime.rank:main"
+READY_S = 120.0  # the server's imports, on a busy machine
+_REPLY_S = 30.0
+_MAX_MESSAGE = 1 << 20
+
+
+class Forked:
+    """A rank forked by the server, supervised as a :class:`subprocess.Popen` (the subset the
+    cohort uses). Its exit code arrives from the server, which is its parent."""
+
+    stdin = None
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.args = ["flodl.runtime.warm", str(pid)]
+        self.env: dict[str, str] = {}  # what it runs with (its /proc environ is the server's)
+        self.stdout: IO[bytes] | None = None
+        self.returncode: int | None = None
+        self._done = threading.Event()
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._done.wait(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        assert self.returncode is not None
+        return self.returncode
+
+    def _exited(self, code: int) -> None:
+        if self.returncode is None:
+            self.returncode = code
+            self._done.set()
+
+
+class _Server:
+    """The launcher's end of the fork server: its process, the socket and the reader thread."""
+
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        env["PYTHONUNBUFFERED"] = "1"
+        self.popen = subprocess.Popen(
+            [sys.executable, "-u", "-m", "flodl.runtime.warm", str(theirs.fileno())],
+            pass_fds=[theirs.fileno()],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,  # a fork's output is its own pipe; the server's failures
+            stderr=subprocess.DEVNULL,  # come over the socket (holding no caller's pipe open)
+            env=env,
+            start_new_session=True,  # a terminal's Ctrl-C is the launcher's to handle
+        )
+        theirs.close()
+        self.sock = ours
+        self.ready = threading.Event()
+        self.dead = False
+        self.request_lock = threading.Lock()  # one fork request at a time
+        self._replies: queue.Queue[Forked | None] = queue.Queue()
+        self._children: dict[int, Forked] = {}
+        self._lock = threading.Lock()
+        threading.Thread(target=self._read, name="flodl-fork-server", daemon=True).start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                data = self.sock.recv(_MAX_MESSAGE)
+            except OSError:
+                data = b""
+            if not data:
+                break
+            msg = json.loads(data)
+            if "ready" in msg:
+                self.ready.set()
+            elif "fatal" in msg:
+                log.warning("no fork server (%s): ranks start as cold interpreters", msg["fatal"])
+            elif "pid" in msg:
+                child = Forked(int(msg["pid"]))
+                with self._lock:
+                    self._children[child.pid] = child
+                self._replies.put(child)
+            elif "error" in msg:
+                log.warning("the fork server could not start a rank: %s", msg["error"])
+                self._replies.put(None)
+            elif "exit" in msg:
+                with self._lock:
+                    gone = self._children.pop(int(msg["exit"]), None)
+                if gone is not None:
+                    gone._exited(int(msg["code"]))
+        # The server is gone, so are its children (they die with it: PR_SET_PDEATHSIG).
+        self.dead = True
+        self.ready.set()
+        self._replies.put(None)
+        with self._lock:
+            left, self._children = list(self._children.values()), {}
+        for child in left:
+            child._exited(-signal.SIGKILL)
+
+    def fork(self, target: str, env: dict[str, str], secret: bytes) -> Forked | None:
+        if not self.ready.wait(READY_S) or self.dead:
+            return None
+        request = json.dumps(
+            {"target": target, "env": env, "cwd": os.getcwd(), "secret": secret.hex()}
+        ).encode()
+        read_end, write_end = os.pipe()
+        with self.request_lock:
+            try:
+                socket.send_fds(self.sock, [request], [write_end])
+                child = self._replies.get(timeout=_REPLY_S)
+            except (OSError, queue.Empty) as exc:
+                log.warning("the fork server did not answer (%s): starting a cold rank", exc)
+                child = None
+            finally:
+                os.close(write_end)
+        if child is None:
+            os.close(read_end)
+            return None
+        child.stdout = os.fdopen(read_end, "rb")
+        child.env = env
+        return child
+
+    def running(self) -> list[Forked]:
+        with self._lock:
+            return [c for c in self._children.values() if c.returncode is None]
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        try:
+            self.popen.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait()
+
 
 _lock = threading.Lock()
-_pool: list[subprocess.Popen] = []
+_server: _Server | None = None
 
 
-def start(n: int) -> None:
-    """Start ``n`` warm rank interpreters (in the launcher's environment and import path)."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    env["PYTHONUNBUFFERED"] = "1"
-    for _ in range(n):
-        popen = subprocess.Popen(
-            [sys.executable, "-u", "-m", "flodl.runtime.rank", WARM_FLAG],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,  # its own process group, as a cold rank child
-        )
-        with _lock:
-            _pool.append(popen)
+def enabled() -> bool:
+    return os.environ.get("FLODL_FORK_SERVER", "1") != "0" and sys.platform.startswith("linux")
 
 
-def take(env: dict[str, str], secret: bytes) -> subprocess.Popen | None:
-    """A live warm interpreter given ``env`` and ``secret`` (its stdin then closed), or None."""
-    while True:
-        with _lock:
-            if not _pool:
-                return None
-            popen = _pool.pop(0)
-        if popen.poll() is not None:
-            continue  # it died while waiting (its output is lost with it): start a cold one
-        assert popen.stdin is not None
+def start() -> None:
+    """Start this process's fork server unless one is up (its imports run meanwhile)."""
+    global _server
+    if not enabled():
+        return
+    with _lock:
+        if _server is not None and not _server.dead:
+            return
         try:
-            popen.stdin.write(json.dumps(env).encode() + b"\n" + secret.hex().encode() + b"\n")
-            popen.stdin.close()
-        except OSError:
-            continue
-        popen.stdin = None
-        return popen
+            _server = _Server()
+        except OSError as exc:
+            log.warning("no fork server (%s): ranks start as cold interpreters", exc)
+            _server = None
+
+
+def take(env: dict[str, str], secret: bytes, target: str = RANK_TARGET) -> Forked | None:
+    """A rank forked from the server (started if need be), running ``target`` ("module:function",
+    returning the exit code) with ``env`` as its environment and ``secret`` on its stdin; None
+    when there is no server to fork from (the cohort then starts a cold child)."""
+    start()
+    with _lock:
+        server = _server
+    return None if server is None else server.fork(target, env, secret)
+
+
+def forks() -> dict[int, dict[str, str]]:
+    """pid -> environment of each fork still running (``/proc/PID/environ`` of a fork shows the
+    server's environment, not the one the rank runs with)."""
+    with _lock:
+        server = _server
+    return {} if server is None else {c.pid: c.env for c in server.running()}
+
+
+def server_pid() -> int | None:
+    """The fork server's pid (a long-lived child of this process), if one is up."""
+    with _lock:
+        return None if _server is None or _server.dead else _server.popen.pid
 
 
 def close() -> None:
-    """End every interpreter no cohort took (idempotent)."""
+    """End the fork server (idempotent); what it forked and still runs is killed."""
+    global _server
     with _lock:
-        left = list(_pool)
-        _pool.clear()
-    for popen in left:  # nothing of a run is in them yet: killed, not asked
-        try:
-            os.killpg(popen.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        popen.wait()
-        for stream in (popen.stdin, popen.stdout):
-            if stream is not None:
-                stream.close()
-
-
-def adopt_role() -> bool:
-    """In a warm interpreter: pre-import, then wait for the role. False when the launcher
-    closed us unused; True with ``os.environ`` (and ``sys.path``) now the rank's."""
-    import torch
-    import torch._dynamo
-
-    import flodl.runtime.worker  # noqa: F401
-
-    del torch
-    line = sys.stdin.readline()
-    if not line.strip():
-        return False
-    env = json.loads(line)
-    os.environ.clear()
-    os.environ.update(env)
-    for path in env.get("PYTHONPATH", "").split(os.pathsep):
-        if path and path not in sys.path:
-            sys.path.append(path)
-    return True
-
-
-def pool_size() -> int:
-    with _lock:
-        return len(_pool)
+        server, _server = _server, None
+    if server is not None:
+        server.close()
 
 
 atexit.register(close)
+
+
+# -- the server's side: ``python -m flodl.runtime.warm FD`` ---------------------------------------
+def _preload() -> None:
+    """What every rank imports before its first step (see the module's docstring)."""
+    import torch
+    import torch._dynamo
+    import torch.distributed  # noqa: F401
+
+    import flodl.runtime.rank
+    import flodl.runtime.worker  # noqa: F401
+
+
+def _serve(sock: socket.socket) -> None:
+    try:
+        _preload()
+    except Exception:  # told to the launcher, whose ranks then start cold
+        sock.send(json.dumps({"fatal": traceback.format_exc(limit=-3)}).encode())
+        return
+    sock.send(json.dumps({"ready": True}).encode())
+    children: set[int] = set()
+    while True:
+        _reap(sock, children)
+        readable, _, _ = select.select([sock], [], [], 0.05)
+        if not readable:
+            continue
+        try:
+            data, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, 1)
+        except OSError:
+            data, fds = b"", []
+        if not data:
+            break
+        try:
+            pid = _fork(sock, json.loads(data), fds[0])
+        except Exception as exc:  # told to the launcher, which starts a cold rank
+            with contextlib.suppress(OSError):
+                sock.send(json.dumps({"error": repr(exc)}).encode())
+            continue
+        finally:
+            for fd in fds:
+                os.close(fd)
+        children.add(pid)
+        sock.send(json.dumps({"pid": pid}).encode())
+    for pid in children:  # the launcher closed us or died: nothing we forked outlives it
+        with contextlib.suppress(OSError):
+            os.killpg(pid, signal.SIGKILL)
+    for pid in children:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+
+
+def _reap(sock: socket.socket, children: set[int]) -> None:
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        children.discard(pid)
+        code = os.waitstatus_to_exitcode(status)
+        with contextlib.suppress(OSError):
+            sock.send(json.dumps({"exit": pid, "code": code}).encode())
+
+
+def _fork(sock: socket.socket, request: dict[str, Any], out: int) -> int:
+    secret_read, secret_write = os.pipe()
+    os.write(secret_write, request["secret"].encode() + b"\n")
+    os.close(secret_write)
+    server = os.getpid()
+    with warnings.catch_warnings():  # 3.12+: numpy's BLAS thread makes fork() warn; none runs
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:
+        _child(sock, request, out, secret_read, server)  # never returns
+    os.close(secret_read)
+    return pid
+
+
+def _child(sock: socket.socket, request: dict[str, Any], out: int, stdin: int, server: int) -> None:
+    code = 1
+    try:
+        os.setsid()  # its own process group, as a cold child's: teardown reaches its workers
+        from flodl.runtime.rank import _die_with_parent
+
+        _die_with_parent()
+        if os.getppid() != server:
+            os._exit(1)  # the server died between fork and prctl
+        sock.close()
+        os.dup2(stdin, 0)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.close(stdin)
+        os.close(out)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        sys.path[0] = os.getcwd()  # as ``python -m`` in that directory
+        for path in request["env"].get("PYTHONPATH", "").split(os.pathsep):
+            if path and path not in sys.path:
+                sys.path.append(path)
+        module, _, function = request["target"].partition(":")
+        code = int(getattr(importlib.import_module(module), function)() or 0)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # printed to the rank's log, as an uncaught error would be
+        traceback.print_exc()
+    from flodl.runtime.rank import end_process
+
+    end_process(code)
+
+
+def main(argv: list[str]) -> int:
+    sock = socket.socket(fileno=int(argv[0]))
+    try:
+        _serve(sock)
+    except OSError:  # the launcher went away (EPIPE on a send): nothing left to serve
+        pass
+    finally:
+        sock.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -801,7 +801,10 @@ class Worker:
         return bool(self.link.announced_generation > self.generation)
 
     def _await_regroup(self) -> None:
-        while True:
+        """After a failed collective: the new membership, unless the run is already stopping
+        (Stop goes out once every window is reported, which is before the last average; a rank
+        lost in that average is lost while stopping, and no new membership follows)."""
+        while not any(isinstance(m, Stop) for m in self._pending):
             msg = self.link.recv(timeout=self.cfg.cluster.heartbeat_timeout_s * 2)
             if isinstance(msg, Regroup):
                 self.regroup(msg)

@@ -14,6 +14,7 @@ import psutil
 import torch
 
 from flodl import ClusterConfig, ElCheConfig, LoggerConfig, Trainer
+from flodl.runtime import warm
 from recipes.datasets import synthetic
 from recipes.models import MLP
 from recipes.steps import accuracy, classification_step
@@ -62,17 +63,23 @@ def small_run(
     return handle, state
 
 
+def _environ(proc: psutil.Process) -> dict[str, str]:
+    """What ``proc`` runs with: a fork of the fork server shows the server's in /proc."""
+    forked = warm.forks().get(proc.pid)
+    return forked if forked is not None else proc.environ()
+
+
 def is_rank_itself(proc: psutil.Process, rank: int | None = None) -> bool:
     """``proc`` is a flodl rank (``rank``, or any when None), not one of its DataLoader workers
     or other helpers: those inherit its FLODL_ROLE/FLODL_RANK, but their parent has them too."""
     try:
-        env = proc.environ()
+        env = _environ(proc)
         if env.get("FLODL_ROLE") != "rank" or (
             rank is not None and env.get("FLODL_RANK") != str(rank)
         ):
             return False
         parent = proc.parent()
-        parent_env = parent.environ() if parent is not None else {}
+        parent_env = _environ(parent) if parent is not None else {}
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return False
     return (

@@ -8,6 +8,7 @@ import signal
 from functools import partial
 
 import pytest
+import torch
 
 from flodl import ClusterConfig, ElCheConfig, LoggerConfig, Trainer
 from recipes.steps import accuracy, classification_step
@@ -227,3 +228,49 @@ def test_a_regroup_frees_a_rank_blocked_on_a_live_peer(tmp_path):
             proc.kill()
             proc.wait()
             proc.stdout.close()
+
+
+@pytest.mark.parametrize(
+    ("mode", "nth", "checkpoint"), [("nccl_cadence", 1, True), ("nccl_sync", 2, False)]
+)
+def test_a_rank_lost_in_the_last_average_after_stop_ends_the_run_cleanly(
+    tmp_path, monkeypatch, caplog, mode, nth, checkpoint
+):
+    """Stop goes out once every window is reported, before the last one is averaged: rank 1
+    killed in that average left rank 0 waiting for a regroup that never comes (the run is
+    stopping) and the epoch open. One epoch of 4 batches: rank 1's ``nth`` average (the first
+    in nccl_cadence; in nccl_sync the calibration's window comes first) is the last one."""
+    monkeypatch.setenv("FLODL_CHAOS", f"1:average:{nth}")
+    stem = str(tmp_path / "ckpt" / "run")
+    trainer = {"save_path": stem} if checkpoint else {}
+    cfg = (
+        Trainer.builder(model_factory, optim_factory, classification_step)
+        .batch_size(32)
+        .num_epochs(1)
+        .elche(ElCheConfig(mode=mode))
+        .cluster(ClusterConfig(kind="cpu_rig", ranks=2, warmup_steps=1, heartbeat_timeout_s=2.0))
+        .logger(LoggerConfig(progress="off", tensorboard=False))
+        .build_config()
+        .with_(**trainer)
+    )
+    with caplog.at_level("WARNING", logger="flodl"):
+        handle = Trainer.run(
+            model_factory,
+            optim_factory,
+            classification_step,
+            cfg,
+            dataset=partial(data, "train", 128),
+            job_dir=tmp_path / "job",
+        )
+        handle.join(timeout=60)
+    result = handle.result
+    assert "lost rank 1 while stopping" in caplog.text
+    assert result.summary.status == "ok" and result.summary.lost_ranks == [1]
+    assert result.coverage_exact and result.summary.samples_seen == 128
+    if checkpoint:
+        from flodl.checkpoint import load_bundle
+
+        payload, meta = load_bundle(stem)
+        assert meta.save_reason == "final"
+        for key, value in result.state.params.items():
+            assert torch.equal(payload["params"][key], value), key

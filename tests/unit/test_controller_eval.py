@@ -63,8 +63,9 @@ def counted(accuracy_by_epoch):
     return parts
 
 
-def drive(ctl, links, eval_parts, on_stall=None):
-    """Answer plans, evals, regroups and stops like ranks would, until the controller is done."""
+def drive(ctl, links, eval_parts, on_stall=None, settles=lambda rank, w: True):
+    """Answer plans, evals, regroups and stops like ranks would, until the controller is done
+    (``settles(rank, window)``: that rank's averaging of an epoch's last window held)."""
     done = [0] * len(links)
     stopped: set[int] = set()
     while not ctl._finished():
@@ -74,7 +75,7 @@ def drive(ctl, links, eval_parts, on_stall=None):
                 msg = link.sent[done[rank]]
                 done[rank] += 1
                 progressed = True
-                _answer(ctl, rank, msg, eval_parts, stopped)
+                _answer(ctl, rank, msg, eval_parts, stopped, settles)
         if not progressed:
             assert on_stall is not None, "controller stalled"
             on_stall()
@@ -90,13 +91,13 @@ def _shards(rank, weights):
     return shards
 
 
-def _answer(ctl, rank, msg, eval_parts, stopped):
+def _answer(ctl, rank, msg, eval_parts, stopped, settles):
     if isinstance(msg, Plan):
         for w in msg.windows:
             b = chunk_batches(w.chunks, 10)
             samples = sum(s for _, s in w.chunks)
             ctl._handle(rank, Report(rank, w.index, w.epoch, w.chunks, b, samples, b, b, b))
-            if w.settle:  # its averaging held
+            if w.settle and settles(rank, w):  # its averaging held
                 ctl._handle(rank, Settled(rank, w.index))
             if w.checkpoint_after:  # only the head writes the weights, as a real rank does
                 weights = {"w": torch.full((2,), float(w.epoch))} if w.write_weights else None
@@ -166,6 +167,25 @@ def test_a_shard_lost_after_stop_skips_the_last_epochs_eval_instead_of_hanging(c
     assert epochs[0].eval_metrics["count"] == N_EVAL
     assert epochs[1].eval_metrics == {} and epochs[1].eval_value is None
     assert "eval of epoch 2 arrived: that epoch's eval is skipped" in caplog.text
+
+
+def test_a_survivor_whose_last_average_failed_after_stop_does_not_keep_the_epoch_open():
+    """Found once rank starts got fast (the fork server): Stop goes out once the last window is
+    reported, before it is averaged. Rank 1 lost in that average leaves rank 0 with a failed
+    average and no new membership to wait for (the run is stopping), so neither acknowledges
+    the epoch's last window: the epoch stayed open for ever (and rank 0 failed waiting for a
+    regroup). Now a loss after Stop gives up every acknowledgement still awaited."""
+    ctl, links = make(world=2, epochs=1)
+
+    def lose_after_stop() -> None:
+        assert ctl.stopping() and ctl.final is not None  # rank 0 stopped with its own weights
+        ctl.elastic.on_failure(1, "rank 1 exited with code -9")
+
+    unsettled = lambda rank, w: False  # noqa: E731 - both averages of the last window failed
+    drive(ctl, links, counted(lambda e: 0.5), on_stall=lose_after_stop, settles=unsettled)
+    result = ctl._result()
+    assert [m.epoch for m in result.epochs] == [1] and result.epochs[0].eval_value == 0.5
+    assert ctl.members.lost == [1]
 
 
 def test_a_relayed_shard_the_launcher_cannot_write_ends_the_run_with_the_error(

@@ -33,8 +33,8 @@ RANK_ENV_EXACT = frozenset(
     }
 )
 RANK_ENV_PREFIXES = ("TORCHELASTIC_", "SLURM_", "FLODL_")
-# FLODL_* variables that are no rank identity: a user's debugging switch.
-NOT_RANK_ENV = frozenset({"FLODL_FULL_ERROR"})
+# FLODL_* variables that are no rank identity: a user's debugging switches.
+NOT_RANK_ENV = frozenset({"FLODL_FULL_ERROR", "FLODL_FORK_SERVER"})
 
 
 # Import edges tolerated for now, each with the reason. A cycle through any other edge fails.

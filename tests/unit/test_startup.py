@@ -1,4 +1,4 @@
-"""Start-up stays cheap: what a rank process imports, and the warm-rank hand-over protocol.
+"""Start-up stays cheap: what a rank process imports, and the fork server ranks start from.
 
 Guards against regressions of bench/startup.py's launch -> first step without timing anything:
 a rank that imports Hydra, TensorBoard or torchmetrics at start pays seconds of CPU for nothing.
@@ -7,9 +7,13 @@ a rank that imports Hydra, TensorBoard or torchmetrics at start pays seconds of 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
+import psutil
 import pytest
 
 from flodl.runtime import warm
@@ -40,40 +44,88 @@ def test_a_rank_process_imports_no_launcher_only_module() -> None:
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
 
 
-def _echo_two_lines() -> subprocess.Popen:
-    """A stand-in warm interpreter: prints the two lines it is handed."""
-    return subprocess.Popen(
-        [sys.executable, "-c", "import sys; print(sys.stdin.readline(), end=''); print(input())"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        start_new_session=True,
+def _probe() -> int:
+    """A fork's target: what it was given, as JSON on its output."""
+    print(
+        json.dumps(
+            {
+                "cwd": os.getcwd(),
+                "x": os.environ.get("X"),
+                "inherited": "FLODL_PROBE_NOT_PASSED" in os.environ,
+                "secret": sys.stdin.readline().strip(),
+                "own_session": os.getpgid(0) == os.getpid(),
+                "parent": os.getppid(),
+            }
+        ),
+        flush=True,
     )
+    print("to stderr", file=sys.stderr, flush=True)
+    return 7
 
 
-def test_take_hands_over_the_environment_then_the_secret(monkeypatch) -> None:
-    proc = _echo_two_lines()
-    monkeypatch.setattr(warm, "_pool", [proc])
-    taken = warm.take({"FLODL_RANK": "1", "X": "y"}, b"\x01\xfe")
-    assert taken is proc and proc.stdin is None and warm.pool_size() == 0
-    out, _ = proc.communicate(timeout=60)
-    env_line, secret_line = out.decode().splitlines()
-    assert json.loads(env_line) == {"FLODL_RANK": "1", "X": "y"}
-    assert secret_line == "01fe"  # hex, as a cold child reads it (env.read_secret)
-    assert warm.take({}, b"") is None  # the pool is empty: the cohort starts a cold child
+def _sleep() -> int:
+    print("sleeping", flush=True)
+    time.sleep(600)
+    return 0
 
 
-def test_take_skips_a_dead_interpreter_and_close_kills_the_rest(monkeypatch) -> None:
-    dead = subprocess.Popen([sys.executable, "-c", "pass"], stdin=subprocess.PIPE)
-    dead.wait(timeout=60)
-    waiting = _echo_two_lines()
-    monkeypatch.setattr(warm, "_pool", [dead, waiting])
-    assert warm.take({}, b"\x00") is waiting
-    waiting.communicate(timeout=60)
-    idle = _echo_two_lines()
-    monkeypatch.setattr(warm, "_pool", [idle])
+def _env() -> dict[str, str]:
+    return {"X": "y", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+
+
+@pytest.fixture
+def server():
     warm.close()
-    assert idle.returncode is not None and idle.returncode < 0  # killed, not left waiting
-    assert warm.pool_size() == 0
+    yield
+    warm.close()
+
+
+def test_a_fork_gets_its_environment_directory_secret_and_session(server, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FLODL_PROBE_NOT_PASSED", "1")  # in this process, not in the fork's env
+    child = warm.take(_env(), b"\x01\xfe", target="tests.unit.test_startup:_probe")
+    assert child is not None and child.stdin is None
+    assert child.wait(timeout=60) == 7 and child.poll() == 7
+    out = child.stdout.read().decode().splitlines()
+    assert json.loads(out[0]) == {
+        "cwd": str(tmp_path),
+        "x": "y",
+        "inherited": False,
+        "secret": "01fe",  # hex on stdin, as a cold child reads it (env.read_secret)
+        "own_session": True,  # the cohort's killpg reaches what it starts
+        "parent": warm.server_pid(),
+    }
+    assert out[1] == "to stderr"  # stdout and stderr are one pipe, as for a cold child
+
+
+def test_a_killed_fork_reports_the_signal_and_a_closed_server_takes_its_forks(server):
+    first = warm.take(_env(), b"\x00", target="tests.unit.test_startup:_sleep")
+    second = warm.take(_env(), b"\x00", target="tests.unit.test_startup:_sleep")
+    assert first is not None and second is not None
+    assert first.stdout.readline() == b"sleeping\n" and second.stdout.readline() == b"sleeping\n"
+    with pytest.raises(subprocess.TimeoutExpired):
+        first.wait(timeout=0.2)
+    os.killpg(first.pid, signal.SIGKILL)
+    assert first.wait(timeout=60) == -signal.SIGKILL
+    assert second.poll() is None
+    warm.close()  # the launcher is done: nothing the server forked outlives it
+    assert second.wait(timeout=60) == -signal.SIGKILL
+    assert not psutil.pid_exists(second.pid) or psutil.Process(second.pid).status() == "zombie"
+
+
+def test_a_dead_server_is_replaced_and_no_server_means_a_cold_start(server, monkeypatch):
+    first = warm.take(_env(), b"\x00", target="tests.unit.test_startup:_sleep")
+    assert first is not None and first.stdout.readline() == b"sleeping\n"
+    dead = warm.server_pid()
+    assert dead is not None
+    os.kill(dead, signal.SIGKILL)
+    assert first.wait(timeout=60) == -signal.SIGKILL  # died with its server (PDEATHSIG)
+    again = warm.take(_env(), b"\x05", target="tests.unit.test_startup:_probe")
+    assert again is not None and again.wait(timeout=60) == 7
+    assert warm.server_pid() not in (None, dead)
+    warm.close()
+    monkeypatch.setenv(warm.ENABLE, "0")
+    assert warm.take(_env(), b"\x00") is None and warm.server_pid() is None
 
 
 def test_a_rank_process_ends_with_its_code_after_exit_handlers_and_flushed_output(tmp_path) -> None:
