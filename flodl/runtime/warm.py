@@ -49,6 +49,15 @@ RANK_TARGET = "flodl.runtime.rank:main"
 READY_S = 120.0  # the server's imports, on a busy machine
 _REPLY_S = 30.0
 _MAX_MESSAGE = 1 << 20
+# Variables native libraries read once, when loaded (OpenMP, BLAS, torch, the loader) or the
+# interpreter at its start: a fork keeps the server's. A server whose values differ from the
+# launcher's now is replaced, so a rank sees what a cold one would.
+_LOAD_TIME = ("OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "TORCH", "PYTORCH_", "LD_", "PYTHON")
+_PER_RANK = ("PYTHONPATH", "PYTHONUNBUFFERED")  # given to each fork (sys.path) or set by us
+
+
+def _load_time_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith(_LOAD_TIME) and k not in _PER_RANK}
 
 
 class Forked:
@@ -84,6 +93,7 @@ class _Server:
     """The launcher's end of the fork server: its process, the socket and the reader thread."""
 
     def __init__(self) -> None:
+        self.load_time_env = _load_time_env()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
@@ -195,7 +205,9 @@ def start() -> None:
         return
     with _lock:
         if _server is not None and not _server.dead:
-            return
+            if _server.load_time_env == _load_time_env():
+                return
+            _server.close()  # started under other load-time settings: a fresh one
         try:
             _server = _Server()
         except OSError as exc:
@@ -338,8 +350,12 @@ def _child(sock: socket.socket, request: dict[str, Any], out: int, stdin: int, s
         for path in request["env"].get("PYTHONPATH", "").split(os.pathsep):
             if path and path not in sys.path:
                 sys.path.append(path)
+        if "numpy" in sys.modules:  # its global generator, seeded from entropy as in a new
+            sys.modules["numpy"].random.seed()  # interpreter (Python's `random` reseeds itself)
         module, _, function = request["target"].partition(":")
-        code = int(getattr(importlib.import_module(module), function)() or 0)
+        target = importlib.import_module(module)
+        sys.argv = [getattr(target, "__file__", module)]  # as ``python -m module``
+        code = int(getattr(target, function)() or 0)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:  # printed to the rank's log, as an uncaught error would be

@@ -12,7 +12,9 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+import numpy
 import psutil
 import pytest
 
@@ -55,6 +57,8 @@ def _probe() -> int:
                 "secret": sys.stdin.readline().strip(),
                 "own_session": os.getpgid(0) == os.getpid(),
                 "parent": os.getppid(),
+                "numpy_draw": float(numpy.random.random()),
+                "argv": sys.argv,
             }
         ),
         flush=True,
@@ -84,10 +88,16 @@ def test_a_fork_gets_its_environment_directory_secret_and_session(server, tmp_pa
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("FLODL_PROBE_NOT_PASSED", "1")  # in this process, not in the fork's env
     child = warm.take(_env(), b"\x01\xfe", target="tests.unit.test_startup:_probe")
-    assert child is not None and child.stdin is None
+    sibling = warm.take(_env(), b"\x00", target="tests.unit.test_startup:_probe")
+    assert child is not None and child.stdin is None and sibling is not None
     assert child.wait(timeout=60) == 7 and child.poll() == 7
     out = child.stdout.read().decode().splitlines()
-    assert json.loads(out[0]) == {
+    seen = json.loads(out[0])
+    assert sibling.wait(timeout=60) == 7
+    other = json.loads(sibling.stdout.read().decode().splitlines()[0])
+    assert seen.pop("numpy_draw") != other["numpy_draw"]  # not the server's generator, shared
+    assert seen.pop("argv") == [str(Path(__file__).resolve())]
+    assert seen == {
         "cwd": str(tmp_path),
         "x": "y",
         "inherited": False,
@@ -111,6 +121,18 @@ def test_a_killed_fork_reports_the_signal_and_a_closed_server_takes_its_forks(se
     warm.close()  # the launcher is done: nothing the server forked outlives it
     assert second.wait(timeout=60) == -signal.SIGKILL
     assert not psutil.pid_exists(second.pid) or psutil.Process(second.pid).status() == "zombie"
+
+
+def test_a_server_started_under_other_load_time_settings_is_replaced(server, monkeypatch):
+    first = warm.take(_env(), b"\x00", target="tests.unit.test_startup:_probe")
+    assert first is not None and first.wait(timeout=60) == 7
+    before = warm.server_pid()
+    monkeypatch.setenv("FLODL_CHAOS", "")  # a per-run variable: each fork gets it anyway
+    assert warm.take(_env(), b"\x00", target="tests.unit.test_startup:_probe").wait(60) == 7
+    assert warm.server_pid() == before
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # libgomp read it when torch was loaded
+    assert warm.take(_env(), b"\x00", target="tests.unit.test_startup:_probe").wait(60) == 7
+    assert warm.server_pid() not in (None, before)
 
 
 def test_a_dead_server_is_replaced_and_no_server_means_a_cold_start(server, monkeypatch):
