@@ -93,6 +93,7 @@ class _Server:
     """The launcher's end of the fork server: its process, the socket and the reader thread."""
 
     def __init__(self) -> None:
+        self.owner = os.getpid()  # a fork of the launcher must not talk over its socket
         self.load_time_env = _load_time_env()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = dict(os.environ)
@@ -204,6 +205,8 @@ def start() -> None:
     if not enabled():
         return
     with _lock:
+        if _server is not None and _server.owner != os.getpid():
+            _server = None  # we are a fork of the process that owns it: ours is to start
         if _server is not None and not _server.dead:
             if _server.load_time_env == _load_time_env():
                 return
@@ -236,7 +239,9 @@ def forks() -> dict[int, dict[str, str]]:
 def server_pid() -> int | None:
     """The fork server's pid (a long-lived child of this process), if one is up."""
     with _lock:
-        return None if _server is None or _server.dead else _server.popen.pid
+        if _server is None or _server.dead or _server.owner != os.getpid():
+            return None
+        return _server.popen.pid
 
 
 def close() -> None:
@@ -244,7 +249,7 @@ def close() -> None:
     global _server
     with _lock:
         server, _server = _server, None
-    if server is not None:
+    if server is not None and server.owner == os.getpid():
         server.close()
 
 

@@ -164,3 +164,18 @@ def test_a_rank_process_ends_with_its_code_after_exit_handlers_and_flushed_outpu
     assert done.returncode == 3
     assert done.stdout == "unflushed" and "logged" in done.stderr
     assert mark.read_text() == "ran"
+
+
+def test_a_fork_of_the_launcher_neither_uses_nor_closes_its_server(server) -> None:
+    warm.start()
+    owned = warm.server_pid()
+    assert owned is not None
+    pid = os.fork()
+    if pid == 0:  # a fork of the launcher (a loader worker, say): the socket is not its own
+        mine = warm.server_pid()
+        warm.close()
+        os._exit(0 if mine is None else 1)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    assert warm.server_pid() == owned and psutil.pid_exists(owned)
+    child = warm.take(_env(), b"\x00", target="tests.unit.test_startup:_probe")
+    assert child is not None and child.wait(timeout=60) == 7  # still serving its owner
