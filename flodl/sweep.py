@@ -101,15 +101,10 @@ def _warm_ranks(cluster: Any) -> None:
     """A local CPU rig: start the fork server its ranks fork from now, so its imports (torch,
     the worker) overlap the launcher's remaining checks (torch, torchmetrics, the dry build)
     instead of following them (:mod:`flodl.runtime.warm`)."""
+    from flodl.runtime import warm
     from flodl.runtime.env import external_role
 
-    if cluster.kind != "cpu_rig" or cluster.ranks < 2:
-        return
-    if external_role() is not None:  # torchrun / srun placed this process: no local children
-        return
-    from flodl.runtime import warm
-
-    warm.start()
+    warm.start_for(cluster, placed=external_role() is not None)
 
 
 def _require_flodl_job(job_cfg: Any) -> None:

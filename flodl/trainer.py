@@ -32,6 +32,7 @@ from flodl.config import (
 )
 from flodl.metrics import EpochMetrics, RunSummary
 from flodl.results import RunResult, TrainedState
+from flodl.runtime import warm
 from flodl.runtime.env import ExternalRole, external_role, is_follower, placed_cohort
 from flodl.runtime.spec import Callbacks, JobSpec
 from flodl.signals import sigterm_as_interrupt
@@ -340,6 +341,8 @@ class Trainer:
 
         placed = external_role()  # this process's placement, read once and passed down
         _follow_if_placed(config, cooperative, placed)
+        if not cooperative:  # a cooperative rank re-executes the script: a cold interpreter
+            warm.start_for(config.cluster, placed=placed is not None)
         # A DataLoader is adopted (or refused) here, before any rank starts.
         dataset, loader, adopted_collate = adopt(dataset, config.loader, config.batch_size)
         if loader != config.loader:

@@ -218,6 +218,13 @@ def start() -> None:
             _server = None
 
 
+def start_for(cluster: Any, placed: bool) -> None:
+    """Start the fork server now when ``cluster`` is a local CPU rig (not one torchrun or srun
+    ``placed``), so its imports overlap the launcher's own checks and dry build."""
+    if not placed and cluster.kind == "cpu_rig" and cluster.ranks >= 2:
+        start()
+
+
 def take(env: dict[str, str], secret: bytes, target: str = RANK_TARGET) -> Forked | None:
     """A rank forked from the server (started if need be), running ``target`` ("module:function",
     returning the exit code) with ``env`` as its environment and ``secret`` on its stdin; None
