@@ -82,7 +82,7 @@ def _launch(launcher: Any, ctx: Any, jobs: list, sweep_dir: Path, logger: Any) -
 def check_job(job_cfg: Any, warm: bool = False) -> app.CheckedJob:
     """Validate one composed job, once and cheapest check first: a pure-config refusal exits
     before torch is imported, and only a good job imports its metrics (torchmetrics, scipy).
-    ``warm``: once the pure-config checks passed, start the job's CPU-rig rank interpreters,
+    ``warm``: once the pure-config checks passed, start the fork server of a CPU-rig job's ranks,
     so their imports overlap the checks that need torch (:func:`_warm_ranks`)."""
     from flodl.preflight import check_config, check_factories, check_task_targets
 

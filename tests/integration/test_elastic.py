@@ -248,7 +248,7 @@ def test_a_rank_lost_in_the_last_average_after_stop_ends_the_run_cleanly(
         .batch_size(32)
         .num_epochs(1)
         .elche(ElCheConfig(mode=mode))
-        .cluster(ClusterConfig(kind="cpu_rig", ranks=2, warmup_steps=1, heartbeat_timeout_s=2.0))
+        .cluster(ClusterConfig(kind="cpu_rig", ranks=2, warmup_steps=1))
         .logger(LoggerConfig(progress="off", tensorboard=False))
         .build_config()
         .with_(**trainer)
