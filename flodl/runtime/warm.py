@@ -193,6 +193,7 @@ class _Server:
 
 _lock = threading.Lock()
 _server: _Server | None = None
+_retired: list[_Server] = []  # replaced while their forks still ran (another run's ranks)
 
 
 def enabled() -> bool:
@@ -210,7 +211,12 @@ def start() -> None:
         if _server is not None and not _server.dead:
             if _server.load_time_env == _load_time_env():
                 return
-            _server.close()  # started under other load-time settings: a fresh one
+            # Started under other load-time settings: a fresh one. One still serving another
+            # run's ranks (a second Trainer.run of this process) is closed at exit, not now.
+            if _server.running():
+                _retired.append(_server)
+            else:
+                _server.close()
         try:
             _server = _Server()
         except OSError as exc:
@@ -255,9 +261,12 @@ def close() -> None:
     """End the fork server (idempotent); what it forked and still runs is killed."""
     global _server
     with _lock:
-        server, _server = _server, None
-    if server is not None and server.owner == os.getpid():
-        server.close()
+        servers = [s for s in (_server, *_retired) if s is not None]
+        _server = None
+        _retired.clear()
+    for server in servers:
+        if server.owner == os.getpid():
+            server.close()
 
 
 atexit.register(close)

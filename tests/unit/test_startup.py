@@ -130,9 +130,14 @@ def test_a_server_started_under_other_load_time_settings_is_replaced(server, mon
     monkeypatch.setenv("FLODL_CHAOS", "")  # a per-run variable: each fork gets it anyway
     assert warm.take(_env(), b"\x00", target="tests.unit.test_startup:_probe").wait(60) == 7
     assert warm.server_pid() == before
+    running = warm.take(_env(), b"\x00", target="tests.unit.test_startup:_sleep")
+    assert running is not None and running.stdout.readline() == b"sleeping\n"
     monkeypatch.setenv("OMP_NUM_THREADS", "3")  # libgomp read it when torch was loaded
     assert warm.take(_env(), b"\x00", target="tests.unit.test_startup:_probe").wait(60) == 7
     assert warm.server_pid() not in (None, before)
+    assert running.poll() is None  # another run's rank on the old server is left running
+    warm.close()  # ... until the launcher closes its servers
+    assert running.wait(timeout=60) == -signal.SIGKILL and not psutil.pid_exists(before)
 
 
 def test_a_dead_server_is_replaced_and_no_server_means_a_cold_start(server, monkeypatch):
