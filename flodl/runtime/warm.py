@@ -44,7 +44,6 @@ from typing import IO, Any
 
 log = logging.getLogger(__name__)
 
-ENABLE = "FLODL_FORK_SERVER"  # "0": no fork server, every rank a cold interpreter
 RANK_TARGET = "flodl.runtime.rank:main"
 READY_S = 120.0  # the server's imports, on a busy machine
 _REPLY_S = 30.0
@@ -197,6 +196,7 @@ _retired: list[_Server] = []  # replaced while their forks still ran (another ru
 
 
 def enabled() -> bool:
+    """``FLODL_FORK_SERVER=0``: no fork server, every rank a cold interpreter."""
     return os.environ.get("FLODL_FORK_SERVER", "1") != "0" and sys.platform.startswith("linux")
 
 
@@ -388,12 +388,8 @@ def _child(sock: socket.socket, request: dict[str, Any], out: int, stdin: int, s
 
 def main(argv: list[str]) -> int:
     sock = socket.socket(fileno=int(argv[0]))
-    try:
+    with sock, contextlib.suppress(OSError):  # OSError: the launcher went away (EPIPE)
         _serve(sock)
-    except OSError:  # the launcher went away (EPIPE on a send): nothing left to serve
-        pass
-    finally:
-        sock.close()
     return 0
 
 

@@ -151,7 +151,7 @@ def test_a_dead_server_is_replaced_and_no_server_means_a_cold_start(server, monk
     assert again is not None and again.wait(timeout=60) == 7
     assert warm.server_pid() not in (None, dead)
     warm.close()
-    monkeypatch.setenv(warm.ENABLE, "0")
+    monkeypatch.setenv("FLODL_FORK_SERVER", "0")
     assert warm.take(_env(), b"\x00") is None and warm.server_pid() is None
 
 
