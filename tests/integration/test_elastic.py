@@ -231,15 +231,17 @@ def test_a_regroup_frees_a_rank_blocked_on_a_live_peer(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("mode", "nth", "checkpoint"), [("nccl_cadence", 1, True), ("nccl_sync", 2, False)]
+    ("mode", "nth", "checkpoint", "ranks"),
+    [("nccl_cadence", 1, True, 2), ("nccl_sync", 2, False, 2), ("nccl_sync", 2, True, 3)],
 )
 def test_a_rank_lost_in_the_last_average_after_stop_ends_the_run_cleanly(
-    tmp_path, monkeypatch, caplog, mode, nth, checkpoint
+    tmp_path, monkeypatch, caplog, mode, nth, checkpoint, ranks
 ):
     """Stop goes out once every window is reported, before the last one is averaged: rank 1
     killed in that average left rank 0 waiting for a regroup that never comes (the run is
-    stopping) and the epoch open. One epoch of 4 batches: rank 1's ``nth`` average (the first
-    in nccl_cadence; in nccl_sync the calibration's window comes first) is the last one."""
+    stopping) and the epoch open. One epoch of 2 batches a rank: rank 1's ``nth`` average (the
+    first in nccl_cadence; in nccl_sync the calibration's window comes first) is the last one."""
+    samples = 64 * ranks
     monkeypatch.setenv("FLODL_CHAOS", f"1:average:{nth}")
     stem = str(tmp_path / "ckpt" / "run")
     trainer = {"save_path": stem} if checkpoint else {}
@@ -248,7 +250,7 @@ def test_a_rank_lost_in_the_last_average_after_stop_ends_the_run_cleanly(
         .batch_size(32)
         .num_epochs(1)
         .elche(ElCheConfig(mode=mode))
-        .cluster(ClusterConfig(kind="cpu_rig", ranks=2, warmup_steps=1))
+        .cluster(ClusterConfig(kind="cpu_rig", ranks=ranks, warmup_steps=1))
         .logger(LoggerConfig(progress="off", tensorboard=False))
         .build_config()
         .with_(**trainer)
@@ -259,14 +261,14 @@ def test_a_rank_lost_in_the_last_average_after_stop_ends_the_run_cleanly(
             optim_factory,
             classification_step,
             cfg,
-            dataset=partial(data, "train", 128),
+            dataset=partial(data, "train", samples),
             job_dir=tmp_path / "job",
         )
         handle.join(timeout=60)
     result = handle.result
     assert "lost rank 1 while stopping" in caplog.text
     assert result.summary.status == "ok" and result.summary.lost_ranks == [1]
-    assert result.coverage_exact and result.summary.samples_seen == 128
+    assert result.coverage_exact and result.summary.samples_seen == samples
     if checkpoint:
         from flodl.checkpoint import load_bundle
 
