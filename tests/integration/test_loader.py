@@ -67,9 +67,14 @@ def loader_run(tmp_path, name, epochs=2, metrics_fn=None, dataset=None, **traine
         .batch_size(32)
         .num_epochs(epochs)
         .elche(ElCheConfig(mode="nccl_cadence"))
+        # A nominal step 10x the measured one (~1 ms here): a batch's load (~2 ms, its worker
+        # sharing the 2 cores) and the scheduler's stalls under a loaded CI stay inside the
+        # paced step, so the rig's ratio is what the planner sees (margin 3 under two CPU hogs
+        # gave the fast rank 0.60-0.69 of the batches, and 0.54 once in CI; margin 10: 2/3 in
+        # 12 of 12 epochs under the same hogs).
         .cluster(
             ClusterConfig(
-                kind="cpu_rig", ranks=2, speeds=[1.0, 0.5], warmup_steps=3, pace_margin=3.0
+                kind="cpu_rig", ranks=2, speeds=[1.0, 0.5], warmup_steps=3, pace_margin=10.0
             )
         )
         .loader(num_workers=1, prefetch_factor=4)
@@ -126,11 +131,9 @@ def test_workers_load_exactly_the_plan_keep_the_ratio_and_survive_a_kill(tmp_pat
     for m in result.epochs:  # every sample once per epoch as the workers loaded it, the lost
         assert _epoch_ids(m) == EXACT  # rank's unfinished chunks trained by the survivor
     calibrated = result.epochs[1].per_rank_batch_share  # epoch 2: both ranks, calibrated
-    # The fast rank does clearly more (2/3 at its speed; an equal split is 1/2). How close to
-    # 2/3 is bench/loader.py's to measure: here 48 whole batches, two ranks and two loader
-    # workers on two shared cores gave 0.56-0.60 in 2 of 5 idle runs, on this stop's code and
-    # the previous stop's alike (the fast rank waits on its worker: issue 12's open speed goal).
-    assert 0.55 <= calibrated[0] <= 0.75, calibrated
+    # The fast rank does clearly more (2/3 at its speed; an equal split is 1/2); how close to
+    # 2/3 a real loader gets at full speed is bench/loader.py's to measure.
+    assert 0.6 <= calibrated[0] <= 0.72, calibrated
     last = result.epochs[-1].per_rank_batch_share  # killed in epoch 3 (or 4): less, or none
     assert last[1] < calibrated[1], (calibrated, last)
     assert result.summary.eval_value is not None  # dict batches reach eval_step as dicts
