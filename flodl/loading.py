@@ -9,14 +9,22 @@ voids after it was fed is cancelled: its batches not yet handed out are dropped,
 flight are discarded unseen.
 
 The DataLoader's iterator lives for the whole run. When the sampler has nothing planned it hands
-out a *filler* (one cheap placeholder index the workers answer at once) instead of blocking the
-main thread, so the iterator never ends and its workers never respawn.
+out a *filler* (one cheap placeholder index the workers answer at once) instead of blocking, so
+the iterator never ends and its workers never respawn.
+
+A receiver thread takes the workers' batches off the iterator as they arrive, as torch's
+pin-memory thread does on CUDA: rebuilding a batch in the rank (each tensor's shared memory comes
+as its own file descriptor) costs ~2 ms per batch that would otherwise be on the training
+thread's critical path. It asks the workers for more only while something planned is queued or
+in flight, so an idle rank does not spin on fillers.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import queue
+import threading
 from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
@@ -89,37 +97,116 @@ class _PlanIterator:
 
 class PlanSampler:
     """A batch sampler fed window by window; it records the window of every batch it hands out,
-    in the order the DataLoader will return them."""
+    in the order the DataLoader will return them. Fed by the training thread, read by the
+    receiver's: every change is made under :attr:`changed`."""
 
     def __init__(self) -> None:
         self.queued: collections.deque[tuple[Hashable, list[int]]] = collections.deque()
         self.handed: collections.deque[Hashable | None] = collections.deque()  # None: filler
         self.fillers = 0
+        self.planned_in_flight = 0  # handed out, not taken back by :meth:`returned`
+        self.changed = threading.Condition()
 
     def put(self, key: Hashable, batches: Sequence[list[int]]) -> None:
-        self.queued.extend((key, b) for b in batches)
+        with self.changed:
+            self.queued.extend((key, b) for b in batches)
+            self.changed.notify_all()
 
     def drop(self, key: Hashable) -> int:
         """Forget ``key``'s batches not handed out yet; returns how many there were."""
-        kept = [(k, b) for k, b in self.queued if k != key]
-        dropped = len(self.queued) - len(kept)
-        self.queued = collections.deque(kept)
-        return dropped
+        with self.changed:
+            kept = [(k, b) for k, b in self.queued if k != key]
+            dropped = len(self.queued) - len(kept)
+            self.queued = collections.deque(kept)
+            return dropped
 
     def hand_out(self) -> list[int]:
-        if self.queued:
-            key, indices = self.queued.popleft()
-            self.handed.append(key)
-            return indices
-        self.handed.append(None)
-        self.fillers += 1
-        return [FILLER]
+        with self.changed:
+            if self.queued:
+                key, indices = self.queued.popleft()
+                self.handed.append(key)
+                self.planned_in_flight += 1
+                return indices
+            self.handed.append(None)
+            self.fillers += 1
+            return [FILLER]
+
+    def returned(self) -> Hashable | None:
+        """The window of the batch the DataLoader just returned (``None``: a filler)."""
+        with self.changed:
+            key = self.handed.popleft()
+            if key is not None:
+                self.planned_in_flight -= 1
+            return key
+
+    def has_work(self) -> bool:
+        """Something planned is queued or in flight (else the workers hold only fillers)."""
+        return bool(self.queued) or self.planned_in_flight > 0
 
     def __iter__(self) -> Iterator[list[int]]:
         return _PlanIterator(self)
 
     def __len__(self) -> int:  # DataLoader asks only to size a progress bar; none here
         return 1 << 62
+
+
+class _Failed:
+    """What the receiver hands on when the DataLoader raised (a worker's error, a dead worker)."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class _Receiver:
+    """The thread that takes planned batches off the DataLoader's iterator, in order, onto a
+    bounded queue the training thread reads (fillers are not passed on)."""
+
+    def __init__(self, iterator: Any, sampler: PlanSampler, depth: int) -> None:
+        self.iterator = iterator
+        self.sampler = sampler
+        self.ready: queue.Queue[tuple[Hashable, Any] | _Failed] = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="flodl-loader", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        sampler = self.sampler
+        while True:
+            with sampler.changed:
+                sampler.changed.wait_for(lambda: self._stop.is_set() or sampler.has_work())
+            if self._stop.is_set():
+                return
+            try:
+                batch = next(self.iterator)
+            except BaseException as error:  # handed to the training thread, raised there
+                self._put(_Failed(error))
+                return
+            key = sampler.returned()
+            if key is not None and not self._put((key, batch)):
+                return
+
+    def _put(self, item: tuple[Hashable, Any] | _Failed) -> bool:
+        while not self._stop.is_set():
+            try:
+                self.ready.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def get(self) -> tuple[Hashable, Any]:
+        item = self.ready.get()
+        if isinstance(item, _Failed):
+            self.ready.put(item)  # every later ask fails the same way
+            raise item.error
+        return item
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """End the thread: it finishes the batch it waits for (a worker's load), if any."""
+        self._stop.set()
+        with self.sampler.changed:
+            self.sampler.changed.notify_all()
+        self._thread.join(timeout_s)
 
 
 class PlannedLoader:
@@ -142,6 +229,7 @@ class PlannedLoader:
         self._fed: dict[Hashable, int] = {}  # window -> batches not consumed yet
         self._cancelled: set[Hashable] = set()
         self._iter: Any = None
+        self._receiver: _Receiver | None = None
         self.loader = self._make(self.sampler) if cfg.persistent_workers else None
 
     def _make(self, batch_sampler: Any) -> DataLoader:
@@ -172,6 +260,8 @@ class PlannedLoader:
         self.sampler.put(key, batches)
         if self._iter is None:
             self._iter = iter(self.loader)  # starts the workers on what is planned so far
+            depth = self.cfg.num_workers * (self.cfg.prefetch_factor or 2)
+            self._receiver = _Receiver(self._iter, self.sampler, depth)
 
     def cancel(self, key: Hashable) -> None:
         """``key`` will not be trained: drop its batches; those in flight are discarded."""
@@ -197,12 +287,12 @@ class PlannedLoader:
         """The next batch of ``key``; fillers and batches of windows that were fed but are
         not trained (cancelled, or skipped: windows run in the order they were fed) are
         discarded unseen."""
+        assert self._receiver is not None  # fed before asked
         while True:
-            batch = next(self._iter)
-            owner = self.sampler.handed.popleft()
+            owner, batch = self._receiver.get()
             if owner == key:
                 return batch
-            if owner is not None and owner not in self._cancelled:
+            if owner not in self._cancelled:
                 log.debug("window %s was fed but not trained: its batches are discarded", owner)
                 self.cancel(owner)
 
@@ -212,7 +302,11 @@ class PlannedLoader:
             yield to_device(batch, self.device)
 
     def close(self) -> None:
-        """Stop the worker processes now (not whenever the iterator is collected)."""
+        """Stop the receiver, then the worker processes (now, not whenever the iterator is
+        collected)."""
+        receiver, self._receiver = self._receiver, None
+        if receiver is not None:
+            receiver.stop()
         iterator, self._iter, self.loader = self._iter, None, None
         shutdown = getattr(iterator, "_shutdown_workers", None)
         if shutdown is not None:

@@ -82,6 +82,60 @@ def test_a_window_fed_but_never_trained_is_discarded_not_served() -> None:
     assert got == _expected(64, 0, ((16, 4),), 4)
 
 
+class Failing(Indexed):
+    def __getitem__(self, i: int) -> dict:
+        if i == 13:
+            raise ValueError("sample 13 is corrupt")
+        return super().__getitem__(i)
+
+
+def _wait_for(predicate, timeout_s: float = 10.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return predicate()
+
+
+def test_the_receiver_takes_batches_ahead_and_an_idle_loader_does_not_spin_on_fillers() -> None:
+    loader = _loader()  # one worker, prefetch_factor 2: a queue of 2 batches received ahead
+    try:
+        loader.feed((0, 0), 0, ((0, 24),))  # 6 batches
+        receiver = loader._receiver
+        assert receiver is not None
+        # Received off the training thread before it asks: 2 waiting, 2 more in the worker.
+        assert _wait_for(lambda: receiver.ready.full())
+        got = [_ids(b) for b in loader.batches((0, 0), 0, ((0, 24),))]
+        assert got == _expected(64, 0, ((0, 24),), 4)
+        assert _wait_for(lambda: not loader.sampler.has_work())
+        fillers = loader.sampler.fillers
+        _wait_for(lambda: False, timeout_s=0.3)  # idle: nothing planned, nothing in flight
+        assert loader.sampler.fillers == fillers <= 2 * 2
+        later = [_ids(b) for b in loader.batches((1, 0), 0, ((24, 8),))]  # and wakes on a feed
+        assert later == _expected(64, 0, ((24, 8),), 4)
+    finally:
+        loader.close()
+    assert not receiver._thread.is_alive()
+
+
+def test_a_workers_error_reaches_the_training_thread_and_stays() -> None:
+    source = BatchSource(Failing(64), 4, 0, torch.device("cpu"))
+    loader = data_path(source, LoaderConfig(num_workers=1, prefetch_factor=2))
+    perm = epoch_permutation(64, 0, 0).tolist()
+    bad = perm.index(13) // 4  # the batch holding sample 13
+    try:
+        batches = loader.batches((0, 0), 0, ((0, 64),))
+        for _ in range(bad):
+            next(batches)
+        with pytest.raises(ValueError, match="sample 13 is corrupt"):
+            next(batches)
+        with pytest.raises(ValueError, match="sample 13 is corrupt"):  # not a hang after it
+            next(loader.batches((1, 0), 0, ((0, 4),)))
+    finally:
+        loader.close()
+
+
 def test_without_persistent_workers_each_window_gets_its_own_loader() -> None:
     loader = _loader(persistent_workers=False)
     got = [_ids(b) for b in loader.batches((0, 0), 2, ((5, 6),))]
