@@ -128,9 +128,11 @@ class Checkpointing:
         assert self.checkpointer is not None
         detail = str(exc) if isinstance(exc, ShardWriteFailed) else describe(exc)
         self.save_error = f"saving a checkpoint to {self.checkpointer.stem} failed: {detail}"
-        log.error("%s; stopping", self.save_error)
         if mid_run:
+            log.error("%s; stopping", self.save_error)
             self._stop("checkpoint save failed")
+        else:  # the end-of-run save: the run is over, the trained state still reaches the job
+            log.error("%s (the end-of-run save)", self.save_error)
 
     def observe(self, epoch: int, metrics: EpochMetrics) -> None:
         """Keep-best: judge a closed epoch; its bundle is copied once it is committed."""

@@ -15,6 +15,7 @@ import torch
 
 from flodl.runtime.controller import Controller, ControllerResult, RunFailed
 from flodl.runtime.links import in_process_link
+from flodl.runtime.membership import beat_interval_s
 from flodl.runtime.spec import JobSpec
 
 
@@ -54,9 +55,7 @@ class InProcessCohort:
         if cluster.kind == "cpu_rig":  # the rig simulates one device per rank: pin its threads
             self._threads = torch.get_num_threads()  # process-wide: given back at stop
             torch.set_num_threads(cluster.threads_per_rank)
-        # Well inside the timeout: a beat every 1 s against heartbeat_timeout_s=1 dropped the
-        # only rank whenever this thread was scheduled a little late (measured at load 7).
-        every_s = min(1.0, cluster.heartbeat_timeout_s / 4)
+        every_s = beat_interval_s(cluster.heartbeat_timeout_s)  # (measured at load 7)
         threading.Thread(
             target=self._heartbeat, args=(every_s,), name="flodl-heartbeat", daemon=True
         ).start()

@@ -155,6 +155,7 @@ class SocketLink(_InboxLink):
         rank: int,
         on_regroup: Callable[[], Any] | None = None,
         in_launcher: bool = False,
+        beat_s: float = 1.0,
     ) -> None:
         self.channel = channel
         self.rank = rank
@@ -166,10 +167,12 @@ class SocketLink(_InboxLink):
         self._inbox: queue.Queue = queue.Queue()
         self._reader = threading.Thread(target=self._read, name="flodl-control", daemon=True)
         self._reader.start()
-        self._beat = threading.Thread(target=self._heartbeat, name="flodl-heartbeat", daemon=True)
+        self._beat = threading.Thread(
+            target=self._heartbeat, args=(beat_s,), name="flodl-heartbeat", daemon=True
+        )
         self._beat.start()
 
-    def _heartbeat(self, every_s: float = 1.0) -> None:
+    def _heartbeat(self, every_s: float) -> None:
         from flodl.runtime.messages import Heartbeat
 
         while not self.stopping:

@@ -23,6 +23,12 @@ def failure_budget(max_failure: int | str | None, world_size: int) -> int | None
     return int(max_failure)
 
 
+def beat_interval_s(heartbeat_timeout_s: float) -> float:
+    """How often a rank beats: every second, and well inside the timeout (a beat every 1 s
+    against ``heartbeat_timeout_s=1`` dropped a rank whenever its thread ran a little late)."""
+    return min(1.0, heartbeat_timeout_s / 4)
+
+
 @dataclass
 class Membership:
     """The alive mask of the cohort, its generation, and its heartbeat clock."""

@@ -101,6 +101,7 @@ def join(
     import torch
 
     from flodl.runtime.links import SocketLink
+    from flodl.runtime.membership import beat_interval_s
 
     spec = channel.recv()
     if isinstance(spec, Abort):  # another rank failed before this one got the job
@@ -115,7 +116,13 @@ def join(
     else:
         device = torch.device("cuda", role.local_rank)
         torch.cuda.set_device(device)
-    link = SocketLink(channel, role.rank, on_regroup=groups.abort, in_launcher=in_launcher)
+    link = SocketLink(
+        channel,
+        role.rank,
+        on_regroup=groups.abort,
+        in_launcher=in_launcher,
+        beat_s=beat_interval_s(cluster.heartbeat_timeout_s),
+    )
     try:
         groups.form(
             spec.backend,

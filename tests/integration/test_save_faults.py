@@ -53,3 +53,35 @@ def test_a_failed_save_stops_cleanly_and_keeps_the_trained_state(tmp_path, capfd
         not torch.equal(a, b) for a, b in zip(trained.parameters(), fresh.parameters(), strict=True)
     )  # what was trained, not the initial weights
     assert f"flodl: outputs in {job}" in capfd.readouterr().err  # the API says where
+
+
+@pytest.mark.light  # in-process: no rank process
+def test_a_failed_end_of_run_save_trains_every_epoch_and_says_which_save(tmp_path, caplog):
+    """No periodic checkpoints: only the end-of-run save fails. Every epoch trained, the run
+    reports the failed save (not 'stopping': nothing was left to stop), model.pt is written."""
+    config = TrainerConfig(
+        num_epochs=2,
+        batch_size=64,
+        save_path="fulldisk://ckpt/final",
+        elche=ElCheConfig(mode="solo"),
+        cluster=ClusterConfig(kind="auto"),
+        logger=LoggerConfig(progress="off", tensorboard=False),
+        device="cpu",
+    )
+    job = tmp_path / "job"
+    handle = (
+        Trainer.builder(model_factory, optim_factory, classification_step)
+        .config(config)
+        .dataset(partial(data, "train", 256))
+        .output_dir(job)
+        .run()
+    )
+    with pytest.raises(RunFailed, match="No space left on device"):
+        handle.join(timeout=120)
+    summary = json.loads((job / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["epochs"] == 2
+    assert "saving a checkpoint to fulldisk://ckpt/final failed: OSError" in summary["error"]
+    logged = [r.getMessage() for r in caplog.records if "fulldisk://ckpt/final" in r.getMessage()]
+    assert logged and all("stopping" not in m for m in logged), logged
+    assert any("the end-of-run save" in m for m in logged), logged
+    assert (job / "model.pt").exists()

@@ -190,3 +190,30 @@ def test_the_rank_link_keeps_no_received_tensor_while_it_awaits_the_next() -> No
     finally:
         link.close()
         controller.close()
+
+
+def test_a_rank_link_beats_well_inside_a_short_heartbeat_timeout() -> None:
+    """heartbeat_timeout_s=0.4: the rank's link beats every 0.1 s, not every second (a beat
+    every 1 s against a timeout under 1 s would drop every healthy rank that trains quietly)."""
+    import time
+
+    from flodl.runtime.links import SocketLink
+    from flodl.runtime.membership import beat_interval_s
+    from flodl.runtime.messages import Heartbeat
+
+    assert beat_interval_s(30.0) == 1.0 and beat_interval_s(0.4) == pytest.approx(0.1)
+    a, b = socket.socketpair()
+    controller, rank_end = Channel(a), Channel(b)
+    link = SocketLink(rank_end, rank=0, in_launcher=True, beat_s=beat_interval_s(0.4))
+    arrivals = []
+    try:
+        a.settimeout(5)
+        while len(arrivals) < 5:
+            msg = controller.recv()
+            assert isinstance(msg, Heartbeat) and msg.rank == 0
+            arrivals.append(time.monotonic())
+    finally:
+        link.close()
+        controller.close()
+    gaps = [t1 - t0 for t0, t1 in zip(arrivals, arrivals[1:], strict=False)]
+    assert max(gaps) < 0.4, gaps  # every gap inside the timeout
