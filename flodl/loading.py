@@ -157,14 +157,20 @@ class _Failed:
         self.error = error
 
 
+#: Batches the receiver holds ready beyond the workers' ``num_workers x prefetch_factor`` in
+#: flight: the next one and one more, so a rank holds at most two batches more than torch's own
+#: DataLoader would.
+READY = 2
+
+
 class _Receiver:
     """The thread that takes planned batches off the DataLoader's iterator, in order, onto a
     bounded queue the training thread reads (fillers are not passed on)."""
 
-    def __init__(self, iterator: Any, sampler: PlanSampler, depth: int) -> None:
+    def __init__(self, iterator: Any, sampler: PlanSampler) -> None:
         self.iterator = iterator
         self.sampler = sampler
-        self.ready: queue.Queue[tuple[Hashable, Any] | _Failed] = queue.Queue(maxsize=depth)
+        self.ready: queue.Queue[tuple[Hashable, Any] | _Failed] = queue.Queue(maxsize=READY)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="flodl-loader", daemon=True)
         self._thread.start()
@@ -260,8 +266,7 @@ class PlannedLoader:
         self.sampler.put(key, batches)
         if self._iter is None:
             self._iter = iter(self.loader)  # starts the workers on what is planned so far
-            depth = self.cfg.num_workers * (self.cfg.prefetch_factor or 2)
-            self._receiver = _Receiver(self._iter, self.sampler, depth)
+            self._receiver = _Receiver(self._iter, self.sampler)
 
     def cancel(self, key: Hashable) -> None:
         """``key`` will not be trained: drop its batches; those in flight are discarded."""

@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, Tenso
 
 from flodl.config import ConfigError, LoaderConfig, LoaderOverride, TrainerConfig
 from flodl.data import BatchSource, epoch_permutation
-from flodl.loading import InlinePath, PlannedLoader, adopt, data_path
+from flodl.loading import READY, InlinePath, PlannedLoader, adopt, data_path
 from flodl.residency import place
 
 
@@ -42,7 +42,7 @@ def _expected(n: int, epoch: int, chunks, batch: int) -> list[list[int]]:
 
 def _loader(n: int = 64, batch: int = 4, **cfg) -> PlannedLoader:
     source = BatchSource(Indexed(n), batch, 0, torch.device("cpu"))
-    path = data_path(source, LoaderConfig(num_workers=1, prefetch_factor=2, **cfg))
+    path = data_path(source, LoaderConfig(**({"num_workers": 1, "prefetch_factor": 2} | cfg)))
     assert isinstance(path, PlannedLoader)
     return path
 
@@ -99,19 +99,21 @@ def _wait_for(predicate, timeout_s: float = 10.0) -> bool:
 
 
 def test_the_receiver_takes_batches_ahead_and_an_idle_loader_does_not_spin_on_fillers() -> None:
-    loader = _loader()  # one worker, prefetch_factor 2: a queue of 2 batches received ahead
+    loader = _loader(prefetch_factor=1)  # one worker, one batch in flight
     try:
         loader.feed((0, 0), 0, ((0, 24),))  # 6 batches
         receiver = loader._receiver
         assert receiver is not None
-        # Received off the training thread before it asks: 2 waiting, 2 more in the worker.
-        assert _wait_for(lambda: receiver.ready.full())
+        # Received off the training thread before it asks: READY (2) waiting, one more in the
+        # worker, the rest not yet handed out (a rank holds no more than READY extra).
+        assert _wait_for(lambda: receiver.ready.full()) and READY == 2
+        assert _wait_for(lambda: len(loader.sampler.queued) == 6 - READY - 2)
         got = [_ids(b) for b in loader.batches((0, 0), 0, ((0, 24),))]
         assert got == _expected(64, 0, ((0, 24),), 4)
         assert _wait_for(lambda: not loader.sampler.has_work())
         fillers = loader.sampler.fillers
         _wait_for(lambda: False, timeout_s=0.3)  # idle: nothing planned, nothing in flight
-        assert loader.sampler.fillers == fillers <= 2 * 2
+        assert loader.sampler.fillers == fillers <= 1
         later = [_ids(b) for b in loader.batches((1, 0), 0, ((24, 8),))]  # and wakes on a feed
         assert later == _expected(64, 0, ((24, 8),), 4)
     finally:
