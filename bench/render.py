@@ -444,11 +444,29 @@ def replace_block(text: str, name: str, body: str) -> str:
 def _ddp_bench() -> str:
     from bench.ddp_bench_report import ddp_bench_block
 
-    for stem in ("ddp_bench", "ddp_bench_quick"):  # the full run when there is one
-        data = _load(stem)
-        if data:
-            return ddp_bench_block(data, stem, _machine(data))
-    return "_No results yet: run the command above._"
+    full, quick = _load("ddp_bench"), _load("ddp_bench_quick")
+    blocks = []
+    if full:
+        blocks.append(ddp_bench_block(full, "ddp_bench", _machine(full)))
+    if quick:  # the workloads no full run measured yet, labelled quick
+        measured = {row["workload"] for row in full["rows"]} if full else set()
+        rest = [row for row in quick["rows"] if row["workload"] not in measured]
+        if rest:
+            kept = {**quick, "rows": rest}
+            kept["settings"] = {
+                **quick["settings"],
+                "workloads": {
+                    w: d for w, d in quick["settings"]["workloads"].items() if w not in measured
+                },
+                "merged_from": [
+                    m
+                    for m in quick["settings"].get("merged_from") or []
+                    if set(m["workloads"]) - measured
+                ],
+            }
+            title = "#### Workloads without a full run yet (quick)\n\n" if full else ""
+            blocks.append(title + ddp_bench_block(kept, "ddp_bench_quick", _machine(quick)))
+    return "\n\n".join(blocks) or "_No results yet: run the command above._"
 
 
 def _bulk(stem: str, block: str) -> str:
