@@ -55,3 +55,20 @@ def test_results_table_is_the_original_format() -> None:
     table = results_table(_data(rows))
     assert "| solo-fast | 1.0000/0.9500/5.0/\u2013 |" in table
     assert "| ddp | 1.0000/0.9400/5.0/3 |" in table and "| nccl_cadence | failed |" in table
+
+
+def test_beside_the_goal_the_time_to_ddps_own_final_loss() -> None:
+    rows = [
+        _row("char_rnn", "solo-fast", 1.80, [[10, 0, 2.2], [20, 1, 1.8]]),
+        _row("char_rnn", "ddp", 2.00, [[20, 0, 2.4], [40, 1, 2.0]]),  # its own final at 40 s
+        _row("char_rnn", "nccl_cadence", 1.90, [[10, 0, 2.2], [20, 1, 1.9]]),  # 2.0 at 16.7 s
+    ]
+    data = _data(rows)
+    data["settings"]["workloads"].pop("gpt_nano")
+    table = goals_table(data)
+    never = "| char_rnn | 1.8000 | \u2013 s / \u2013 s | not reached by nccl_cadence and DDP |"
+    assert never in table
+    assert "| char_rnn | 2.0000 | 16.7 | 40.0 | 0.42 |" in table
+    assert "gpt_nano" not in table  # only the language models that ran
+    data["settings"]["workloads"].pop("char_rnn")
+    assert "language model" not in goals_table(data)  # a vision-only block has no LM tables
