@@ -19,29 +19,35 @@ from recipes.steps import classification_step
 from .helpers import CLASSES, SHAPE, data, model_factory, optim_factory
 
 
-@pytest.mark.light  # in-process: no rank process
-def test_a_failed_save_stops_cleanly_and_keeps_the_trained_state(tmp_path, capfd):
+def _failing_run(job, n: int, **trainer) -> tuple[TrainerConfig, dict]:
+    """A solo in-process run saving to ``fulldisk://`` (every bundle write refused); the
+    config and the summary it wrote, once the run failed on that."""
     config = TrainerConfig(
-        num_epochs=4,
         batch_size=64,
-        save_path="fulldisk://ckpt/run",
-        checkpoint_every=1,
         elche=ElCheConfig(mode="solo"),
         cluster=ClusterConfig(kind="auto"),
         logger=LoggerConfig(progress="off", tensorboard=False),
         device="cpu",
+        **trainer,
     )
-    job = tmp_path / "job"
     handle = (
         Trainer.builder(model_factory, optim_factory, classification_step)
         .config(config)
-        .dataset(partial(data, "train", 512))
+        .dataset(partial(data, "train", n))
         .output_dir(job)
         .run()
     )
     with pytest.raises(RunFailed, match="No space left on device"):
         handle.join(timeout=120)
-    summary = json.loads((job / "summary.json").read_text())
+    return config, json.loads((job / "summary.json").read_text())
+
+
+@pytest.mark.light  # in-process: no rank process
+def test_a_failed_save_stops_cleanly_and_keeps_the_trained_state(tmp_path, capfd):
+    job = tmp_path / "job"
+    config, summary = _failing_run(
+        job, 512, num_epochs=4, save_path="fulldisk://ckpt/run", checkpoint_every=1
+    )
     assert summary["status"] == "failed"
     assert "saving a checkpoint to fulldisk://ckpt/run failed: OSError" in summary["error"]
     assert str(job / "model.pt") in summary["error"]
@@ -59,26 +65,8 @@ def test_a_failed_save_stops_cleanly_and_keeps_the_trained_state(tmp_path, capfd
 def test_a_failed_end_of_run_save_trains_every_epoch_and_says_which_save(tmp_path, caplog):
     """No periodic checkpoints: only the end-of-run save fails. Every epoch trained, the run
     reports the failed save (not 'stopping': nothing was left to stop), model.pt is written."""
-    config = TrainerConfig(
-        num_epochs=2,
-        batch_size=64,
-        save_path="fulldisk://ckpt/final",
-        elche=ElCheConfig(mode="solo"),
-        cluster=ClusterConfig(kind="auto"),
-        logger=LoggerConfig(progress="off", tensorboard=False),
-        device="cpu",
-    )
     job = tmp_path / "job"
-    handle = (
-        Trainer.builder(model_factory, optim_factory, classification_step)
-        .config(config)
-        .dataset(partial(data, "train", 256))
-        .output_dir(job)
-        .run()
-    )
-    with pytest.raises(RunFailed, match="No space left on device"):
-        handle.join(timeout=120)
-    summary = json.loads((job / "summary.json").read_text())
+    _, summary = _failing_run(job, 256, num_epochs=2, save_path="fulldisk://ckpt/final")
     assert summary["status"] == "failed" and summary["epochs"] == 2
     assert "saving a checkpoint to fulldisk://ckpt/final failed: OSError" in summary["error"]
     logged = [r.getMessage() for r in caplog.records if "fulldisk://ckpt/final" in r.getMessage()]
