@@ -222,6 +222,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--merge", action="store_true", help="keep the results file's other workloads' rows"
     )
+    parser.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a Hydra override for every cell (after the workload's; e.g. trainer.num_epochs=6)",
+    )
     args = parser.parse_args(argv)
     out = args.out or ("ddp_bench_quick" if args.quick else "ddp_bench")
     info = machine()
@@ -241,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             {"command": old["command"], "machine": old["machine"], "workloads": list(workloads)},
         ]
     for workload in args.workloads:
-        extra = QUICK[workload] if args.quick else []
+        extra = [*(QUICK[workload] if args.quick else []), *args.override]
         workloads[workload] = {**_describe(workload, extra), "overrides": extra}
         for variant in args.variants:
             quiet = wait_quiet(args.quiet_cores, args.max_wait)
