@@ -442,7 +442,7 @@ def replace_block(text: str, name: str, body: str) -> str:
 
 
 def _ddp_bench() -> str:
-    from bench.ddp_bench_report import ddp_bench_block
+    from bench.ddp_bench_report import anchor_line, ddp_bench_block
 
     full, quick = _load("ddp_bench"), _load("ddp_bench_quick")
     blocks = []
@@ -466,6 +466,13 @@ def _ddp_bench() -> str:
             }
             title = "#### Workloads without a full run yet (quick)\n\n" if full else ""
             blocks.append(title + ddp_bench_block(kept, "ddp_bench_quick", _machine(quick)))
+    anchor = _load("ddp_bench_anchor")  # gpt_nano trained past the nanoGPT anchor's tokens
+    if anchor:
+        blocks.insert(
+            1 if full else 0,
+            "#### The nanoGPT anchor (a longer gpt_nano run)\n\n"
+            f"{_machine(anchor)}\n\n{anchor_line(anchor)}",
+        )
     return "\n\n".join(blocks) or "_No results yet: run the command above._"
 
 
