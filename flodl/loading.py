@@ -104,7 +104,6 @@ class PlanSampler:
         self.queued: collections.deque[tuple[Hashable, list[int]]] = collections.deque()
         self.handed: collections.deque[Hashable | None] = collections.deque()  # None: filler
         self.fillers = 0
-        self.planned_in_flight = 0  # handed out, not taken back by :meth:`returned`
         self.changed = threading.Condition()
 
     def put(self, key: Hashable, batches: Sequence[list[int]]) -> None:
@@ -125,7 +124,6 @@ class PlanSampler:
             if self.queued:
                 key, indices = self.queued.popleft()
                 self.handed.append(key)
-                self.planned_in_flight += 1
                 return indices
             self.handed.append(None)
             self.fillers += 1
@@ -134,14 +132,12 @@ class PlanSampler:
     def returned(self) -> Hashable | None:
         """The window of the batch the DataLoader just returned (``None``: a filler)."""
         with self.changed:
-            key = self.handed.popleft()
-            if key is not None:
-                self.planned_in_flight -= 1
-            return key
+            return self.handed.popleft()
 
     def has_work(self) -> bool:
-        """Something planned is queued or in flight (else the workers hold only fillers)."""
-        return bool(self.queued) or self.planned_in_flight > 0
+        """Something planned is queued or in flight (else the workers hold only fillers; in
+        flight are at most ``num_workers x prefetch_factor``)."""
+        return bool(self.queued) or any(key is not None for key in self.handed)
 
     def __iter__(self) -> Iterator[list[int]]:
         return _PlanIterator(self)
