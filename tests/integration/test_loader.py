@@ -140,6 +140,33 @@ def test_workers_load_exactly_the_plan_keep_the_ratio_and_survive_a_kill(tmp_pat
     assert _no_loader_workers_left()
 
 
+def test_workers_in_cpu_async_with_checkpoints_survive_a_kill(tmp_path):
+    """Where the data path meets the other features: cpu_async (snapshots to the controller,
+    windows that overshoot), a bundle every epoch, rank 1 SIGKILLed once epoch 1 closed."""
+    killed: list[int] = []
+
+    def metrics(m):
+        if m.epoch == 1 and not killed:
+            rank_process(1).kill()
+            killed.append(1)
+
+    stem = str(tmp_path / "ckpt" / "run")
+    handle = loader_run(
+        tmp_path, "async", epochs=3, metrics_fn=metrics, save_path=stem, checkpoint_every=1,
+        elche=ElCheConfig(mode="cpu_async"),
+    )  # fmt: skip
+    handle.join(timeout=180)
+    result = handle.result
+    assert result.summary.status == "ok", result.summary.error
+    assert result.summary.lost_ranks == [1]
+    assert result.coverage_exact and result.summary.samples_seen == 3 * N
+    for m in result.epochs:
+        assert _epoch_ids(m) == EXACT
+    _, meta = load_bundle(stem)  # the last bundle loads, saved by the survivor
+    assert meta.epoch == 3 and meta.extra["lost_ranks"] == [1]
+    assert _no_loader_workers_left()
+
+
 def test_resume_mid_epoch_with_workers(tmp_path, monkeypatch):
     """Rank 1 is killed in its 3rd window: max_failure=0 saves mid-epoch and stops; the
     resumed run (a worker on both ranks) trains exactly what was left."""
