@@ -112,24 +112,36 @@ def _no_loader_workers_left() -> bool:
     ]
 
 
-def test_workers_load_exactly_the_plan_keep_the_ratio_and_survive_a_kill(tmp_path):
-    """Dict samples through one worker per rank; rank 1 is SIGKILLed once epoch 2 closed
-    (with ranks quick to start, epoch 3 could be over by then: a fourth is still to come)."""
+def kill_rank_1_after(epoch: int):
+    """A metrics_fn that SIGKILLs rank 1 once, when ``epoch`` has closed."""
     killed: list[int] = []
 
     def metrics(m):
-        if m.epoch == 2 and not killed:
+        if m.epoch == epoch and not killed:
             rank_process(1).kill()
             killed.append(1)
 
+    return metrics
+
+
+def assert_survived_exactly(result, epochs: int) -> None:
+    """Rank 1 lost, the run ok, every sample trained once in every epoch as loaded (the lost
+    rank's unfinished chunks trained by the survivor)."""
+    assert result.summary.status == "ok", result.summary.error
+    assert result.summary.lost_ranks == [1]
+    assert result.coverage_exact and result.summary.samples_seen == epochs * N
+    for m in result.epochs:
+        assert _epoch_ids(m) == EXACT
+
+
+def test_workers_load_exactly_the_plan_keep_the_ratio_and_survive_a_kill(tmp_path):
+    """Dict samples through one worker per rank; rank 1 is SIGKILLed once epoch 2 closed
+    (with ranks quick to start, epoch 3 could be over by then: a fourth is still to come)."""
+    metrics = kill_rank_1_after(2)
     handle = loader_run(tmp_path, "workers", epochs=4, metrics_fn=metrics)
     handle.join(timeout=180)
     result = handle.result
-    assert result.summary.status == "ok", result.summary.error
-    assert result.summary.lost_ranks == [1]
-    assert result.coverage_exact and result.summary.samples_seen == 4 * N
-    for m in result.epochs:  # every sample once per epoch as the workers loaded it, the lost
-        assert _epoch_ids(m) == EXACT  # rank's unfinished chunks trained by the survivor
+    assert_survived_exactly(result, epochs=4)
     calibrated = result.epochs[1].per_rank_batch_share  # epoch 2: both ranks, calibrated
     # The fast rank does clearly more (2/3 at its speed; an equal split is 1/2); how close to
     # 2/3 a real loader gets at full speed is bench/loader.py's to measure.
@@ -143,13 +155,7 @@ def test_workers_load_exactly_the_plan_keep_the_ratio_and_survive_a_kill(tmp_pat
 def test_workers_in_cpu_async_with_checkpoints_survive_a_kill(tmp_path):
     """Where the data path meets the other features: cpu_async (snapshots to the controller,
     windows that overshoot), a bundle every epoch, rank 1 SIGKILLed once epoch 1 closed."""
-    killed: list[int] = []
-
-    def metrics(m):
-        if m.epoch == 1 and not killed:
-            rank_process(1).kill()
-            killed.append(1)
-
+    metrics = kill_rank_1_after(1)
     stem = str(tmp_path / "ckpt" / "run")
     handle = loader_run(
         tmp_path, "async", epochs=3, metrics_fn=metrics, save_path=stem, checkpoint_every=1,
@@ -157,11 +163,7 @@ def test_workers_in_cpu_async_with_checkpoints_survive_a_kill(tmp_path):
     )  # fmt: skip
     handle.join(timeout=180)
     result = handle.result
-    assert result.summary.status == "ok", result.summary.error
-    assert result.summary.lost_ranks == [1]
-    assert result.coverage_exact and result.summary.samples_seen == 3 * N
-    for m in result.epochs:
-        assert _epoch_ids(m) == EXACT
+    assert_survived_exactly(result, epochs=3)
     _, meta = load_bundle(stem)  # the last bundle loads, saved by the survivor
     assert meta.epoch == 3 and meta.extra["lost_ranks"] == [1]
     assert _no_loader_workers_left()
@@ -230,23 +232,13 @@ def test_tar_shards_dispatched_whole_exactly_once_with_a_loss(tmp_path):
     from flodl.streams import ShardStream
 
     shards = write_shards(tmp_path, [128] * 12)
-    killed: list[int] = []
-
-    def metrics(m):
-        if m.epoch == 1 and not killed:
-            rank_process(1).kill()
-            killed.append(1)
-
+    metrics = kill_rank_1_after(1)
     handle = loader_run(
         tmp_path, "shards", metrics_fn=metrics,
         dataset=partial(ShardStream, shards, decode=decode_shard_sample),
     )  # fmt: skip
     handle.join(timeout=180)
     result = handle.result
-    assert result.summary.status == "ok", result.summary.error
-    assert result.summary.lost_ranks == [1]
-    assert result.coverage_exact and result.summary.samples_seen == 2 * N
-    for m in result.epochs:
-        assert _epoch_ids(m) == EXACT
+    assert_survived_exactly(result, epochs=2)
     share = result.epochs[0].per_rank_batch_share  # whole shards, still throughput-weighted
     assert 0.5 < share[0] < 0.9, share
