@@ -8,10 +8,13 @@ all-reduce, and a checkpoint shard against the disk's sequential write speed.
 * ``memory``: one isolated run per mode (2-rank CPU rig, 1 epoch of 128 samples, Adam, a final
   bundle saved): the launcher's peak RSS (``ru_maxrss`` of its own process) and the ranks' peak
   (``ru_maxrss`` of its children), against the parameter bytes. ``solo`` trains in the launcher.
-* ``speed``: two rank processes on loopback; the median of 3 gloo all-reduces of the flat
-  parameter vector, and the median of 3 cpu_* rounds through flodl's control channel (both ranks
+* ``speed``: two rank processes on one host; the median of 5 gloo all-reduces of the flat
+  parameter vector, and the median of 5 cpu_* rounds through flodl's control channel of each
+  kind: through shared memory (what the launcher negotiates with a rank on its host) and over
+  loopback TCP (``cluster.shared_memory=false``; a rank on another host). In a round both ranks
   send their snapshot in a Report, the controller sums them as they arrive, both receive the
-  Average), timed on rank 0. Both are measured in the same processes, one after the other.
+  Average and load it into their weights; timed on rank 0. All in the same processes,
+  interleaved.
 * ``disk``: the median of 5 ``flodl.shards.write_shard`` of the vector against 5 plain sequential
   writes of the same bytes in 64 MiB blocks, both fsync'd, interleaved (the order alternating),
   same directory.
@@ -227,7 +230,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rank_speed(rank: int, n: int, store_port: int, ctl_port: int, secret: bytes, out: Any) -> None:
+ROUNDS = 5  # speed: interleaved repeats of each kind (medians)
+
+
+def _rank_speed(
+    rank: int, n: int, store_port: int, ports: dict[str, int], secret: bytes, out: Any
+) -> None:
     import torch
     import torch.distributed as dist
 
@@ -237,28 +245,36 @@ def _rank_speed(rank: int, n: int, store_port: int, ctl_port: int, secret: bytes
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", store_port, 2, is_master=rank == 0, use_libuv=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
-    flat = torch.randn(n)
-    reduce_s, round_s, upload_s = [], [], []
-    channel = connect("127.0.0.1", ctl_port, secret)
-    for i in range(3):  # interleaved: an all-reduce, then a round, under the same load
+    flat = torch.randn(n)  # the rank's weights: averaged in place, as the worker loads them
+    channels = {kind: connect("127.0.0.1", port, secret) for kind, port in ports.items()}
+    times: dict[str, list[float]] = {"allreduce_s": []}
+    for kind in channels:
+        times[f"{kind}_round_s"], times[f"{kind}_upload_s"] = [], []
+    for i in range(ROUNDS):  # interleaved: an all-reduce, then a round of each kind
         dist.barrier()
         t0 = time.perf_counter()
         dist.all_reduce(flat)
-        reduce_s.append(time.perf_counter() - t0)
-        dist.barrier()
-        t0 = time.perf_counter()
-        channel.send(Report(rank, i, 0, ((0, 64),), 2, 64, 1.0, 0.0, 0, snapshot=flat))
-        upload_s.append(time.perf_counter() - t0)  # the send returned: the launcher has it
-        flat = channel.recv().flat
-        round_s.append(time.perf_counter() - t0)
+        times["allreduce_s"].append(time.perf_counter() - t0)
+        flat.div_(2)  # an average, as a round gives (not timed: the bare all-reduce is the bar)
+        for kind, channel in channels.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            channel.send(Report(rank, i, 0, ((0, 64),), 2, 64, 1.0, 0.0, 0, snapshot=flat))
+            times[f"{kind}_upload_s"].append(time.perf_counter() - t0)  # the launcher has it
+            average = channel.recv().flat
+            flat.copy_(average)  # as the worker does (state.load), then drops the message
+            del average
+            times[f"{kind}_round_s"].append(time.perf_counter() - t0)
     dist.barrier()
     if rank == 0:
-        out.put({"allreduce_s": reduce_s, "round_s": round_s, "upload_s": upload_s})
-    channel.close()
+        shared = {kind: ch.shm is not None for kind, ch in channels.items()}
+        out.put({**times, "shared_memory": shared})
+    for channel in channels.values():
+        channel.close()
     dist.destroy_process_group()
 
 
-def _controller(listener: Any, secret: bytes, n: int) -> None:
+def _controller(listener: Any, secret: bytes, n: int, shared_memory: bool) -> None:
     """As the launcher does it: one reader per rank sums the snapshots as they arrive
     (flodl.runtime.sums), the mean goes back to both ranks at once."""
     from flodl.runtime.channel import Channel
@@ -268,11 +284,11 @@ def _controller(listener: Any, secret: bytes, n: int) -> None:
     channels = []
     for _ in range(2):
         ch = Channel(listener.accept(timeout_s=120))
-        ch.authenticate_as_server(secret)
+        ch.authenticate_as_server(secret, shared_memory=shared_memory)
         channels.append(ch)
     sums = SnapshotSums(gamma=1.0)
     sums.n_params = n
-    for i in range(3):
+    for i in range(ROUNDS):
         readers = [
             threading.Thread(target=ch.recv, kwargs={"route": sums.route}) for ch in channels
         ]
@@ -287,40 +303,56 @@ def _controller(listener: Any, secret: bytes, n: int) -> None:
         for t in senders:
             t.join()
         del mean
+    for ch in channels:  # the ranks' acknowledgements and goodbyes
+        threading.Thread(target=_drain, args=(ch,), daemon=True).start()
+
+
+def _drain(channel: Any) -> None:
+    try:
+        while True:
+            channel.recv()
+    except (OSError, EOFError, ConnectionError):
+        pass
 
 
 def speed(params: int) -> dict[str, Any]:
+    """A cpu_* round through shared memory (one host: what the launcher negotiates) and over
+    loopback TCP (``cluster.shared_memory=false``, or a rank on another host), both against a
+    gloo all-reduce of the same vector, interleaved, in the same processes."""
     import multiprocessing as mp
 
     from flodl.runtime.channel import Listener, new_secret
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    listener, secret = Listener(), new_secret()
-    server = threading.Thread(target=_controller, args=(listener, secret, params), daemon=True)
-    server.start()
+    secret = new_secret()
+    listeners = {"shm": Listener(), "tcp": Listener()}
+    for kind, listener in listeners.items():
+        threading.Thread(
+            target=_controller, args=(listener, secret, params, kind == "shm"), daemon=True
+        ).start()
+    ports = {kind: listener.port for kind, listener in listeners.items()}
     store_port = _free_port()
     procs = [
-        ctx.Process(target=_rank_speed, args=(r, params, store_port, listener.port, secret, out))
+        ctx.Process(target=_rank_speed, args=(r, params, store_port, ports, secret, out))
         for r in range(2)
     ]
     for p in procs:
         p.start()
-    result = out.get(timeout=600)
+    result = out.get(timeout=900)
     for p in procs:
         p.join(60)
-    listener.close()
+    for listener in listeners.values():
+        listener.close()
     reduce_s = statistics.median(result["allreduce_s"])
-    round_s = statistics.median(result["round_s"])
-    return {
-        **result,
-        "params": params,
-        "allreduce_median_s": reduce_s,
-        "round_median_s": round_s,
-        "round_over_allreduce": round_s / reduce_s,
-        # of a round: the snapshot's way up (and its sum), then the average's way back down
-        "upload_median_s": statistics.median(result["upload_s"]),
-    }
+    summary: dict[str, Any] = {**result, "params": params, "allreduce_median_s": reduce_s}
+    for kind in ports:
+        round_s = statistics.median(result[f"{kind}_round_s"])
+        summary[f"{kind}_round_median_s"] = round_s
+        summary[f"{kind}_round_over_allreduce"] = round_s / reduce_s
+        # of a round: the snapshot's way up (written, for shm), then the sum and the way back
+        summary[f"{kind}_upload_median_s"] = statistics.median(result[f"{kind}_upload_s"])
+    return summary
 
 
 # --- disk: a shard write against a plain sequential write ---------------------------------------

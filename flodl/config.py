@@ -415,6 +415,11 @@ class ClusterConfig(_Schema):
     memory_fraction: float = Field(
         0.9, gt=0.05, le=1.0, description="batch_sizes=auto: peak memory a probe step may use"
     )
+    shared_memory: bool = Field(
+        True,
+        description="ranks on the launcher's host exchange bulk tensors (cpu_* averages, final "
+        "weights, checkpoints relayed) through /dev/shm instead of loopback TCP",
+    )
 
     @field_validator("speeds")
     @classmethod

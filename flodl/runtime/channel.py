@@ -5,8 +5,10 @@ unpickled: an unauthenticated peer can only ever make us read a bounded, fixed-s
 is dropped on the first wrong byte. After the handshake, frames carry pickled messages, bounded by
 ``max_frame`` so a confused peer cannot make us allocate without limit. A message holding tensors
 travels as its pickle without them, then their bytes, every part in frames under the bound
-(:mod:`flodl.runtime.streaming`): no message size limits the model. The secret travels to ranks
-on stdin, never on a command line.
+(:mod:`flodl.runtime.streaming`): no message size limits the model. Between two processes of one
+host the tensors go through shared memory instead (:mod:`flodl.runtime.shm`, negotiated in the
+handshake): only the pickle travels on the socket. The secret travels to ranks on stdin, never
+on a command line.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ import pickle
 import socket
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
-from flodl.runtime import streaming
+from flodl.runtime import shm, streaming
 
 PIECE_BYTES = 16 << 20  # a consumed tensor arrives in pieces of this size (aligned)
 Consume = Callable[[int, memoryview], None]
@@ -30,6 +33,8 @@ Route = Callable[[Any, list], dict[int, Consume]]
 _HEADER = struct.Struct("!4sQ")
 _MAGIC = b"FDL1"
 _STREAMED = b"FDL2"  # a message whose skeleton and tensors follow in frames
+_SHARED = b"FDL3"  # a message whose skeleton follows in frames, its tensors in shared memory
+_ACK = b"FDL4"  # the peer is done with the message in our shared file (empty frame)
 _CHALLENGE_BYTES = 32
 _HANDSHAKE_FRAME = 256
 HANDSHAKE_TIMEOUT_S = 5.0
@@ -62,6 +67,8 @@ class Channel:
         self._send_lock = threading.Lock()
         self._closed = False
         self._piece: bytearray | None = None  # receive buffer of consumed (summed) tensors
+        self.shm: shm.SharedSide | None = None  # set by the handshake when the peer shares it
+        self._ack_owed = False  # an acknowledgement waits for the send lock
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small frames, low latency
 
@@ -91,20 +98,58 @@ class Channel:
         self.sock.sendall(_HEADER.pack(magic, len(data)))
         self.sock.sendall(data)
 
-    def send_bytes(self, payload: bytes) -> None:
+    @contextmanager
+    def _sending(self) -> Iterator[None]:
+        """The send lock; on release, an acknowledgement owed meanwhile goes out."""
         with self._send_lock:
+            yield
+        self._flush_acks()
+
+    def send_bytes(self, payload: bytes) -> None:
+        with self._sending():
             self._frame(_MAGIC, payload)
+
+    def _owe_ack(self) -> None:
+        """The peer's last shared-memory message is no longer referenced: tell it. Never waits
+        for the send lock (this runs on a reader thread, or wherever the last reference went):
+        whoever holds it sends the acknowledgement on release."""
+        self._ack_owed = True
+        self._flush_acks()
+
+    def _flush_acks(self) -> None:
+        while self._ack_owed and not self._closed:
+            if not self._send_lock.acquire(blocking=False):
+                return  # the holder flushes after releasing (it checks once it let go)
+            try:
+                if self._ack_owed:
+                    self._ack_owed = False
+                    self._frame(_ACK, b"")
+            except OSError:
+                return  # the peer is gone: nothing to acknowledge to
+            finally:
+                self._send_lock.release()
 
     def _header(self, bound: int) -> tuple[bytes, int]:
         magic, size = _HEADER.unpack(self._recv_exact(_HEADER.size))
-        if magic not in (_MAGIC, _STREAMED):
+        if magic not in (_MAGIC, _STREAMED, _SHARED, _ACK):
             raise FrameError("bad frame magic (not a flodl peer)")
         if size > bound:
             raise FrameError(f"frame of {size} bytes exceeds the {bound} bound")
         return magic, size
 
+    def _next_header(self, bound: int) -> tuple[bytes, int]:
+        """The next message's header; acknowledgements in between free our shared file."""
+        while True:
+            magic, size = self._header(bound)
+            if magic != _ACK:
+                return magic, size
+            if size or self.shm is None:
+                raise FrameError("unexpected acknowledgement frame")
+            self._recv_exact(size)
+            self.shm.release()
+
     def recv_bytes(self, limit: int | None = None) -> bytes:
-        magic, size = self._header(self.max_frame if limit is None else limit)
+        magic, size = self._next_header(self.max_frame if limit is None else limit)
         if magic != _MAGIC:
             raise FrameError("unexpected streamed frame")
         return self._recv_exact(size)
@@ -126,15 +171,24 @@ class Channel:
         if not tensors and len(skeleton) <= self.max_frame:
             self.send_bytes(skeleton)
             return
-        head = pickle.dumps((len(skeleton), streaming.describe(tensors)))
+        views = [streaming.tensor_bytes(t) for t in tensors]
+        offsets = None
+        side = self.shm
+        if side is not None and sum(len(v) for v in views) >= shm.MIN_BYTES and side.claim():
+            offsets = side.write(tensors, views)  # None: it failed (TCP from now on)
+        descriptors = streaming.describe(tensors)
         size = min(streaming.CHUNK_BYTES, self.max_frame)
-        with self._send_lock:
-            self._frame(_STREAMED, head)
+        with self._sending():
+            if offsets is not None:
+                self._frame(_SHARED, pickle.dumps((len(skeleton), descriptors, offsets)))
+            else:
+                self._frame(_STREAMED, pickle.dumps((len(skeleton), descriptors)))
             for part in streaming.chunks(memoryview(skeleton), size):
                 self._frame(_MAGIC, part)
-            for t in tensors:
-                for part in streaming.chunks(streaming.tensor_bytes(t), size):
-                    self._frame(_MAGIC, part)
+            if offsets is None:
+                for view in views:
+                    for part in streaming.chunks(view, size):
+                        self._frame(_MAGIC, part)
 
     def send_code(self, obj: Any) -> None:
         """Send an object that may hold closures or ``__main__`` functions (cloudpickle)."""
@@ -145,16 +199,21 @@ class Channel:
         given the message with placeholders, it returns ``{index: consume}``; each claimed
         tensor's bytes then go to ``consume(byte_offset, piece)`` piece by piece (nothing is
         allocated for it) and the message carries None in its place."""
-        magic, size = self._header(self.max_frame)
+        magic, size = self._next_header(self.max_frame)
         if magic == _MAGIC:
             return pickle.loads(self._recv_exact(size))
-        n_skeleton, descriptors = pickle.loads(self._recv_exact(size))
+        if magic == _SHARED and (self.shm is None or self.shm.peer_fd is None):
+            raise FrameError("a shared-memory message on a channel without shared memory")
+        head = pickle.loads(self._recv_exact(size))
+        n_skeleton, descriptors = head[0], head[1]
         skeleton = bytearray(n_skeleton)
         self._recv_region(memoryview(skeleton))
         claimed: dict[int, Consume] = {}
         if route is not None:
             peeked = streaming.peek(bytes(skeleton))
             claimed = route(peeked, descriptors) if peeked is not None else {}
+        if magic == _SHARED:
+            return streaming.join(bytes(skeleton), self._recv_shared(descriptors, head[2], claimed))
         try:
             tensors: list[Any] = streaming.allocate(descriptors, skip=set(claimed))
         except (TypeError, ValueError) as exc:
@@ -165,6 +224,42 @@ class Channel:
             else:
                 self._recv_region(streaming.tensor_bytes(t))
         return streaming.join(bytes(skeleton), tensors)
+
+    def _recv_shared(
+        self, descriptors: Any, offsets: Any, claimed: dict[int, Consume]
+    ) -> list[Any]:
+        """The tensors of a message in the peer's shared file: claimed ones handed on in
+        pieces, the others mapped (no copy); acknowledged once none of them is referenced."""
+        side = self.shm
+        assert side is not None
+        try:
+            sizes = [streaming.nbytes(d) for d in descriptors]
+            if not isinstance(offsets, list) or len(offsets) != len(sizes):
+                raise ValueError("offsets do not match the tensors")
+            for offset, n in zip(offsets, sizes):
+                side.check(int(offset), n)
+        except (TypeError, ValueError, OSError) as exc:
+            raise FrameError(f"bad shared-memory message: {exc}") from None
+        side.received += 1
+        for i, consume in claimed.items():
+            side.consume(offsets[i], sizes[i], consume, PIECE_BYTES)
+        kept = [i for i in range(len(sizes)) if i not in claimed and sizes[i]]
+        tensors: list[Any] = [None] * len(sizes)
+        for i in range(len(sizes)):
+            if i not in claimed and not sizes[i]:
+                tensors[i] = streaming.allocate([descriptors[i]])[0]
+        if not kept:
+            self._owe_ack()
+            return tensors
+        base = min(offsets[i] for i in kept)
+        end = max(offsets[i] + sizes[i] for i in kept)
+        region = side.map(base, end - base)
+        mapped = shm.tensors_from(
+            region, base, [offsets[i] for i in kept], [descriptors[i] for i in kept], self._owe_ack
+        )
+        for i, t in zip(kept, mapped):
+            tensors[i] = t
+        return tensors
 
     def _recv_consumed(self, n: int, consume: Consume) -> None:
         """``n`` bytes from consecutive frames, handed on in pieces aligned on
@@ -188,6 +283,8 @@ class Channel:
         if self._closed:
             return
         self._closed = True
+        if self.shm is not None:
+            self.shm.close()  # mapped tensors keep their pages: the mappings outlive the file
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -195,8 +292,9 @@ class Channel:
         self.sock.close()
 
     # -- handshake --------------------------------------------------------------------------
-    def authenticate_as_server(self, secret: bytes) -> None:
-        """Challenge the peer, then answer its challenge. Raises :class:`AuthError`."""
+    def authenticate_as_server(self, secret: bytes, shared_memory: bool = True) -> None:
+        """Challenge the peer, then answer its challenge; then agree on shared memory (refused
+        when not ``shared_memory``). Raises :class:`AuthError`."""
         self.sock.settimeout(HANDSHAKE_TIMEOUT_S)
         try:
             challenge = os.urandom(_CHALLENGE_BYTES)
@@ -206,6 +304,7 @@ class Channel:
                 raise AuthError("peer failed authentication")
             theirs = self.recv_bytes(limit=_HANDSHAKE_FRAME)
             self.send_bytes(_digest(secret, b"controller", theirs))
+            self._share_as_server(shared_memory)
         except (OSError, struct.error) as exc:
             raise AuthError(f"handshake failed: {exc}") from None
         finally:
@@ -221,10 +320,66 @@ class Channel:
             answer = self.recv_bytes(limit=_HANDSHAKE_FRAME)
             if not hmac.compare_digest(answer, _digest(secret, b"controller", mine)):
                 raise AuthError("controller failed authentication (wrong secret?)")
+            self._share_as_client()
         except (OSError, struct.error) as exc:
             raise AuthError(f"handshake failed: {exc}") from None
         finally:
             self.sock.settimeout(None)
+
+    # -- shared memory (after authentication: only an authenticated peer names a file) -------
+    def _share_as_server(self, allowed: bool) -> None:
+        """The rank offers its file; if we can read it we offer ours; it confirms it reads ours."""
+        offer = self.recv_bytes(limit=_HANDSHAKE_FRAME)
+        side = _new_side() if allowed and offer else None
+        if side is not None and not side.open_peer(offer):
+            side.close()
+            side = None
+        try:
+            self.send_bytes(side.probe if side is not None else b"")
+            if side is None:
+                return
+            if self.recv_bytes(limit=_HANDSHAKE_FRAME) != b"1":
+                side.close()
+                return
+        except BaseException:
+            if side is not None:
+                side.close()
+            raise
+        side.unlink_peer(offer)
+        self.shm = side
+
+    def _share_as_client(self) -> None:
+        side = _new_side()
+        try:
+            self.send_bytes(side.probe if side is not None else b"")
+            reply = self.recv_bytes(limit=_HANDSHAKE_FRAME)
+            if not reply:
+                if side is not None:
+                    side.close()
+                return
+            ok = side is not None and side.open_peer(reply)
+            self.send_bytes(b"1" if ok else b"0")
+        except BaseException:
+            if side is not None:
+                side.close()
+            raise
+        if not ok:
+            if side is not None:
+                side.close()
+            return
+        assert side is not None
+        side.unlink_peer(reply)
+        self.shm = side
+
+
+def _new_side() -> shm.SharedSide | None:
+    """Our end of shared memory, or None (no ``/dev/shm`` here, or it refuses a file)."""
+    if not shm.available():
+        return None
+    try:
+        return shm.SharedSide()
+    except OSError:
+        return None
 
 
 def connect(host: str, port: int, secret: bytes, timeout_s: float = 30.0) -> Channel:

@@ -128,7 +128,9 @@ class ControlPlane:
         assert self._spec is not None
         channel = Channel(sock)
         try:
-            channel.authenticate_as_server(self.secret)
+            channel.authenticate_as_server(
+                self.secret, shared_memory=self.controller.cfg.cluster.shared_memory
+            )
             hello = channel.recv()
             if not isinstance(hello, Hello) or not 0 <= hello.rank < self._spec.world_size:
                 raise AuthError(f"unexpected first message {type(hello).__name__}")
