@@ -22,6 +22,7 @@ import struct
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 from flodl.runtime import shm, streaming
@@ -34,7 +35,8 @@ _HEADER = struct.Struct("!4sQ")
 _MAGIC = b"FDL1"
 _STREAMED = b"FDL2"  # a message whose skeleton and tensors follow in frames
 _SHARED = b"FDL3"  # a message whose skeleton follows in frames, its tensors in shared memory
-_ACK = b"FDL4"  # the peer is done with the message in our shared file (empty frame)
+_ACK = b"FDL4"  # the peer is done with the message in one of our shared files (its number)
+_ACK_BODY = struct.Struct("!I")
 _CHALLENGE_BYTES = 32
 _HANDSHAKE_FRAME = 256
 HANDSHAKE_TIMEOUT_S = 5.0
@@ -68,7 +70,7 @@ class Channel:
         self._closed = False
         self._piece: bytearray | None = None  # receive buffer of consumed (summed) tensors
         self.shm: shm.SharedSide | None = None  # set by the handshake when the peer shares it
-        self._ack_owed = False  # an acknowledgement waits for the send lock
+        self._acks_owed: list[int] = []  # acknowledgements waiting for the send lock
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small frames, low latency
 
@@ -109,21 +111,20 @@ class Channel:
         with self._sending():
             self._frame(_MAGIC, payload)
 
-    def _owe_ack(self) -> None:
-        """The peer's last shared-memory message is no longer referenced: tell it. Never waits
-        for the send lock (this runs on a reader thread, or wherever the last reference went):
-        whoever holds it sends the acknowledgement on release."""
-        self._ack_owed = True
+    def _owe_ack(self, number: int) -> None:
+        """Nothing of the message in the peer's shared file ``number`` is referenced any more:
+        tell it. Never waits for the send lock (this runs on a reader thread, or wherever the
+        last reference went): whoever holds it sends the acknowledgement on release."""
+        self._acks_owed.append(number)  # list.append/pop: atomic under the GIL
         self._flush_acks()
 
     def _flush_acks(self) -> None:
-        while self._ack_owed and not self._closed:
+        while self._acks_owed and not self._closed:
             if not self._send_lock.acquire(blocking=False):
                 return  # the holder flushes after releasing (it checks once it let go)
             try:
-                if self._ack_owed:
-                    self._ack_owed = False
-                    self._frame(_ACK, b"")
+                while self._acks_owed:
+                    self._frame(_ACK, _ACK_BODY.pack(self._acks_owed.pop()))
             except OSError:
                 return  # the peer is gone: nothing to acknowledge to
             finally:
@@ -143,10 +144,10 @@ class Channel:
             magic, size = self._header(bound)
             if magic != _ACK:
                 return magic, size
-            if size or self.shm is None:
+            if size != _ACK_BODY.size or self.shm is None:
                 raise FrameError("unexpected acknowledgement frame")
-            self._recv_exact(size)
-            self.shm.release()
+            (number,) = _ACK_BODY.unpack(self._recv_exact(size))
+            self.shm.release(number)
 
     def recv_bytes(self, limit: int | None = None) -> bytes:
         magic, size = self._next_header(self.max_frame if limit is None else limit)
@@ -174,13 +175,18 @@ class Channel:
         views = [streaming.tensor_bytes(t) for t in tensors]
         offsets = None
         side = self.shm
-        if side is not None and sum(len(v) for v in views) >= shm.MIN_BYTES and side.claim():
-            offsets = side.write(tensors, views)  # None: it failed (TCP from now on)
+        total = sum(len(v) for v in views)
+        claimed = side.claim(total) if side is not None and total >= shm.MIN_BYTES else None
+        if claimed is not None:
+            offsets = side.write(claimed[0], views)  # None: it failed (TCP from now on)
         descriptors = streaming.describe(tensors)
         size = min(streaming.CHUNK_BYTES, self.max_frame)
         with self._sending():
             if offsets is not None:
-                self._frame(_SHARED, pickle.dumps((len(skeleton), descriptors, offsets)))
+                number, path = claimed
+                head = (len(skeleton), descriptors, offsets, number, path)
+                self._frame(_SHARED, pickle.dumps(head))
+                side.sent_to(number)
             else:
                 self._frame(_STREAMED, pickle.dumps((len(skeleton), descriptors)))
             for part in streaming.chunks(memoryview(skeleton), size):
@@ -202,7 +208,7 @@ class Channel:
         magic, size = self._next_header(self.max_frame)
         if magic == _MAGIC:
             return pickle.loads(self._recv_exact(size))
-        if magic == _SHARED and (self.shm is None or self.shm.peer_fd is None):
+        if magic == _SHARED and self.shm is None:
             raise FrameError("a shared-memory message on a channel without shared memory")
         head = pickle.loads(self._recv_exact(size))
         n_skeleton, descriptors = head[0], head[1]
@@ -213,7 +219,8 @@ class Channel:
             peeked = streaming.peek(bytes(skeleton))
             claimed = route(peeked, descriptors) if peeked is not None else {}
         if magic == _SHARED:
-            return streaming.join(bytes(skeleton), self._recv_shared(descriptors, head[2], claimed))
+            tensors = self._recv_shared(descriptors, head[2:], claimed)
+            return streaming.join(bytes(skeleton), tensors)
         try:
             tensors: list[Any] = streaming.allocate(descriptors, skip=set(claimed))
         except (TypeError, ValueError) as exc:
@@ -226,36 +233,40 @@ class Channel:
         return streaming.join(bytes(skeleton), tensors)
 
     def _recv_shared(
-        self, descriptors: Any, offsets: Any, claimed: dict[int, Consume]
+        self, descriptors: Any, where: Any, claimed: dict[int, Consume]
     ) -> list[Any]:
-        """The tensors of a message in the peer's shared file: claimed ones handed on in
-        pieces, the others mapped (no copy); acknowledged once none of them is referenced."""
+        """The tensors of a message in one of the peer's shared files (``where``: the offsets,
+        the file's number and, the first time, its path): claimed ones handed on in pieces,
+        the others mapped (no copy); acknowledged once none of them is referenced."""
         side = self.shm
         assert side is not None
         try:
+            offsets, number, path = where
             sizes = [streaming.nbytes(d) for d in descriptors]
             if not isinstance(offsets, list) or len(offsets) != len(sizes):
                 raise ValueError("offsets do not match the tensors")
+            fd = side.open_announced(number, path)
             for offset, n in zip(offsets, sizes):
-                side.check(int(offset), n)
+                side.check(fd, int(offset), n)
         except (TypeError, ValueError, OSError) as exc:
             raise FrameError(f"bad shared-memory message: {exc}") from None
         side.received += 1
+        done = partial(self._owe_ack, number)
         for i, consume in claimed.items():
-            side.consume(offsets[i], sizes[i], consume, PIECE_BYTES)
+            side.consume(fd, offsets[i], sizes[i], consume, PIECE_BYTES)
         kept = [i for i in range(len(sizes)) if i not in claimed and sizes[i]]
         tensors: list[Any] = [None] * len(sizes)
         for i in range(len(sizes)):
             if i not in claimed and not sizes[i]:
                 tensors[i] = streaming.allocate([descriptors[i]])[0]
         if not kept:
-            self._owe_ack()
+            done()
             return tensors
         base = min(offsets[i] for i in kept)
         end = max(offsets[i] + sizes[i] for i in kept)
-        region = side.map(base, end - base)
+        region = side.map(fd, base, end - base)
         mapped = shm.tensors_from(
-            region, base, [offsets[i] for i in kept], [descriptors[i] for i in kept], self._owe_ack
+            region, base, [offsets[i] for i in kept], [descriptors[i] for i in kept], done
         )
         for i, t in zip(kept, mapped):
             tensors[i] = t
@@ -345,7 +356,7 @@ class Channel:
             if side is not None:
                 side.close()
             raise
-        side.unlink_peer(offer)
+        side.agreed(offer)
         self.shm = side
 
     def _share_as_client(self) -> None:
@@ -368,7 +379,7 @@ class Channel:
                 side.close()
             return
         assert side is not None
-        side.unlink_peer(reply)
+        side.agreed(reply)
         self.shm = side
 
 

@@ -75,6 +75,11 @@ def _start() -> tuple[rank_env.RankEnv, bytes]:
 
 def _hello(role: rank_env.RankEnv, secret: bytes) -> Channel:
     channel = connect(role.controller_host, role.controller_port, secret)
+    log.info(
+        "rank %d: bulk tensors to and from the launcher go %s",
+        role.rank,
+        "through shared memory" if channel.shm is not None else "over TCP",
+    )
     channel.send(Hello(rank=role.rank, pid=os.getpid(), host=socket.gethostname()))
     return channel
 
@@ -191,7 +196,19 @@ def run_managed(role: rank_env.RankEnv, secret: bytes, in_launcher: bool = False
     finally:
         if link is not None:
             leave(link)
+        _shared_memory_summary(channel, role.rank)
         channel.close()
+
+
+def _shared_memory_summary(channel: Channel, rank: int) -> None:
+    side = channel.shm
+    if side is not None:
+        log.info(
+            "rank %d: %d messages to the launcher and %d from it went through shared memory",
+            rank,
+            side.sent,
+            side.received,
+        )
 
 
 def main() -> int:

@@ -14,18 +14,22 @@ copy-on-write), and only the pickled skeleton travels on the socket.
 * **No names left behind**: the receiver unlinks the peer's file as soon as it has opened it;
   both keep their descriptors, so the memory goes away with the last process holding it (a
   SIGKILL included). A side whose handshake fails removes its own name.
-* **One message in the file at a time** per direction. The sender claims the slot, writes, and
-  sends the skeleton with where each tensor lies; the receiver acknowledges (a frame of its own)
-  once nothing of that message's mapping is referenced any more: at once for a snapshot the
-  launcher summed as it read it, when the rank dropped an Average after loading it. A message
-  sent while the slot is still held (cpu_async's overshoot, the final weights the launcher
-  keeps) goes over TCP as before. So is one that does not fit: a write that fails (a full
-  ``/dev/shm``: Docker's default is 64 MB) turns the channel's shared memory off, with a warning.
-* **Memory**: the file keeps the largest message sent through it (its pages are reused by the
-  next one instead of being allocated again: a fresh tmpfs page costs twice a reused one).
-  On one host that is up to two messages per rank (its snapshot up, the average down): 2 P of
-  ``/dev/shm`` per rank for P bytes of weights, counted by the kernel as shared memory, not
-  in any process's resident set except while mapped.
+* **One message per file at a time.** The sender claims a free file of its own (making another,
+  up to :data:`MAX_FILES`, when all are held), writes, and sends the skeleton with where each
+  tensor lies (and the file's name the first time: the receiver opens it and removes the name);
+  the receiver acknowledges (a frame naming the file) once nothing of that message's mapping is
+  referenced any more: at once for a snapshot the launcher summed as it read it, when the rank
+  dropped an Average after loading it, never for what it keeps (the final weights). With every
+  file held, a message goes over TCP as before. So does one that does not fit: a write that
+  fails (a full ``/dev/shm``: Docker's default is 64 MB) turns the channel's shared memory off,
+  with a warning.
+* **Memory**: a file keeps the largest message sent through it (its pages are reused by the
+  next one instead of being allocated again: a fresh tmpfs page costs twice a reused one). A
+  file the receiver still maps *is* the receiver's copy, not an extra one. In a cpu_sync or
+  cpu_cadence round that is one snapshot up and one average down per rank: 2 P of ``/dev/shm``
+  per rank on the launcher's host for P bytes of weights (3 P in cpu_async, whose next average
+  may arrive before the last is loaded), counted by the kernel as shared memory, not in any
+  process's resident set except while mapped.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import secrets
 import threading
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -46,6 +51,9 @@ SHM_DIR = "/dev/shm"
 PREFIX = "flodl-"
 #: Messages whose tensors hold fewer bytes stay on TCP (a plan's ids, a heartbeat, a metric).
 MIN_BYTES = 1 << 20
+#: Outgoing files per channel: a message the receiver keeps (the final weights, a dataset in
+#: the job) holds one, cpu_async's next average takes another; past this, TCP.
+MAX_FILES = 3
 #: Tensors start on page boundaries in the file (a mapping's offset must be one).
 ALIGN = mmap.ALLOCATIONGRANULARITY
 #: A consumed tensor is mapped in windows of this size (the launcher's resident set stays small).
@@ -62,27 +70,52 @@ def aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+def _check_path(path: str) -> bool:
+    """Only ever a file of ours, in the one directory."""
+    name = os.path.basename(path)
+    return os.path.dirname(path) == SHM_DIR and name.startswith(PREFIX) and "/" not in name
+
+
+def _open_read(path: str) -> int:
+    return os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+
+
+@dataclass
+class _File:
+    """One of our outgoing files: it holds at most one message until the peer acknowledges."""
+
+    fd: int
+    path: str
+    free: bool = True
+    announced: bool = False  # the peer has opened it (the first file: in the handshake)
+
+
 class SharedSide:
-    """Both files of one channel: ours (written, then claimed by one message at a time) and the
-    peer's (mapped on receipt)."""
+    """One channel's shared memory: our outgoing files (up to :data:`MAX_FILES`, each holding
+    one message until the peer is done with it) and the peer's, mapped on receipt."""
 
     def __init__(self) -> None:
-        name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
-        self.path = os.path.join(SHM_DIR, name)
         self.token = secrets.token_bytes(_TOKEN_BYTES)
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        os.pwrite(self.fd, self.token, 0)
-        self.peer_fd: int | None = None
+        self.files: list[_File] = []
+        self.peer: dict[int, int] = {}  # the peer's file number -> our read descriptor
         self.enabled = True
-        self._free = True  # our file holds no message the peer may still be reading
         self._lock = threading.Lock()
         self.sent = self.received = 0  # messages that went through shared memory, each way
+        first = self._create()
+        os.pwrite(first.fd, self.token, 0)
+
+    def _create(self) -> _File:
+        path = os.path.join(SHM_DIR, f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        file = _File(fd, path)
+        self.files.append(file)
+        return file
 
     # -- negotiation -----------------------------------------------------------------------
     @property
     def probe(self) -> bytes:
-        """What the peer needs to find our file and prove it sees the same one."""
-        return self.path.encode() + b"\0" + self.token.hex().encode()
+        """What the peer needs to find our first file and prove it sees the same one."""
+        return self.files[0].path.encode() + b"\0" + self.token.hex().encode()
 
     def open_peer(self, probe: bytes) -> bool:
         """Open the peer's file named in ``probe`` and check its token; True if it is shared."""
@@ -92,11 +125,10 @@ class SharedSide:
             token = bytes.fromhex(token_hex.decode())
         except (ValueError, UnicodeDecodeError):
             return False
-        name = os.path.basename(path)
-        if os.path.dirname(path) != SHM_DIR or not name.startswith(PREFIX) or "/" in name:
-            return False  # only ever a file of ours, in the one directory
+        if not _check_path(path):
+            return False
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            fd = _open_read(path)
         except OSError:
             return False  # another host, another container's /dev/shm
         try:
@@ -106,49 +138,74 @@ class SharedSide:
         if not ok:
             os.close(fd)
             return False
-        self.peer_fd = fd
+        self.peer[0] = fd
         return True
 
-    def unlink_peer(self, probe: bytes) -> None:
-        """The peer's name is no longer needed once both sides hold their descriptors."""
+    def agreed(self, peer_probe: bytes) -> None:
+        """Both sides hold each other's first file: the peer's name is not needed any more
+        (ours is removed by the peer), and ours counts as announced."""
+        self.files[0].announced = True
         try:
-            os.unlink(probe.split(b"\0")[0].decode())
+            os.unlink(peer_probe.split(b"\0")[0].decode())
         except (OSError, ValueError, UnicodeDecodeError):
             pass
 
     # -- sending ---------------------------------------------------------------------------
-    def claim(self) -> bool:
-        """Take the slot for one message; False while the peer may still read the last one."""
+    def claim(self, nbytes: int) -> tuple[int, str | None] | None:
+        """A free file for one message of ``nbytes``: ``(number, its path if the peer has not
+        opened it yet)``; None when every file is held and no other may be made."""
         with self._lock:
-            if not (self.enabled and self._free):
-                return False
-            self._free = False
-            return True
+            if not self.enabled:
+                return None
+            free = [i for i, f in enumerate(self.files) if f.free]
+            if not free:
+                if len(self.files) >= MAX_FILES:
+                    return None
+                try:
+                    self._create()
+                except OSError:
+                    return None
+                free = [len(self.files) - 1]
+            # the smallest file that holds it without growing, else the largest (grows least)
+            sizes = {i: os.fstat(self.files[i].fd).st_size for i in free}
+            fits = [i for i in free if sizes[i] >= nbytes]
+            number = min(fits, key=sizes.__getitem__) if fits else max(free, key=sizes.__getitem__)
+            file = self.files[number]
+            file.free = False
+            return number, None if file.announced else file.path
 
-    def release(self) -> None:
-        """The peer acknowledged (or the write failed): the slot is free again."""
+    def release(self, number: int) -> None:
+        """The peer acknowledged (or the write failed): the file is free again."""
         with self._lock:
-            self._free = True
+            if 0 <= number < len(self.files):
+                file = self.files[number]
+                file.free = True
 
-    def write(self, tensors: list[torch.Tensor], views: list[memoryview]) -> list[int] | None:
+    def sent_to(self, number: int) -> None:
+        """The message naming file ``number`` went out: the peer opens it on receipt."""
+        self.files[number].announced = True
+
+    def write(self, number: int, views: list[memoryview]) -> list[int] | None:
         """Write each tensor's bytes at its aligned offset; the offsets, or None (the write
         failed: shared memory is off for this channel from now on, the message goes by TCP)."""
+        fd = self.files[number].fd
         offsets, pos = [], 0
         for view in views:
             offsets.append(pos)
             pos = aligned(pos + len(view))
         try:
-            if pos > os.fstat(self.fd).st_size:
+            grow = pos - os.fstat(fd).st_size
+            if grow > 0:
                 vfs = os.statvfs(SHM_DIR)
-                if pos - os.fstat(self.fd).st_size > vfs.f_bavail * vfs.f_frsize:
+                if grow > vfs.f_bavail * vfs.f_frsize:
                     raise OSError(f"{SHM_DIR} has too little space left for {pos} bytes")
             for offset, view in zip(offsets, views):
                 done = 0
                 while done < len(view):
-                    done += os.pwrite(self.fd, view[done : done + _MAX_IO], offset + done)
+                    done += os.pwrite(fd, view[done : done + _MAX_IO], offset + done)
         except OSError as exc:
             self.enabled = False
-            self.release()
+            self.release(number)
             log.warning(
                 "shared memory for the control channel is off from now on (%s); bulk tensors "
                 "go over TCP",
@@ -156,36 +213,54 @@ class SharedSide:
             )
             return None
         self.sent += 1
-        del tensors  # the caller's: written, nothing of them is kept
         return offsets
 
     # -- receiving -------------------------------------------------------------------------
-    def check(self, offset: int, nbytes: int) -> None:
+    def open_announced(self, number: int, path: str | None) -> int:
+        """Our descriptor of the peer's file ``number``, opened (and its name removed) the first
+        time a message names its path. ValueError if it cannot be."""
+        fd = self.peer.get(number)
+        if fd is not None:
+            return fd
+        if path is None or not isinstance(number, int) or not 0 <= number < MAX_FILES:
+            raise ValueError(f"the peer's shared file {number!r} was never announced")
+        if not _check_path(path):
+            raise ValueError(f"the peer named a file outside {SHM_DIR}: {path!r}")
+        fd = _open_read(path)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        self.peer[number] = fd
+        return fd
+
+    def check(self, fd: int, offset: int, nbytes: int) -> None:
         """ValueError unless ``offset..offset+nbytes`` lies inside the peer's file (a mapping
         past its end would fault on first touch)."""
-        assert self.peer_fd is not None
-        if offset < 0 or offset % ALIGN or offset + nbytes > os.fstat(self.peer_fd).st_size:
+        if offset < 0 or offset % ALIGN or offset + nbytes > os.fstat(fd).st_size:
             raise ValueError(f"region {offset}+{nbytes} is outside the peer's shared file")
 
-    def map(self, offset: int, nbytes: int) -> mmap.mmap:
+    @staticmethod
+    def map(fd: int, offset: int, nbytes: int) -> mmap.mmap:
         """A private (copy-on-write) mapping of the peer's bytes: the receiver may change them."""
-        assert self.peer_fd is not None
         return mmap.mmap(
-            self.peer_fd,
-            nbytes,
-            flags=mmap.MAP_PRIVATE,
-            prot=mmap.PROT_READ | mmap.PROT_WRITE,
-            offset=offset,
+            fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=offset
         )
 
-    def consume(self, offset: int, nbytes: int, consume: Callable[[int, memoryview], None],
-                piece: int) -> None:
+    def consume(
+        self,
+        fd: int,
+        offset: int,
+        nbytes: int,
+        consume: Callable[[int, memoryview], None],
+        piece: int,
+    ) -> None:
         """Hand ``nbytes`` from ``offset`` to ``consume(byte_offset, view)`` in pieces of at
         most ``piece`` bytes (aligned on it), one window mapped at a time."""
         pos = 0
         while pos < nbytes:
             size = min(WINDOW_BYTES, nbytes - pos)
-            window = self.map(offset + pos, size)
+            window = self.map(fd, offset + pos, size)
             try:
                 view = memoryview(window)
                 try:
@@ -201,17 +276,18 @@ class SharedSide:
             pos += size
 
     def close(self) -> None:
-        for fd in (self.fd, self.peer_fd):
-            if fd is not None:
+        for fd in [f.fd for f in self.files] + list(self.peer.values()):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.peer.clear()
+        for file in self.files:
+            if not file.announced:  # never opened by the peer: the name is still ours to remove
                 try:
-                    os.close(fd)
+                    os.unlink(file.path)
                 except OSError:
                     pass
-        self.peer_fd = None
-        try:  # never opened by a peer (a handshake cut short): the name is still ours to remove
-            os.unlink(self.path)
-        except OSError:
-            pass
 
 
 def tensors_from(region: mmap.mmap, base: int, offsets: list[int], descriptors: list,

@@ -79,7 +79,7 @@ def test_one_host_negotiates_shared_memory_and_leaves_no_names():
     server, client = _pair()
     try:
         assert server.shm is not None and client.shm is not None
-        assert server.shm.peer_fd is not None and client.shm.peer_fd is not None
+        assert set(server.shm.peer) == {0} and set(client.shm.peer) == {0}
         assert _names() == before  # each side unlinked the other's name once it had it open
     finally:
         server.close()
@@ -118,33 +118,35 @@ def test_tensors_travel_through_shared_memory_not_the_socket(monkeypatch):
     client.close()
 
 
-def test_the_file_is_reused_only_once_the_receiver_dropped_the_last_message():
+def test_a_file_is_reused_only_once_the_receiver_dropped_its_message():
+    """Messages the receiver keeps each hold a file; past MAX_FILES they go over TCP; a file
+    whose message was dropped (a view of it too) is acknowledged and taken again."""
     server, client = _pair()
-    first, second, third = (torch.full((500_000,), float(v)) for v in (1, 2, 3))
+    sent = [torch.full((500_000,), float(v)) for v in range(shm.MAX_FILES + 2)]
+    held = []
     try:
-        thread, out = _recv_in_thread(client)
-        server.send({"avg": first})
-        thread.join(10)
-        held = out["msg"]["avg"]  # still referenced: the launcher's file must not be rewritten
-        thread, out = _recv_in_thread(client)
-        server.send({"avg": second})  # goes by TCP: the slot is taken
-        thread.join(10)
-        assert server.shm.sent == 1 and client.shm.received == 1
-        assert float(out["msg"]["avg"][0]) == 2.0 and float(held[0]) == 1.0
-        assert torch.equal(held, first)  # untouched by the second message
-        view = held[10:20]  # a view keeps the mapping (and the slot) alive too
-        del held, out
+        for v in range(shm.MAX_FILES + 1):
+            thread, out = _recv_in_thread(client)
+            server.send({"avg": sent[v]})
+            thread.join(10)
+            held.append(out.pop("msg")["avg"])
+        # every file holds a message the rank still references: the last one went by TCP
+        assert server.shm.sent == shm.MAX_FILES == len(server.shm.files)
+        assert client.shm.received == shm.MAX_FILES
+        assert all(torch.equal(h, t) for h, t in zip(held, sent))  # none was overwritten
+        assert not _names()  # every file's name was removed once the rank had opened it
+        view = held[1][10:20]  # a view keeps its mapping (and the file) alive too
+        del held[:3]
         gc.collect()
         time.sleep(0.1)
-        assert not server.shm._free  # still held through the view
-        del view
-        # The acknowledgement travels on the rank's socket; the launcher's reader frees the slot.
-        reader, _ = _recv_in_thread(server)
-        assert _await(lambda: server.shm._free)
+        reader, _ = _recv_in_thread(server)  # the launcher's reader takes the acknowledgements
+        assert _await(lambda: server.shm.files[0].free and server.shm.files[2].free)
+        assert not server.shm.files[1].free
         thread, out = _recv_in_thread(client)
-        server.send({"avg": third})
+        server.send({"avg": sent[-1]})
         thread.join(10)
-        assert server.shm.sent == 2 and float(out["msg"]["avg"][-1]) == 3.0
+        assert server.shm.sent == shm.MAX_FILES + 1 and client.shm.received == shm.MAX_FILES + 1
+        assert torch.equal(out["msg"]["avg"], sent[-1]) and float(view[0]) == 1.0
     finally:
         server.close()
         client.close()
@@ -178,7 +180,7 @@ def test_a_consumed_tensor_is_handed_on_in_pieces_and_freed_at_once():
         assert sum(n for _, n in pieces) == snapshot.numel() * 4
         del out
         reader, _ = _recv_in_thread(client)
-        assert _await(lambda: client.shm._free)
+        assert _await(lambda: client.shm.files[0].free)
     finally:
         server.close()
         client.close()
@@ -260,11 +262,17 @@ def test_a_region_outside_the_peer_file_is_refused_before_it_is_mapped():
     server, client = _pair()
     try:
         skeleton, tensors = streaming.split({"w": torch.ones(4)})
-        head = pickle.dumps((len(skeleton), streaming.describe(tensors), [1 << 40]))
-        client._frame(b"FDL3", head)
-        client._frame(b"FDL1", skeleton)
-        with pytest.raises(FrameError, match="outside the peer's shared file"):
-            server.recv()
+        described = streaming.describe(tensors)
+        for where, why in [
+            (([1 << 40], 0, None), "outside the peer's shared file"),  # past the file's end
+            (([0], 2, None), "never announced"),  # a file the peer never named
+            (([0], 1, "/etc/passwd"), "outside /dev/shm"),
+            (([0], 1, "/dev/shm/not-ours"), "outside /dev/shm"),
+        ]:
+            client._frame(b"FDL3", pickle.dumps((len(skeleton), described, *where)))
+            client._frame(b"FDL1", skeleton)
+            with pytest.raises(FrameError, match=why):
+                server.recv()
     finally:
         server.close()
         client.close()
