@@ -91,12 +91,26 @@ def _hwm_mb(pid: int | str = "self") -> float:
     return 0.0
 
 
+def _shmem_mb() -> float:
+    """The host's shared memory in use (``Shmem`` in /proc/meminfo: /dev/shm among it), MB."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("Shmem:"):
+                return int(line.split()[1]) * 1.024 / 1e3
+    except OSError:
+        pass
+    return 0.0
+
+
 class _RankPeaks(threading.Thread):
-    """Samples every rank process's VmHWM until told to stop (the kernel keeps the peak)."""
+    """Samples every rank process's VmHWM until told to stop (the kernel keeps the peak), and
+    the host's shared memory above what it was at the start (the channels' /dev/shm files)."""
 
     def __init__(self) -> None:
         super().__init__(daemon=True)
         self.peaks: dict[int, float] = {}
+        self.shmem_base = _shmem_mb()
+        self.shmem_peak = 0.0
         self.done = threading.Event()
 
     def run(self) -> None:
@@ -106,6 +120,7 @@ class _RankPeaks(threading.Thread):
         while not self.done.wait(0.2):
             for child in me.children(recursive=True):
                 self.peaks[child.pid] = max(self.peaks.get(child.pid, 0.0), _hwm_mb(child.pid))
+            self.shmem_peak = max(self.shmem_peak, _shmem_mb() - self.shmem_base)
 
 
 def plain_one(payload: dict[str, Any]) -> dict[str, Any]:
@@ -186,6 +201,7 @@ def memory_one(payload: dict[str, Any]) -> dict[str, Any]:
         "launcher_baseline_mb": baseline_mb,
         "launcher_peak_mb": _hwm_mb(),
         "rank_peak_mb": max(watch.peaks.values(), default=0.0),
+        "shmem_peak_mb": watch.shmem_peak,  # the channels' /dev/shm files (other users' too)
         "wall_s": wall,
     }
 

@@ -21,6 +21,7 @@ def _memory(rows: list[dict[str, Any]]) -> str:
         "rank peak MB",
         "rank: extra copies beyond a plain loop (goal <= 2)",
         "same, counted as peak - 4 P",
+        "/dev/shm peak MB",
         "wall s",
     ]
     out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
@@ -39,6 +40,7 @@ def _memory(rows: list[dict[str, Any]]) -> str:
             "\u2013" if solo else _f(r["rank_peak_mb"]),
             _f(r.get("rank_extra_copies"), ".1f"),
             "\u2013" if solo else _f(r.get("rank_over_4p"), ".1f"),
+            _f(r.get("shmem_peak_mb")),
             _f(r["wall_s"]),
         ]
         out.append("| " + " | ".join(cells) + " |")
@@ -51,14 +53,20 @@ def _runs(xs: list[float]) -> str:
 
 def _speed(s: dict[str, Any]) -> str:
     if "round_s" in s:  # before shared memory: one kind of round, over TCP
-        s = {**s, "tcp_round_s": s["round_s"], "tcp_round_median_s": s["round_median_s"],
-             "tcp_round_over_allreduce": s["round_over_allreduce"]}
+        s = {
+            **s,
+            "tcp_round_s": s["round_s"],
+            "tcp_round_median_s": s["round_median_s"],
+            "tcp_round_over_allreduce": s["round_over_allreduce"],
+        }
     lines = [
         f"* **Speed** ({s['params']:,} floats, two rank processes on one host, interleaved): gloo "
         f"all-reduce {_runs(s['allreduce_s'])} s (median {s['allreduce_median_s']:.2f} s)."
     ]
-    names = {"shm": "through shared memory (the default on one host)",
-             "tcp": "over loopback TCP (`cluster.shared_memory=false`, or another host)"}
+    names = {
+        "shm": "through shared memory (the default on one host)",
+        "tcp": "over loopback TCP (`cluster.shared_memory=false`, or another host)",
+    }
     for kind in ("shm", "tcp"):
         if f"{kind}_round_s" not in s:
             continue

@@ -173,28 +173,37 @@ class Channel:
             self.send_bytes(skeleton)
             return
         views = [streaming.tensor_bytes(t) for t in tensors]
-        offsets = None
-        side = self.shm
-        total = sum(len(v) for v in views)
-        claimed = side.claim(total) if side is not None and total >= shm.MIN_BYTES else None
-        if claimed is not None:
-            offsets = side.write(claimed[0], views)  # None: it failed (TCP from now on)
+        shared = self._write_shared(views)
         descriptors = streaming.describe(tensors)
         size = min(streaming.CHUNK_BYTES, self.max_frame)
         with self._sending():
-            if offsets is not None:
-                number, path = claimed
+            if shared is not None:
+                number, path, offsets = shared
                 head = (len(skeleton), descriptors, offsets, number, path)
                 self._frame(_SHARED, pickle.dumps(head))
-                side.sent_to(number)
+                assert self.shm is not None
+                self.shm.sent_to(number)
             else:
                 self._frame(_STREAMED, pickle.dumps((len(skeleton), descriptors)))
             for part in streaming.chunks(memoryview(skeleton), size):
                 self._frame(_MAGIC, part)
-            if offsets is None:
+            if shared is None:
                 for view in views:
                     for part in streaming.chunks(view, size):
                         self._frame(_MAGIC, part)
+
+    def _write_shared(self, views: list[memoryview]) -> tuple[int, str | None, list[int]] | None:
+        """The tensors' bytes written into a free shared file: ``(file number, its path if
+        the peer has not opened it, offsets)``; None: they go over TCP."""
+        side = self.shm
+        total = sum(len(v) for v in views)
+        if side is None or total < shm.MIN_BYTES:
+            return None
+        claimed = side.claim(total)
+        if claimed is None:
+            return None
+        offsets = side.write(claimed[0], views)  # None: it failed (TCP from now on)
+        return None if offsets is None else (*claimed, offsets)
 
     def send_code(self, obj: Any) -> None:
         """Send an object that may hold closures or ``__main__`` functions (cloudpickle)."""
@@ -219,8 +228,8 @@ class Channel:
             peeked = streaming.peek(bytes(skeleton))
             claimed = route(peeked, descriptors) if peeked is not None else {}
         if magic == _SHARED:
-            tensors = self._recv_shared(descriptors, head[2:], claimed)
-            return streaming.join(bytes(skeleton), tensors)
+            mapped = self._recv_shared(descriptors, head[2:], claimed)
+            return streaming.join(bytes(skeleton), mapped)
         try:
             tensors: list[Any] = streaming.allocate(descriptors, skip=set(claimed))
         except (TypeError, ValueError) as exc:
@@ -232,9 +241,7 @@ class Channel:
                 self._recv_region(streaming.tensor_bytes(t))
         return streaming.join(bytes(skeleton), tensors)
 
-    def _recv_shared(
-        self, descriptors: Any, where: Any, claimed: dict[int, Consume]
-    ) -> list[Any]:
+    def _recv_shared(self, descriptors: Any, where: Any, claimed: dict[int, Consume]) -> list[Any]:
         """The tensors of a message in one of the peer's shared files (``where``: the offsets,
         the file's number and, the first time, its path): claimed ones handed on in pieces,
         the others mapped (no copy); acknowledged once none of them is referenced."""
@@ -246,7 +253,7 @@ class Channel:
             if not isinstance(offsets, list) or len(offsets) != len(sizes):
                 raise ValueError("offsets do not match the tensors")
             fd = side.open_announced(number, path)
-            for offset, n in zip(offsets, sizes):
+            for offset, n in zip(offsets, sizes, strict=True):
                 side.check(fd, int(offset), n)
         except (TypeError, ValueError, OSError) as exc:
             raise FrameError(f"bad shared-memory message: {exc}") from None
@@ -268,7 +275,7 @@ class Channel:
         mapped = shm.tensors_from(
             region, base, [offsets[i] for i in kept], [descriptors[i] for i in kept], done
         )
-        for i, t in zip(kept, mapped):
+        for i, t in zip(kept, mapped, strict=True):
             tensors[i] = t
         return tensors
 

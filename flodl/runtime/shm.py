@@ -199,7 +199,7 @@ class SharedSide:
                 vfs = os.statvfs(SHM_DIR)
                 if grow > vfs.f_bavail * vfs.f_frsize:
                     raise OSError(f"{SHM_DIR} has too little space left for {pos} bytes")
-            for offset, view in zip(offsets, views):
+            for offset, view in zip(offsets, views, strict=True):
                 done = 0
                 while done < len(view):
                     done += os.pwrite(fd, view[done : done + _MAX_IO], offset + done)
@@ -290,13 +290,18 @@ class SharedSide:
                     pass
 
 
-def tensors_from(region: mmap.mmap, base: int, offsets: list[int], descriptors: list,
-                 on_release: Callable[[], None]) -> list[torch.Tensor]:
+def tensors_from(
+    region: mmap.mmap,
+    base: int,
+    offsets: list[int],
+    descriptors: list,
+    on_release: Callable[[], None],
+) -> list[torch.Tensor]:
     """Tensors over one mapping (no copy); ``on_release`` runs once none of them is referenced."""
     from flodl.runtime import streaming
 
     out = []
-    for offset, descriptor in zip(offsets, descriptors):
+    for offset, descriptor in zip(offsets, descriptors, strict=True):
         dtype, shape = streaming._dtype(descriptor)
         n = streaming.nbytes(descriptor)
         if n == 0:

@@ -36,8 +36,15 @@ def wide_model(device: torch.device) -> torch.nn.Module:
     return MLP(SHAPE, CLASSES, hidden=HIDDEN).to(device)
 
 
-def run(tmp_path: Path, mode: str, shared_memory: bool, ranks: int = 2, epochs: int = 2,
-        victim: int | None = None, **trainer):
+def run(
+    tmp_path: Path,
+    mode: str,
+    shared_memory: bool,
+    ranks: int = 2,
+    epochs: int = 2,
+    victim: int | None = None,
+    **trainer,
+):
     def metrics(m):
         if victim is not None and m.epoch == 1:
             os.kill(rank_pid(victim), signal.SIGKILL)
@@ -112,8 +119,14 @@ def test_a_rank_killed_with_checkpoints_every_epoch_through_shared_memory(tmp_pa
     bundle loads and holds the final weights."""
     stem = str(tmp_path / "ckpt" / "run")
     handle, state = run(
-        tmp_path, "cpu_sync", True, ranks=3, epochs=3, victim=1,
-        save_path=stem, checkpoint_every=1,
+        tmp_path,
+        "cpu_sync",
+        True,
+        ranks=3,
+        epochs=3,
+        victim=1,
+        save_path=stem,
+        checkpoint_every=1,
     )
     summary = handle.result.summary
     assert summary.status == "ok" and summary.epochs == 3 and summary.lost_ranks == [1]
