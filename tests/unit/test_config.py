@@ -70,6 +70,7 @@ SURFACE = {
         "memory_fraction",
         "pace_margin",
         "ranks",
+        "shared_memory",
         "slurm",
         "speeds",
         "start_timeout_s",
