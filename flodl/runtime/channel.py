@@ -115,6 +115,9 @@ class Channel:
         """Nothing of the message in the peer's shared file ``number`` is referenced any more:
         tell it. Never waits for the send lock (this runs on a reader thread, or wherever the
         last reference went): whoever holds it sends the acknowledgement on release."""
+        side = self.shm
+        if side is None or side.pid != os.getpid():
+            return  # a forked child dropping its copy of the parent's message: not ours to say
         self._acks_owed.append(number)  # list.append/pop: atomic under the GIL
         self._flush_acks()
 
@@ -247,37 +250,38 @@ class Channel:
         the others mapped (no copy); acknowledged once none of them is referenced."""
         side = self.shm
         assert side is not None
-        try:
-            offsets, number, path = where
-            sizes = [streaming.nbytes(d) for d in descriptors]
-            if not isinstance(offsets, list) or len(offsets) != len(sizes):
-                raise ValueError("offsets do not match the tensors")
-            fd = side.open_announced(number, path)
-            for offset, n in zip(offsets, sizes, strict=True):
-                side.check(fd, int(offset), n)
-        except (TypeError, ValueError, OSError) as exc:
-            raise FrameError(f"bad shared-memory message: {exc}") from None
-        side.received += 1
-        done = partial(self._owe_ack, number)
-        for i, consume in claimed.items():
-            side.consume(fd, offsets[i], sizes[i], consume, PIECE_BYTES)
-        kept = [i for i in range(len(sizes)) if i not in claimed and sizes[i]]
-        tensors: list[Any] = [None] * len(sizes)
-        for i in range(len(sizes)):
-            if i not in claimed and not sizes[i]:
-                tensors[i] = streaming.allocate([descriptors[i]])[0]
-        if not kept:
-            done()
+        with side.using():  # the descriptors stay open meanwhile (a close waits)
+            try:
+                offsets, number, path = where
+                sizes = [streaming.nbytes(d) for d in descriptors]
+                if not isinstance(offsets, list) or len(offsets) != len(sizes):
+                    raise ValueError("offsets do not match the tensors")
+                fd = side.open_announced(number, path)
+                for offset, n in zip(offsets, sizes, strict=True):
+                    side.check(fd, int(offset), n)
+            except (TypeError, ValueError, OSError) as exc:
+                raise FrameError(f"bad shared-memory message: {exc}") from None
+            side.received += 1
+            done = partial(self._owe_ack, number)
+            for i, consume in claimed.items():
+                side.consume(fd, offsets[i], sizes[i], consume, PIECE_BYTES)
+            kept = [i for i in range(len(sizes)) if i not in claimed and sizes[i]]
+            tensors: list[Any] = [None] * len(sizes)
+            for i in range(len(sizes)):
+                if i not in claimed and not sizes[i]:
+                    tensors[i] = streaming.allocate([descriptors[i]])[0]
+            if not kept:
+                done()
+                return tensors
+            base = min(offsets[i] for i in kept)
+            end = max(offsets[i] + sizes[i] for i in kept)
+            region = side.map(fd, base, end - base)
+            mapped = shm.tensors_from(
+                region, base, [offsets[i] for i in kept], [descriptors[i] for i in kept], done
+            )
+            for i, t in zip(kept, mapped, strict=True):
+                tensors[i] = t
             return tensors
-        base = min(offsets[i] for i in kept)
-        end = max(offsets[i] + sizes[i] for i in kept)
-        region = side.map(fd, base, end - base)
-        mapped = shm.tensors_from(
-            region, base, [offsets[i] for i in kept], [descriptors[i] for i in kept], done
-        )
-        for i, t in zip(kept, mapped, strict=True):
-            tensors[i] = t
-        return tensors
 
     def _recv_consumed(self, n: int, consume: Consume) -> None:
         """``n`` bytes from consecutive frames, handed on in pieces aligned on

@@ -40,7 +40,8 @@ import os
 import secrets
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -99,10 +100,35 @@ class SharedSide:
         self.files: list[_File] = []
         self.peer: dict[int, int] = {}  # the peer's file number -> our read descriptor
         self.enabled = True
+        self.pid = os.getpid()  # a forked child (a DataLoader worker) never acknowledges
         self._lock = threading.Lock()
+        self._users = 0  # threads using a descriptor now: close() waits for the last one
+        self._closed = False
         self.sent = self.received = 0  # messages that went through shared memory, each way
         first = self._create()
-        os.pwrite(first.fd, self.token, 0)
+        try:
+            os.pwrite(first.fd, self.token, 0)
+        except OSError:
+            self.close()
+            raise
+
+    @contextmanager
+    def using(self) -> Iterator[None]:
+        """Hold the descriptors open while they are used: a ``close`` meanwhile (teardown, on
+        another thread) closes them after the last user, never under a ``pwrite`` or ``mmap``
+        (a closed descriptor's number may name another file a moment later). OSError if closed."""
+        with self._lock:
+            if self._closed:
+                raise OSError("the channel's shared memory is closed")
+            self._users += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._users -= 1
+                last = self._closed and self._users == 0
+            if last:
+                self._close_descriptors()
 
     def _create(self) -> _File:
         path = os.path.join(SHM_DIR, f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
@@ -194,15 +220,16 @@ class SharedSide:
             offsets.append(pos)
             pos = aligned(pos + len(view))
         try:
-            grow = pos - os.fstat(fd).st_size
-            if grow > 0:
-                vfs = os.statvfs(SHM_DIR)
-                if grow > vfs.f_bavail * vfs.f_frsize:
-                    raise OSError(f"{SHM_DIR} has too little space left for {pos} bytes")
-            for offset, view in zip(offsets, views, strict=True):
-                done = 0
-                while done < len(view):
-                    done += os.pwrite(fd, view[done : done + _MAX_IO], offset + done)
+            with self.using():
+                grow = pos - os.fstat(fd).st_size
+                if grow > 0:
+                    vfs = os.statvfs(SHM_DIR)
+                    if grow > vfs.f_bavail * vfs.f_frsize:
+                        raise OSError(f"{SHM_DIR} has too little space left for {pos} bytes")
+                for offset, view in zip(offsets, views, strict=True):
+                    done = 0
+                    while done < len(view):
+                        done += os.pwrite(fd, view[done : done + _MAX_IO], offset + done)
         except OSError as exc:
             self.enabled = False
             self.release(number)
@@ -276,18 +303,28 @@ class SharedSide:
             pos += size
 
     def close(self) -> None:
-        for fd in [f.fd for f in self.files] + list(self.peer.values()):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self.peer.clear()
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self.enabled = False
+            now = self._users == 0
+        if now:
+            self._close_descriptors()
         for file in self.files:
             if not file.announced:  # never opened by the peer: the name is still ours to remove
                 try:
                     os.unlink(file.path)
                 except OSError:
                     pass
+
+    def _close_descriptors(self) -> None:
+        for fd in [f.fd for f in self.files] + list(self.peer.values()):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.peer.clear()
 
 
 def tensors_from(
@@ -309,7 +346,8 @@ def tensors_from(
             continue
         raw = torch.frombuffer(region, dtype=torch.uint8, count=n, offset=offset - base)
         out.append(raw.view(dtype).reshape(shape))
-    weakref.finalize(region, on_release)
+    # Not at interpreter exit: a process going away acknowledges nothing (its socket closes).
+    weakref.finalize(region, on_release).atexit = False
     return out
 
 

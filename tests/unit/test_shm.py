@@ -295,3 +295,40 @@ def test_a_shared_memory_frame_without_negotiation_is_refused():
         receiver.recv()
     sender.close()
     receiver.close()
+
+
+def test_a_close_during_use_waits_for_the_user_before_closing_the_descriptors(monkeypatch):
+    """Teardown closes a channel while a sender may be inside pwrite: its descriptor must not
+    be closed (and its number reused for another file) under it."""
+    side = shm.SharedSide()
+    closed: list[float] = []
+    real = side._close_descriptors
+    monkeypatch.setattr(side, "_close_descriptors", lambda: (closed.append(1), real())[1])
+    with side.using():
+        side.close()
+        assert not closed and side.claim(10) is None  # closing: nothing new starts
+        os.fstat(side.files[0].fd)  # still open
+    assert closed == [1]
+    with pytest.raises(OSError, match="closed"), side.using():
+        pass
+    side.close()  # idempotent
+    assert closed == [1]
+
+
+def test_a_forked_child_dropping_a_message_acknowledges_nothing(monkeypatch):
+    """A DataLoader worker forked from a rank holds a copy of the rank's objects: if it drops a
+    received average, the ack must not go out on the rank's socket from the child."""
+    server, client = _pair()
+    try:
+        thread, out = _recv_in_thread(client)
+        server.send({"avg": torch.ones(500_000)})
+        thread.join(10)
+        monkeypatch.setattr(client.shm, "pid", -1)  # as seen from a forked child
+        del out
+        gc.collect()
+        _recv_in_thread(server)
+        time.sleep(0.3)
+        assert not server.shm.files[0].free and not client._acks_owed
+    finally:
+        server.close()
+        client.close()
