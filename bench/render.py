@@ -499,7 +499,6 @@ def render() -> dict[str, str]:
     missing = "_No results yet: run the command above._"
     return {
         "bulk": _bulk("bulk", "bulk_block"),
-        "bulk_rerun": _bulk("bulk_rerun", "bulk_block"),
         "big": _bulk("big", "big_block"),
         "ddp_bench": _ddp_bench(),
         "hetero": hetero_block(hetero) if hetero else missing,
