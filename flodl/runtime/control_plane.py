@@ -9,10 +9,12 @@ still listens why the run ended (:meth:`ControlPlane.abort`) before the channels
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Any
 
+from flodl.runtime import shm
 from flodl.runtime.channel import AuthError, Channel, Listener, new_secret
 from flodl.runtime.controller import Controller, Disconnected, RunFailed
 from flodl.runtime.messages import Abort, Hello
@@ -63,6 +65,7 @@ class ControlPlane:
         self._reading: set[int] = set()  # ranks whose control channel is still open
         self._closing = False
         self._rejects = RejectLog()
+        self._shm_pids: set[int] = set()  # same-host ranks whose channel uses /dev/shm
 
     @property
     def address(self) -> tuple[str, int]:
@@ -112,6 +115,9 @@ class ControlPlane:
             channel.close()
         if self.listener is not None:
             self.listener.close()
+        for pid in self._shm_pids:  # names a killed rank left in /dev/shm (the run is over)
+            shm.sweep(pid)
+        self._shm_pids.clear()
 
     def _accept_loop(self) -> None:
         assert self.listener is not None
@@ -140,6 +146,8 @@ class ControlPlane:
             return
         self._channels.append(channel)
         self._channel_of[hello.rank] = channel
+        if channel.shm is not None and hello.pid != os.getpid():
+            self._shm_pids.add(hello.pid)  # its /dev/shm names are swept at teardown
         self._reading.add(hello.rank)
         self.controller.attach(hello.rank, channel)
         channel.send_code(self._spec)

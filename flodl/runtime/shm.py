@@ -13,7 +13,9 @@ copy-on-write), and only the pickled skeleton travels on the socket.
   The server (the launcher) may refuse (``cluster.shared_memory=false``).
 * **No names left behind**: the receiver unlinks the peer's file as soon as it has opened it;
   both keep their descriptors, so the memory goes away with the last process holding it (a
-  SIGKILL included). A side whose handshake fails removes its own name.
+  SIGKILL included). A side that closes removes the names of its own files the peer never
+  opened; the launcher, at teardown, those its ranks' processes left (:func:`sweep`: a rank
+  killed after naming a new file in a message the launcher did not read).
 * **One message per file at a time.** The sender claims a free file of its own (making another,
   up to :data:`MAX_FILES`, when all are held), writes, and sends the skeleton with where each
   tensor lies (and the file's name the first time: the receiver opens it and removes the name);
@@ -311,12 +313,11 @@ class SharedSide:
             now = self._users == 0
         if now:
             self._close_descriptors()
-        for file in self.files:
-            if not file.announced:  # never opened by the peer: the name is still ours to remove
-                try:
-                    os.unlink(file.path)
-                except OSError:
-                    pass
+        for file in self.files:  # a name the peer never got to open (gone, or not read) is ours
+            try:
+                os.unlink(file.path)
+            except OSError:
+                pass  # already removed by the peer, which opened it
 
     def _close_descriptors(self) -> None:
         for fd in [f.fd for f in self.files] + list(self.peer.values()):
@@ -325,6 +326,25 @@ class SharedSide:
             except OSError:
                 pass
         self.peer.clear()
+
+
+def sweep(pid: int) -> int:
+    """Remove the names process ``pid`` left in ``/dev/shm`` (a rank SIGKILLed after naming a
+    file in a message the launcher never read): the launcher calls this for its ranks at
+    teardown. The count removed."""
+    removed = 0
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return 0
+    for name in names:
+        if name.startswith(f"{PREFIX}{pid}-"):
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+                removed += 1
+            except OSError:
+                pass
+    return removed
 
 
 def tensors_from(
@@ -351,4 +371,4 @@ def tensors_from(
     return out
 
 
-__all__ = ["MIN_BYTES", "SharedSide", "available", "tensors_from"]
+__all__ = ["MIN_BYTES", "SharedSide", "available", "sweep", "tensors_from"]

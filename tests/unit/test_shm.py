@@ -332,3 +332,36 @@ def test_a_forked_child_dropping_a_message_acknowledges_nothing(monkeypatch):
     finally:
         server.close()
         client.close()
+
+
+def test_closing_removes_every_name_of_ours_the_peer_never_opened():
+    """A file named in a message the peer never read (it was killed, or the run ended first)
+    would otherwise stay in /dev/shm, holding its memory, until the machine reboots."""
+    before = _names()
+    server, client = _pair()
+    held = []
+    try:
+        for _ in range(2):  # the second message takes a second file, named in its head only
+            thread, out = _recv_in_thread(client)
+            server.send({"avg": torch.ones(500_000)})
+            thread.join(10)
+            held.append(out["msg"])
+        server.shm.claim(1)  # a third file, made for a message that never went out
+        assert len(server.shm.files) == 3 and len(_names()) == 1
+    finally:
+        server.close()
+        client.close()
+    assert _names() == before
+
+
+def test_the_launcher_sweeps_what_a_killed_rank_left(tmp_path):
+    pid = 4_000_000  # no such process: its names are what a killed rank left
+    for i in range(2):
+        open(os.path.join(shm.SHM_DIR, f"{shm.PREFIX}{pid}-{i:016x}"), "wb").close()
+    keep = os.path.join(shm.SHM_DIR, f"{shm.PREFIX}{pid}1-0000000000000000")  # another pid
+    open(keep, "wb").close()
+    try:
+        assert shm.sweep(pid) == 2
+        assert os.path.exists(keep)
+    finally:
+        os.unlink(keep)
