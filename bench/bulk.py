@@ -80,26 +80,25 @@ def _data(split: str) -> Any:
     return synthetic(split, n_train=128, n_test=64, input_shape=[1, 8, 8], num_classes=4)
 
 
-def _hwm_mb(pid: int | str = "self") -> float:
-    """A process's peak RSS (VmHWM: reset by exec, unlike ``ru_maxrss``), in MB."""
+def _proc_kb(path: str, key: str) -> int:
+    """The ``key:`` line's kB value of a /proc file (0 when it cannot be read)."""
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1e3
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(key):
+                return int(line.split()[1])
     except OSError:
         pass
-    return 0.0
+    return 0
+
+
+def _hwm_mb(pid: int | str = "self") -> float:
+    """A process's peak RSS (VmHWM: reset by exec, unlike ``ru_maxrss``), in MB."""
+    return _proc_kb(f"/proc/{pid}/status", "VmHWM:") / 1e3
 
 
 def _shmem_mb() -> float:
     """The host's shared memory in use (``Shmem`` in /proc/meminfo: /dev/shm among it), MB."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("Shmem:"):
-                return int(line.split()[1]) * 1.024 / 1e3
-    except OSError:
-        pass
-    return 0.0
+    return _proc_kb("/proc/meminfo", "Shmem:") * 1.024 / 1e3
 
 
 class _RankPeaks(threading.Thread):

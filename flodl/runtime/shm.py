@@ -43,7 +43,7 @@ import secrets
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 
 import torch
@@ -77,6 +77,15 @@ def _check_path(path: str) -> bool:
     """Only ever a file of ours, in the one directory."""
     name = os.path.basename(path)
     return os.path.dirname(path) == SHM_DIR and name.startswith(PREFIX) and "/" not in name
+
+
+def _unlink(path: str) -> bool:
+    """Remove a name; False when it is already gone (or cannot be removed)."""
+    try:
+        os.unlink(path)
+    except OSError:
+        return False
+    return True
 
 
 def _open_read(path: str) -> int:
@@ -173,10 +182,8 @@ class SharedSide:
         """Both sides hold each other's first file: the peer's name is not needed any more
         (ours is removed by the peer), and ours counts as announced."""
         self.files[0].announced = True
-        try:
-            os.unlink(peer_probe.split(b"\0")[0].decode())
-        except (OSError, ValueError, UnicodeDecodeError):
-            pass
+        with suppress(ValueError, UnicodeDecodeError):
+            _unlink(peer_probe.split(b"\0")[0].decode())
 
     # -- sending ---------------------------------------------------------------------------
     def claim(self, nbytes: int) -> tuple[int, str | None] | None:
@@ -206,8 +213,7 @@ class SharedSide:
         """The peer acknowledged (or the write failed): the file is free again."""
         with self._lock:
             if 0 <= number < len(self.files):
-                file = self.files[number]
-                file.free = True
+                self.files[number].free = True
 
     def sent_to(self, number: int) -> None:
         """The message naming file ``number`` went out: the peer opens it on receipt."""
@@ -256,10 +262,7 @@ class SharedSide:
         if not _check_path(path):
             raise ValueError(f"the peer named a file outside {SHM_DIR}: {path!r}")
         fd = _open_read(path)
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+        _unlink(path)
         self.peer[number] = fd
         return fd
 
@@ -314,10 +317,7 @@ class SharedSide:
         if now:
             self._close_descriptors()
         for file in self.files:  # a name the peer never got to open (gone, or not read) is ours
-            try:
-                os.unlink(file.path)
-            except OSError:
-                pass  # already removed by the peer, which opened it
+            _unlink(file.path)  # False: the peer opened it and removed it
 
     def _close_descriptors(self) -> None:
         for fd in [f.fd for f in self.files] + list(self.peer.values()):
@@ -332,19 +332,12 @@ def sweep(pid: int) -> int:
     """Remove the names process ``pid`` left in ``/dev/shm`` (a rank SIGKILLed after naming a
     file in a message the launcher never read): the launcher calls this for its ranks at
     teardown. The count removed."""
-    removed = 0
     try:
         names = os.listdir(SHM_DIR)
     except OSError:
         return 0
-    for name in names:
-        if name.startswith(f"{PREFIX}{pid}-"):
-            try:
-                os.unlink(os.path.join(SHM_DIR, name))
-                removed += 1
-            except OSError:
-                pass
-    return removed
+    mine = [n for n in names if n.startswith(f"{PREFIX}{pid}-")]
+    return sum(_unlink(os.path.join(SHM_DIR, n)) for n in mine)
 
 
 def tensors_from(
