@@ -236,14 +236,17 @@ class ElChe:
                 f"report: compute_ms has {len(compute_ms)} and batches {len(batches)} entries; "
                 f"both need world_size={self._world}"
             )
-        compute = [float(ms) for ms in compute_ms]
-        if any(not math.isfinite(ms) or ms < 0 for ms in compute):
+        # Validated in C-level passes first (one entry a rank: 128 at 128 ranks); a NaN or an
+        # infinity makes the sum non-finite (so can huge finite entries: then each is looked at).
+        compute = list(map(float, compute_ms))
+        suspect = compute and (not math.isfinite(sum(compute)) or min(compute) < 0)
+        if suspect and any(not math.isfinite(ms) or ms < 0 for ms in compute):
             raise ValueError(f"report: compute_ms={compute}: every entry must be finite and >= 0")
         try:
-            done = [operator.index(b) for b in batches]
+            done = list(map(operator.index, batches))
         except TypeError:
             raise ValueError(f"report: batches={list(batches)}: entries must be integers") from None
-        if any(b < 0 for b in done):
+        if done and min(done) < 0:
             raise ValueError(f"report: batches={done}: entries must be >= 0")
         for name, value in (("sync_ms", sync_ms), ("divergence", divergence), ("lr", lr)):
             if value is not None and (not math.isfinite(value) or value < 0):
@@ -252,7 +255,7 @@ class ElChe:
 
     def _elect(self, ran_in: Phase) -> None:
         rank = self._anchor_rank
-        smoothed = self._speed.smoothed()
+        smoothed = self._speed.means()
         unusable = rank is None or smoothed[rank] is None
         # Before STABLE the speeds are too young to move a standing anchor; a missing or
         # silent anchor rank is replaced at any phase, or the cadence would have no reference.
@@ -307,11 +310,11 @@ class ElChe:
         if self._ratios is not None:
             return relative_counts(anchor, self._ratios, cap=None)
         rank = self._anchor_rank
-        if rank is None or self._speed.smoothed()[rank] is None:
+        if rank is None or self._speed.means()[rank] is None:
             if self._hint is not None:
                 return relative_counts(anchor, self._hint, cap=MAX_SPEED_RATIO)
             return [anchor] * self._world
-        return speed_counts(anchor, self._speed.smoothed(), rank, self._counts)
+        return speed_counts(anchor, self._speed.means(), rank, self._counts)
 
     def _update_counts(
         self, first_calibration: bool, prev_anchor: int, prev_rank: int | None
@@ -333,7 +336,7 @@ class ElChe:
         batches, the fastest ranks first otherwise; dead ranks get 0."""
         if remaining_batches < 0:
             raise ValueError(f"remaining_batches={remaining_batches}: must be >= 0")
-        order = speed_order(self._speed.smoothed(), self._check_alive(alive), self._hint)
+        order = speed_order(self._speed.means(), self._check_alive(alive), self._hint)
         return clamp_window(self._counts, remaining_batches, order)
 
     def fastest_rank(self, alive: Sequence[bool] | None = None) -> int:
@@ -380,7 +383,7 @@ class ElChe:
             return [True] * self._world
         if len(alive) != self._world:
             raise ValueError(f"alive has {len(alive)} entries but world_size={self._world}")
-        return [bool(a) for a in alive]
+        return list(map(bool, alive))
 
 
 def _check_hint(speed_hint: Sequence[float] | None, world_size: int) -> list[float] | None:

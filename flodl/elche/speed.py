@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import cast
 
 #: Samples kept per rank; the smoothed speed is their mean.
 TRUST_WINDOW = 5
@@ -53,7 +54,8 @@ class SpeedTracker:
             if n > 0:
                 window = self._windows[rank]
                 window.append(ms / n)
-                del window[:-TRUST_WINDOW]
+                if len(window) > TRUST_WINDOW:
+                    del window[0]
                 self._zero_streaks[rank] = 0
                 timed = True
                 continue
@@ -67,9 +69,13 @@ class SpeedTracker:
     def smoothed(self) -> list[float | None]:
         """Trust-window mean ms/batch per rank (None while a rank has no sample); a fresh list
         each call (ElChe asks several times per report: the means are computed once)."""
+        return list(self.means())
+
+    def means(self) -> list[float | None]:
+        """:meth:`smoothed` without the copy, for readers that do not keep or change it."""
         if self._smoothed is None:
             self._smoothed = [math.fsum(w) / len(w) if w else None for w in self._windows]
-        return list(self._smoothed)
+        return self._smoothed
 
     def windows(self) -> list[list[float]]:
         """A copy of the raw samples, oldest first (for the resumable state)."""
@@ -91,7 +97,7 @@ def elect_anchor_rank(smoothed: Sequence[float | None], current: int | None) -> 
     known = [(ms, rank) for rank, ms in enumerate(smoothed) if ms is not None]
     if not known:
         return None
-    slowest_ms = max(ms for ms, _ in known)
+    slowest_ms = max(known)[0]
     cohort = [(ms, rank) for ms, rank in known if ms >= (1.0 - SLOW_COHORT_BAND) * slowest_ms]
     current_ms = smoothed[current] if current is not None else None
     if current is None or current_ms is None:
@@ -113,6 +119,10 @@ def speed_order(
     speed hint (highest relative speed first) when there is one, else by index. Ties always go
     to the lowest index, so the order is deterministic.
     """
+    if all(alive) and None not in smoothed:
+        # The usual case, at C speed: a stable sort of the indices (ties: the lowest first).
+        known = cast("Sequence[float]", smoothed)
+        return sorted(range(len(known)), key=known.__getitem__)
     ranks = [r for r, up in enumerate(alive) if up]
     measured = sorted((smoothed[r], r) for r in ranks if smoothed[r] is not None)
     unmeasured = [r for r in ranks if smoothed[r] is None]
@@ -140,6 +150,10 @@ def speed_counts(
     ``fallback`` count; a zero ms/batch (a clock too coarse for the step) counts as the cap.
     """
     slow = smoothed[anchor_rank]
+    if slow is not None and slow > 0 and None not in smoothed:
+        known = cast("Sequence[float]", smoothed)
+        if min(known) > 0:  # every rank measured, none at 0 ms: one pass
+            return [max(1, round(anchor * min(slow / ms, MAX_SPEED_RATIO))) for ms in known]
     out = []
     for rank, ms in enumerate(smoothed):
         if ms is None or slow is None:
@@ -184,8 +198,11 @@ def clamp_window(counts: Sequence[int], remaining: int, order: Sequence[int]) ->
         for rank in order[:remaining]:
             out[rank] = 1
         return out
-    total = sum(counts[r] for r in order)
+    everyone = len(order) == len(counts)
+    total = sum(counts) if everyone else sum(counts[r] for r in order)
     if total <= remaining:
+        if everyone:
+            return list(counts)
         for rank in order:
             out[rank] = counts[rank]
         return out

@@ -20,7 +20,10 @@ MAX_OVERSHOOT_CEILING = 15
 def _check_batches(batches: Sequence[int]) -> None:
     if not batches:
         raise ValueError("batches=[]: needs one entry per rank")
-    if any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in batches):
+    # C-level passes first (one entry a rank: 128 at 128 ranks); anything but plain ints >= 0
+    # is then looked at entry by entry.
+    plain = set(map(type, batches)) == {int} and min(batches) >= 0
+    if not plain and any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in batches):
         raise ValueError(f"batches={list(batches)}: every entry must be an integer >= 0")
     if not any(batches):
         raise ValueError(f"batches={list(batches)}: no rank stepped, there is nothing to average")
@@ -36,7 +39,10 @@ def averaging_weights(batches: Sequence[int], gamma: float) -> list[float]:
     _check_batches(batches)
     if not math.isfinite(gamma):
         raise ValueError(f"gamma={gamma}: must be a finite number")
-    raw = [float(b) ** gamma if b > 0 else 0.0 for b in batches]
+    if gamma == 1.0:  # x ** 1.0 is x: the common case, at C speed
+        raw = list(map(float, batches))
+    else:
+        raw = [float(b) ** gamma if b > 0 else 0.0 for b in batches]
     total = math.fsum(raw)
     return [w / total for w in raw]
 
@@ -44,7 +50,9 @@ def averaging_weights(batches: Sequence[int], gamma: float) -> list[float]:
 def buffer_weights(batches: Sequence[int]) -> list[float]:
     """Float-buffer weights: equal among ranks with ``batches > 0``, 0 for the others."""
     _check_batches(batches)
-    stepped = sum(1 for b in batches if b > 0)
+    stepped = len(batches) - list(batches).count(0)  # entries are ints >= 0 (checked)
+    if stepped == len(batches):
+        return [1.0 / stepped] * stepped
     return [1.0 / stepped if b > 0 else 0.0 for b in batches]
 
 

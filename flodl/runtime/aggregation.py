@@ -93,26 +93,31 @@ class Aggregator:
 
     def complete(self, track: WindowTrack) -> Verdict | None:
         """A complete window: average it (cpu_* modes), log its cycle; ElChe's verdict."""
-        reports = [track.reports[r] for r in sorted(track.reports)]
         if self.mode.via_controller and self.world > 1:
-            self._average(track, reports)
-        return self._record_cycle(track, reports)
+            self._average(track, [track.reports[r] for r in sorted(track.reports)])
+        return self._record_cycle(track)
 
-    def _record_cycle(self, track: WindowTrack, reports: list[Report]) -> Verdict | None:
+    def _record_cycle(self, track: WindowTrack) -> Verdict | None:
         if self.elche is None:
             return None
-        compute, batches = [0.0] * self.world, [0] * self.world
-        for r in reports:
-            compute[r.rank], batches[r.rank] = r.compute_ms, r.batches
-        syncs = [r.prev_sync_ms for r in reports if r.prev_sync_ms is not None]
-        divs = [r.prev_divergence for r in reports if r.prev_divergence is not None]
+        # One pass over the reports in rank order (a window of 128 ranks brings 128).
+        reports, compute, batches = track.reports, [0.0] * self.world, [0] * self.world
+        syncs: list[float] = []
+        divs: list[float] = []
+        for rank in sorted(reports):
+            r = reports[rank]
+            compute[rank], batches[rank] = r.compute_ms, r.batches
+            if r.prev_sync_ms is not None:
+                syncs.append(r.prev_sync_ms)
+            if r.prev_divergence is not None:
+                divs.append(r.prev_divergence)
         # The rank that arrived last waited least: its sync time is the collective's own cost.
         sync_ms = min(syncs) if syncs else 0.0
         divergence = max(divs) if divs else None
         if divergence is not None and not math.isfinite(divergence):
             divergence = None
         cycle = self.elche.report(
-            compute, batches, sync_ms, divergence=divergence, lr=reports[0].lr
+            compute, batches, sync_ms, divergence=divergence, lr=reports[min(reports)].lr
         )
         event = SyncEvent(
             index=track.index,

@@ -29,6 +29,7 @@ with the launcher besides the ranks' messages (hooks, posted events) is in ``eve
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import time
 from collections.abc import Callable
@@ -62,6 +63,8 @@ from flodl.runtime.snapshots import Checkpointer, ResumePoint
 from flodl.runtime.tracking import ControllerResult, WindowTrack
 
 log = logging.getLogger(__name__)
+
+_DEADLINES_S = 0.005  # how often the deadlines are looked at (see _check_deadlines)
 
 __all__ = ["Controller", "ControllerResult", "Disconnected", "Exited", "Hooks", "RunFailed"]
 
@@ -109,6 +112,7 @@ class Controller:
         self._stop_sent, self._stop_deadline = False, 0.0  # Stop went out; when it must be done
         self._t_start = time.perf_counter()
         self._t_train = self._t_end = 0.0  # training began; its last window completed
+        self._deadlines_at = -math.inf  # when _check_deadlines last looked
 
     @property
     def alive(self) -> list[int]:
@@ -159,14 +163,20 @@ class Controller:
             )
 
     def _finished(self) -> bool:
-        busy = self.planner.windows or self.saves.pending or self.elastic.regrouping
-        if self.final is None or busy:
+        if self.final is None:  # asked before every message: the cheap test first
+            return False
+        if self.planner.windows or self.saves.pending or self.elastic.regrouping:
             return False
         return self.stop_reason is not None or not self.planner.open
 
     def _check_deadlines(self) -> None:
-        self.elastic.excuse_stalls()
+        # Every message passes here (128 reports a window at 128 ranks): the deadlines are
+        # looked at every _DEADLINES_S, far finer than any of them (heartbeat, grace, start).
         now = time.perf_counter()
+        if now - self._deadlines_at < _DEADLINES_S:
+            return
+        self._deadlines_at = now
+        self.elastic.excuse_stalls()
         self.elastic.failure_due(now)
         timeout = self.cfg.cluster.start_timeout_s
         if self.planner.coverage is None and now - self._t_start > timeout:
@@ -177,9 +187,12 @@ class Controller:
             self.elastic.judge(now)
 
     def _handle(self, rank: int, msg: Any) -> None:
-        self.elastic.tell_if_late(rank, started=self.planner.coverage is not None)
-        if isinstance(msg, Report):
+        if self.planner.coverage is None:
+            self.elastic.tell_if_late(rank)
+        if isinstance(msg, Report):  # the most frequent first: a report a rank a window
             self._on_report(msg)
+        elif isinstance(msg, Settled):
+            self._on_settled(msg)
         elif isinstance(msg, Heartbeat):
             return
         elif isinstance(msg, Ready):
@@ -190,8 +203,6 @@ class Controller:
             self._on_final(msg)
         elif isinstance(msg, RankState):
             self.saves.on_rank_state(msg)
-        elif isinstance(msg, Settled):
-            self._on_settled(msg)
         elif isinstance(msg, Regrouped):
             self.elastic.on_regrouped(msg)
         elif isinstance(msg, RankError):

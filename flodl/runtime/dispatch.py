@@ -61,7 +61,23 @@ class EpochCursor:
         """Give rank ``r`` the next ``counts[r]`` batches of ``sizes[r]`` samples (default: the
         cursor's batch size); a rank with count 0 gets nothing."""
         sizes = sizes if sizes is not None else [self.batch_size] * len(counts)
+        if len(self.ranges) == 1 and not self.boundaries:
+            return self._take_from_one_range(counts, sizes)
         return [self._take_batches(count, size) for count, size in zip(counts, sizes, strict=True)]
+
+    def _take_from_one_range(
+        self, counts: Sequence[int], sizes: Sequence[int]
+    ) -> list[tuple[Chunk, ...]]:
+        """:meth:`_take_batches` for every rank when one range is left and no shard bounds
+        (a run's normal case): each rank's part is one slice, cut in one pass."""
+        (offset, left) = self.ranges[0]
+        out: list[tuple[Chunk, ...]] = []
+        for count, size in zip(counts, sizes, strict=True):
+            n = min(count * size, left) if count > 0 else 0
+            out.append(((offset, n),) if n > 0 else ())
+            offset, left = offset + n, left - n
+        self.ranges = [(offset, left)] if left > 0 else []
+        return out
 
     def _take_batches(self, count: int, batch_size: int) -> tuple[Chunk, ...]:
         chunks: list[Chunk] = []
@@ -135,7 +151,11 @@ class Coverage:
     trained: dict[int, list[Chunk]] = field(default_factory=dict)
 
     def record(self, epoch: int, chunks: Sequence[Chunk]) -> None:
-        self.trained.setdefault(epoch, []).extend(chunks)
+        trained = self.trained.get(epoch)  # once a report: no empty default list each time
+        if trained is None:
+            self.trained[epoch] = list(chunks)
+        else:
+            trained.extend(chunks)
 
     def unrecord(self, epoch: int, chunks: Sequence[Chunk]) -> None:
         """Forget ranges whose training was lost with their rank (they are trained again)."""

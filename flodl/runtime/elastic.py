@@ -78,9 +78,10 @@ class Elastic:
     def alive(self) -> list[int]:
         return self.members.members
 
-    def tell_if_late(self, rank: int, started: bool) -> None:
-        """A rank that joined late, after a rank was lost, hears the membership first."""
-        told = started or self._told.get(rank, 0) >= self.members.generation
+    def tell_if_late(self, rank: int) -> None:
+        """Before training starts: a rank that joined late, after a rank was lost, hears the
+        membership first."""
+        told = self._told.get(rank, 0) >= self.members.generation
         if not told and rank in self.alive:
             self._tell(rank)
 

@@ -78,6 +78,9 @@ class Opening:
         self.ready.pop(rank, None)
 
     def all_ready(self) -> bool:
+        # Asked on every Ready: the count settles it until the last one.
+        if len(self.ready) < len(self.members.members):
+            return False
         return set(self.members.members) <= self.ready.keys()
 
     def missing(self) -> list[int]:

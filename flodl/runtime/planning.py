@@ -23,7 +23,6 @@ from flodl.elche.guard import Verdict
 from flodl.runtime.dispatch import (
     Coverage,
     EpochCursor,
-    chunk_batches,
     clamp_to_samples,
     eval_shards,
 )
@@ -45,6 +44,8 @@ def whole_steps(counts: list[int], cfg: TrainerConfig) -> list[int]:
     a window rarely ends inside a group. ElChe's "batch" is a micro-batch: it times and counts
     those; the cursor clips what it hands out to what the epoch has left."""
     n = cfg.accumulate_grad_batches
+    if n == 1:
+        return list(counts)
     return [math.ceil(c / n) * n for c in counts]
 
 
@@ -209,8 +210,14 @@ class Planner:
         progress = cursor.epoch * cursor.n_samples + cursor.n_samples - remaining
         sizes = self.batch_sizes
         chunks = cursor.take(self._window_counts(cursor, sizes), sizes)
-        batches = [chunk_batches(c, size) for c, size in zip(chunks, sizes, strict=True)]
-        samples = [sum(size for _, size in c) for c in chunks]
+        batches, samples = [], []  # per rank, in one pass (a window of 128 ranks: 128 entries)
+        for rank_chunks, size in zip(chunks, sizes, strict=True):
+            n = b = 0
+            for _, part in rank_chunks:
+                n += part
+                b -= -part // size  # ceil: chunk_batches
+            samples.append(n)
+            batches.append(b)
         if self.world > 1:
             weights = averaging_weights(samples, self.cfg.elche.gamma)  # ∝ samples ** gamma
             bweights = buffer_weights(batches)
@@ -247,11 +254,17 @@ class Planner:
             index, cursor.epoch, batches, list(chunks), set(self.alive)
         )
         alive = self.alive
+        if len(alive) == len(chunks):  # everyone: the same dicts, built at C speed
+            own = dict(enumerate(chunks))
+            pairs = dict(enumerate(zip(weights, bweights, strict=True)))
+        else:
+            own = {r: chunks[r] for r in alive}
+            pairs = {r: (weights[r], bweights[r]) for r in alive}
         return PlannedWindow(
             index,
             cursor.epoch,
-            {r: chunks[r] for r in alive},
-            {r: (weights[r], bweights[r]) for r in alive},
+            own,
+            pairs,
             eval_shards=shards,
             writer=save.writer if save is not None else -1,
             max_overshoot=self.overshoot[0],

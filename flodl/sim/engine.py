@@ -204,10 +204,11 @@ class Simulator:
 
     def to_controller(self, rank: int, msg: Any) -> None:
         """One message through the controller's own per-message steps (those of
-        ``Controller.run``: the finish check, the deadline checks, the handler)."""
+        ``Controller.run``: the finish check, the deadline checks, the handler). The arrival
+        stamp is a reader thread's work in a launch (``Controller.post``), as is decoding."""
         ctl = self.ctl
-        t0 = time.process_time()
         ctl.members.seen(rank)
+        t0 = time.process_time()
         ctl._finished()
         ctl._check_deadlines()
         ctl._handle_timed(rank, msg)
