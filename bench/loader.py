@@ -30,6 +30,7 @@ import zlib
 from typing import Any
 
 from bench.common import (
+    _probe_calibration,
     child_main,
     exit_on_sigterm,
     log,
@@ -43,6 +44,7 @@ from bench.common import (
 BATCH = 64
 SEED = 42
 SPEEDS = [1.0, 0.5]
+PACE_MARGIN = 1.3
 VARIANTS: dict[str, dict[str, Any]] = {
     "tensor": {"work_ms": None, "workers": 0},
     "work0.1_w0": {"work_ms": 0.1, "workers": 0},
@@ -100,8 +102,11 @@ def flodl_run(variant: str, epochs: int) -> dict[str, Any]:
     cluster = (
         ClusterConfig(kind="auto")
         if solo
-        else ClusterConfig(kind="cpu_rig", ranks=2, speeds=SPEEDS, pace_margin=1.3)
+        else ClusterConfig(kind="cpu_rig", ranks=2, speeds=SPEEDS, pace_margin=PACE_MARGIN)
     )
+    calibrated: list[dict[str, Any]] = []
+    if not solo:
+        _probe_calibration(calibrated)
     t0 = time.perf_counter()
     handle = (
         Trainer.builder(ModelFactory("lenet"), OptimFactory(WORKLOADS["lenet"].optimizer),
@@ -120,9 +125,16 @@ def flodl_run(variant: str, epochs: int) -> dict[str, Any]:
     handle.join()
     s = handle.result.summary
     tele = s.telemetry or []
+    steps = [c["step_ms"] for c in calibrated if c["step_ms"] is not None]
+    nominal_ms = max(steps) * PACE_MARGIN if steps else None
+    # The rig's limit at this run's nominal step T: every rank flat out, batches of BATCH at
+    # speed / T each. Its share of it compares runs whose calibrations came out differently.
+    limit = BATCH * sum(SPEEDS) / (nominal_ms / 1e3) if nominal_ms else None
     return {
         "status": s.status,
         "samples_per_s": s.samples_per_s,
+        "nominal_step_ms": nominal_ms,
+        "rig_efficiency": s.samples_per_s / limit if limit and s.samples_per_s else None,
         "per_rank_batch_share": list(s.per_rank_batch_share),
         "idle_fraction": list(s.idle_fraction),
         "data_wait_fraction": [t.get("data_wait_fraction") for t in tele],
@@ -173,6 +185,10 @@ def run_one(payload: dict[str, Any]) -> dict[str, Any]:
     return result | {"load_before": load_before, "load_after": os.getloadavg()}
 
 
+def _median_of(rows: list[dict[str, Any]], key: str) -> float | None:
+    return median([r[key] for r in rows if r.get(key)])
+
+
 def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for variant, rows in runs.items():
@@ -182,6 +198,8 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             "runs": len(rows),
             "ok": len(ok),
             "samples_per_s": median([r["samples_per_s"] for r in ok]),
+            "nominal_step_ms": _median_of(ok, "nominal_step_ms"),
+            "rig_efficiency": _median_of(ok, "rig_efficiency"),
             "fast_share": median(shares) if len(SPEEDS) > 1 and shares else None,
             "data_wait_fraction": (ok[len(ok) // 2].get("data_wait_fraction") if ok else None),
         }
@@ -193,6 +211,11 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 
     out["goals"] = {
         "w1_vs_tensor": ratio(out["work0.1_w1"]["samples_per_s"], tensor),
+        # The same, each run against its own nominal step: the data path without the noise of
+        # the calibration (T differs run to run on a shared VM; samples/s scale with 1 / T).
+        "w1_vs_tensor_same_step": ratio(
+            out["work0.1_w1"]["rig_efficiency"], out["tensor"]["rig_efficiency"]
+        ),
         "w0_vs_tensor": ratio(out["work0.1_w0"]["samples_per_s"], tensor),
         "w1_fast_share": out["work0.1_w1"]["fast_share"],
         "work1_vs_plain_dl2": ratio(out["work1_w1"]["samples_per_s"], plain),

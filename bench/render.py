@@ -358,6 +358,10 @@ _LOADER_ROWS = [
 ]
 
 
+LOADER_HEADER = ["data", "where", "samples/s", "nominal step ms", "of the rig's limit",
+                 "fast share", "data wait (per rank)"]  # fmt: skip
+
+
 def loader_block(data: dict[str, Any]) -> str:
     s, goals = data["summary"], data["summary"]["goals"]
     rows = []
@@ -365,12 +369,15 @@ def loader_block(data: dict[str, Any]) -> str:
         v = s.get(key) or {}
         wait = v.get("data_wait_fraction")
         rows.append(
-            [what, where, _num(v.get("samples_per_s"), ".0f"), _num(v.get("fast_share"), ".3f"),
-             _list(wait) if wait else "\u2013"]
+            [what, where, _num(v.get("samples_per_s"), ".0f"),
+             _num(v.get("nominal_step_ms"), ".2f"), _num(v.get("rig_efficiency"), ".3f"),
+             _num(v.get("fast_share"), ".3f"), _list(wait) if wait else "\u2013"]
         )  # fmt: skip
     rig = _speeds(data["speeds"])
     checks = [
         ["workers=1 vs TensorDataset (~0.1 ms)", _num(goals.get("w1_vs_tensor")), ">= 0.9"],
+        ["... each at its own nominal step (share of the rig's limit)",
+         _num(goals.get("w1_vs_tensor_same_step")), ">= 0.9"],
         ["workers=0 vs TensorDataset (~0.1 ms)", _num(goals.get("w0_vs_tensor")), "(beside it)"],
         ["fast rank's share, workers=1", _num(goals.get("w1_fast_share")), "0.67 +- 0.03"],
         ["workers=1 vs DataLoader(2) (~1 ms)", _num(goals.get("work1_vs_plain_dl2")), ">= 1.0"],
@@ -383,7 +390,7 @@ def loader_block(data: dict[str, Any]) -> str:
             f"(nccl_cadence), {data['epochs']} epoch(s), medians of {data['repeats']} "
             f"interleaved repeat(s); samples/s over the training time."
             + (quick if data.get("quick") else ""),
-            _table(["data", "where", "samples/s", "fast share", "data wait (per rank)"], rows),
+            _table(LOADER_HEADER, rows),
             _table(["goal", "measured", "target"], checks),
         ]
     )
