@@ -242,6 +242,8 @@ class Job:
         self._result_state = state
         state.save(self.job_dir / "model.pt")
         summary = self._summary(result)
+        if self.spec.pace and summary.telemetry:
+            _warn_overruns(summary.telemetry, list(self.spec.speeds))
         if result.save_error is not None:  # stopped cleanly; what was trained is in model.pt
             summary.status = "failed"
             summary.error = (
@@ -353,11 +355,13 @@ def _coverage_exact(result: ControllerResult) -> bool:
 
 
 def _telemetry(result: ControllerResult) -> list[dict[str, Any]]:
-    """Per rank over the whole run: device, peak memory, busy and data-wait fractions."""
+    """Per rank over the whole run: device, peak memory, busy, data-wait and (CPU rig) pace
+    overrun fractions."""
     train_s = result.train_s
     out = []
     for r, compute_ms in enumerate(result.rank_compute_ms):
         data_ms = result.rank_data_ms[r] if r < len(result.rank_data_ms) else 0.0
+        overrun_ms = result.rank_overrun_ms[r] if r < len(result.rank_overrun_ms) else 0.0
         peak = result.rank_peak_mem[r] if r < len(result.rank_peak_mem) else 0
         out.append(
             {
@@ -366,9 +370,35 @@ def _telemetry(result: ControllerResult) -> list[dict[str, Any]]:
                 "peak_mem_mb": peak / 2**20,
                 "busy_fraction": max(0.0, compute_ms - data_ms) / 1000.0 / train_s,
                 "data_wait_fraction": data_ms / 1000.0 / train_s,
+                "pace_overrun_fraction": overrun_ms / 1000.0 / train_s,
             }
         )
     return out
+
+
+#: A paced rank whose steps ran past their deadlines for more of the training time than this
+#: is not simulating its speed: the summary says so.
+OVERRUN_WARN = 0.05
+
+
+def _warn_overruns(telemetry: list[dict[str, Any]], speeds: list[float]) -> None:
+    """CPU rig: ranks whose paced steps overran their deadlines (the simulated device was
+    slower than asked: the cores are oversubscribed), so the speed ratio was not held."""
+    late = [t for t in telemetry if t["pace_overrun_fraction"] > OVERRUN_WARN]
+    if not late:
+        return
+    detail = ", ".join(
+        f"rank {t['rank']} (speed {speeds[t['rank']] if t['rank'] < len(speeds) else '?'}) "
+        f"{t['pace_overrun_fraction']:.0%}"
+        for t in late
+    )
+    log.warning(
+        "cpu_rig: paced steps ran past their deadlines for part of the training time: %s. "
+        "The cores are oversubscribed (loader workers, other ranks or processes), so the rig "
+        "did not hold its speed ratios; raise cluster.pace_margin, use fewer loader.num_workers "
+        "or fewer ranks",
+        detail,
+    )
 
 
 def _finite(x: float) -> float | None:

@@ -40,8 +40,9 @@ class EpochMetrics:
     step, ``eval_result_fn``, ``epoch_fn`` and ``summary.json`` all say. ``eval_metrics`` holds
     every eval metric of an evaluated epoch (``eval_loss`` and the task's metrics, each computed
     once over the whole eval set); ``eval_value`` is the one ``task.eval_metric`` names.
-    ``per_rank`` carries telemetry per rank: ``busy_fraction`` and ``data_wait_fraction`` of the
-    epoch's wall time and ``peak_mem_mb`` (CUDA max allocated; the process's peak RSS on CPU).
+    ``per_rank`` carries telemetry per rank: ``busy_fraction``, ``data_wait_fraction`` and
+    ``pace_overrun_fraction`` (CPU rig: paced steps past their deadlines) of the epoch's wall
+    time and ``peak_mem_mb`` (CUDA max allocated; the process's peak RSS on CPU).
     """
 
     epoch: int

@@ -22,7 +22,13 @@ from typing import Any, Protocol
 from flodl.config import LoggerConfig, MlflowConfig, WandbConfig
 from flodl.metrics import EpochMetrics
 
-_RANK_STATS = ("loss", "busy_fraction", "data_wait_fraction", "peak_mem_mb")
+_RANK_STATS = (
+    "loss",
+    "busy_fraction",
+    "data_wait_fraction",
+    "pace_overrun_fraction",
+    "peak_mem_mb",
+)
 
 
 def epoch_scalars(m: EpochMetrics) -> dict[str, float]:

@@ -98,7 +98,12 @@ class RunLogger:
             self._scalar(None, f"eval/{name}", value, step)
         for rank, stats in enumerate(m.per_rank):
             self._scalar(rank, "loss/train", stats.get("loss"), step)
-            for key in ("busy_fraction", "data_wait_fraction", "peak_mem_mb"):
+            for key in (
+                "busy_fraction",
+                "data_wait_fraction",
+                "pace_overrun_fraction",
+                "peak_mem_mb",
+            ):
                 self._scalar(rank, f"telemetry/{key}", stats.get(key), step)
         for rank, throughput in enumerate(m.per_rank_throughput):
             self._scalar(rank, "throughput/samples_per_s", throughput, step)

@@ -406,6 +406,7 @@ class Controller:
             rank_batches=[sum(t.batches[r] for t in tracks) for r in ranks],
             rank_compute_ms=[sum(t.compute_ms[r] for t in tracks) for r in ranks],
             rank_data_ms=[sum(t.data_ms[r] for t in tracks) for r in ranks],
+            rank_overrun_ms=[sum(t.overrun_ms[r] for t in tracks) for r in ranks],
             rank_peak_mem=[max((t.peak_mem[r] for t in tracks), default=0) for r in ranks],
             stopped_early=self.stopped_early,
             best=self.saves.best.to_dict() if self.saves.best is not None else None,

@@ -148,6 +148,7 @@ class Report:
     lr: float | None = None
     snapshot: Any = None  # flat parameters (controller-averaged modes)
     data_ms: float = 0.0  # of compute_ms, the time spent waiting for batches
+    overrun_ms: float = 0.0  # of compute_ms, paced steps running past their deadlines (CPU rig)
     peak_mem: int = 0  # bytes: CUDA max_memory_allocated, or the process's peak RSS on CPU
     steps: tuple[tuple[int, float, float], ...] = ()  # (rank step, loss, lr), every n-th step
 

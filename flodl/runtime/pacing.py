@@ -30,6 +30,10 @@ class Pacer:
             raise ValueError(f"speed={speed}: must be in (0, 1]")
         self.speed = speed
         self.nominal_s: float | None = None
+        # Seconds the paced steps ran past their deadlines: the step itself took longer than
+        # the simulated device's. On a CPU rig that means the cores are oversubscribed (loader
+        # workers, other ranks, other processes), and the simulated speed ratio is not held.
+        self.overrun_s = 0.0
 
     @property
     def step_s(self) -> float | None:
@@ -46,6 +50,8 @@ class Pacer:
             delay = deadline - time.perf_counter()
             if delay > 0:
                 time.sleep(delay)
+            else:
+                self.overrun_s -= delay
         return out
 
 

@@ -60,6 +60,7 @@ class EpochTrack:
     # (collective modes): until then its work is not known to be in the model.
     unsettled: set[int] = field(default_factory=set)
     data_ms: list[float] = field(default_factory=list)
+    overrun_ms: list[float] = field(default_factory=list)
     peak_mem: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -68,6 +69,7 @@ class EpochTrack:
         self.rank_loss = [[0.0, 0.0] for _ in range(self.world)]
         self.compute_ms = [0.0] * self.world
         self.data_ms = [0.0] * self.world
+        self.overrun_ms = [0.0] * self.world
         self.peak_mem = [0] * self.world
 
     def plan_eval(self, window: int, ranks: set[int]) -> None:
@@ -115,6 +117,8 @@ class EpochTrack:
         self.samples += samples
         self.compute_ms[r] += report.compute_ms
         self.data_ms[r] += report.data_ms
+        if report.overrun_ms:
+            self.overrun_ms[r] += report.overrun_ms
         if report.peak_mem > self.peak_mem[r]:
             self.peak_mem[r] = report.peak_mem
         if report.lr is not None:
@@ -139,6 +143,7 @@ class EpochTrack:
         self.samples -= report.samples
         self.compute_ms[r] -= report.compute_ms
         self.data_ms[r] -= report.data_ms
+        self.overrun_ms[r] -= report.overrun_ms
         self.loss_sum -= report.loss_sum
         self.loss_count -= report.loss_count
         self.rank_loss[r][0] -= report.loss_sum
@@ -167,6 +172,7 @@ class EpochTrack:
                 "compute_ms": self.compute_ms[r],
                 "busy_fraction": max(0.0, self.compute_ms[r] - self.data_ms[r]) / 1e3 / epoch_s,
                 "data_wait_fraction": self.data_ms[r] / 1e3 / epoch_s,
+                "pace_overrun_fraction": self.overrun_ms[r] / 1e3 / epoch_s,
                 "peak_mem_mb": self.peak_mem[r] / 2**20,
             }
             for r, (ls, lc) in enumerate(self.rank_loss)
@@ -212,6 +218,7 @@ class ControllerResult:
     rank_compute_ms: list[float]
     devices: list[str]
     rank_data_ms: list[float] = field(default_factory=list)
+    rank_overrun_ms: list[float] = field(default_factory=list)
     rank_peak_mem: list[int] = field(default_factory=list)
     stopped_early: dict[str, Any] | None = None  # a normal stop: early stopping, metrics_fn
     best: dict[str, Any] | None = None  # save_best's best value and its epoch

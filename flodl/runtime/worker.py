@@ -65,6 +65,7 @@ class WindowTally:
     loss_count: int = 0
     batches: int = 0
     data_ms: float = 0.0  # waiting for batches
+    overrun_s: float = 0.0  # the pacer's overrun count when the window began
     last_loss: float = math.nan
     steps: list[tuple[int, float, float]] = dataclasses.field(default_factory=list)
 
@@ -606,7 +607,7 @@ class Worker:
             self.grad_sync.weight = window.weight  # this rank's share of the step's samples
         own = sum(size for _, size in window.chunks)
         self._clock, self._own_done = (window.progress, window.window_samples, own), 0
-        return WindowTally(time.perf_counter())
+        return WindowTally(time.perf_counter(), overrun_s=self.pacer.overrun_s)
 
     def end_window(self, window: Window, tally: WindowTally) -> None:
         """Report the window (before averaging, so planning overlaps it), average, evaluate."""
@@ -631,6 +632,7 @@ class Worker:
                 lr=float(self.optimizer.param_groups[0]["lr"]),
                 snapshot=snapshot,
                 data_ms=tally.data_ms,
+                overrun_ms=(self.pacer.overrun_s - tally.overrun_s) * 1000.0,
                 peak_mem=self.peak_memory(),
                 steps=tuple(tally.steps),
             )

@@ -128,6 +128,8 @@ def test_per_rank_telemetry_is_present_and_plausible(run):
         assert 0 < t["data_wait_fraction"] < t["busy_fraction"] < 1
         # Busy plus data wait is the compute time the idle fraction leaves (same clock).
         assert t["busy_fraction"] + t["data_wait_fraction"] == pytest.approx(1 - idle, abs=1e-6)
+        # Paced steps past their deadlines are part of that compute time.
+        assert 0 <= t["pace_overrun_fraction"] <= t["busy_fraction"] + t["data_wait_fraction"]
     for m in seen:
         for r, s in enumerate(m.per_rank):
             assert s["peak_mem_mb"] > 50 and 0 < s["data_wait_fraction"] < s["busy_fraction"] < 1

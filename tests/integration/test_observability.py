@@ -42,6 +42,7 @@ RANK_TAGS = {
     "elche/batches",
     "telemetry/busy_fraction",
     "telemetry/data_wait_fraction",
+    "telemetry/pace_overrun_fraction",
     "telemetry/peak_mem_mb",
 }
 HPARAM_METRICS = {"final_loss", "eval", "wall_s", "samples_per_s", "final/eval"}  # + each metric

@@ -1,0 +1,58 @@
+"""The CPU rig says when it did not hold its speed ratios: paced steps past their deadlines.
+
+A rank's pacer pads each step to ``T / speed``; a step that takes longer than that (the cores
+oversubscribed by loader workers, other ranks or processes) cannot be padded, and the simulated
+device was slower than asked. The overrun time travels in each Report into the per-epoch and
+per-run telemetry (``pace_overrun_fraction``), and the run warns above 5 %.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+
+from flodl import ClusterConfig, ElCheConfig, LoggerConfig, Trainer
+from flodl.runtime.pacing import Pacer
+from tests.integration.helpers import data, late_step, model_factory, optim_factory
+
+
+def test_the_pacer_counts_only_the_time_past_each_deadline():
+    import time
+
+    pacer = Pacer(0.5)
+    pacer.run(lambda: time.sleep(0.03))
+    assert pacer.overrun_s == 0.0  # not calibrated yet: nothing is paced
+    pacer.set_nominal(0.01)  # deadline 20 ms at speed 0.5
+    pacer.run(lambda: None)
+    assert pacer.overrun_s == 0.0  # padded, not overrun
+    pacer.run(lambda: time.sleep(0.05))
+    assert 0.025 < pacer.overrun_s < 0.2  # ~30 ms past the 20 ms deadline
+
+
+def test_overrunning_ranks_are_reported_and_warned_about(tmp_path, caplog):
+    metrics = []
+    handle = (
+        Trainer.builder(model_factory, optim_factory, late_step)
+        .dataset(partial(data, "train", 256))
+        .batch_size(32)
+        .num_epochs(2)
+        .elche(ElCheConfig(mode="nccl_cadence"))
+        .cluster(ClusterConfig(kind="cpu_rig", ranks=2, speeds=[1.0, 0.5], warmup_steps=3))
+        .logger(LoggerConfig(progress="off", tensorboard=False))
+        .metrics_fn(metrics.append)
+        .output_dir(tmp_path / "job")
+    )
+    with caplog.at_level(logging.WARNING, logger="flodl.job"):
+        run = handle.run()
+        run.join(timeout=240)
+    summary = run.result.summary
+    assert summary.status == "ok"
+    for t in summary.telemetry:
+        # Each step ran ~20 ms past a deadline of a few ms: most of the compute time.
+        assert 0.3 < t["pace_overrun_fraction"] <= t["busy_fraction"] + t["data_wait_fraction"]
+    assert [m.epoch for m in metrics] == [1, 2]
+    assert all(s["pace_overrun_fraction"] > 0.3 for m in metrics for s in m.per_rank)
+    warned = [r.getMessage() for r in caplog.records if "past their deadlines" in r.getMessage()]
+    assert (
+        len(warned) == 1 and "rank 0 (speed 1.0)" in warned[0] and "rank 1 (speed 0.5)" in warned[0]
+    )
