@@ -499,6 +499,11 @@ def _startup(missing: str) -> str:
     return startup_block(data, _machine(data)) if data else missing
 
 
+def _block(stem: str, block: Any, missing: str) -> str:
+    data = _load(stem)
+    return block(data) if data else missing
+
+
 def render() -> dict[str, str]:
     hetero, overhead, convergence = _load("hetero"), _load("overhead"), _load("convergence")
     sim = _load("scale_sim")
@@ -509,6 +514,7 @@ def render() -> dict[str, str]:
         "big": _bulk("big", "big_block"),
         "ddp_bench": _ddp_bench(),
         "hetero": hetero_block(hetero) if hetero else missing,
+        "nccl_sync_equal": _block("hetero_sync_equal", hetero_block, missing),
         "overhead": overhead_block(overhead) if overhead else missing,
         "convergence": convergence_block(convergence) if convergence else missing,
         "targets": targets_block(hetero, overhead, _load("hetero_long")),
