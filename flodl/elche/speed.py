@@ -49,6 +49,15 @@ class SpeedTracker:
     def update(self, compute_ms: Sequence[float], batches: Sequence[int]) -> bool:
         """Add one report; True when at least one rank delivered a timing sample."""
         self._smoothed = None
+        if len(compute_ms) != len(self._windows) or len(batches) != len(self._windows):
+            raise ValueError(f"update: one entry per rank ({len(self._windows)}) is needed")
+        if batches and min(batches) > 0:  # every rank stepped (the usual case): one tight pass
+            for window, ms, n in zip(self._windows, compute_ms, batches, strict=True):
+                window.append(ms / n)
+                if len(window) > TRUST_WINDOW:
+                    del window[0]
+            self._zero_streaks = [0] * len(batches)
+            return True
         timed = False
         for rank, (ms, n) in enumerate(zip(compute_ms, batches, strict=True)):
             if n > 0:
@@ -74,7 +83,12 @@ class SpeedTracker:
     def means(self) -> list[float | None]:
         """:meth:`smoothed` without the copy, for readers that do not keep or change it."""
         if self._smoothed is None:
-            self._smoothed = [math.fsum(w) / len(w) if w else None for w in self._windows]
+            windows = self._windows
+            if all(windows):  # every rank measured: the sums and lengths at C speed
+                sums, lens = map(math.fsum, windows), map(len, windows)
+                self._smoothed = [s / n for s, n in zip(sums, lens, strict=True)]
+            else:
+                self._smoothed = [math.fsum(w) / len(w) if w else None for w in windows]
         return self._smoothed
 
     def windows(self) -> list[list[float]]:
@@ -94,11 +108,16 @@ def elect_anchor_rank(smoothed: Sequence[float | None], current: int | None) -> 
     same rank on every controller. A current anchor is kept unless the slowest cohort member is
     at least :data:`CHALLENGE_MARGIN` slower than it (hysteresis against jitter).
     """
-    known = [(ms, rank) for rank, ms in enumerate(smoothed) if ms is not None]
-    if not known:
-        return None
-    slowest_ms = max(known)[0]
-    cohort = [(ms, rank) for ms, rank in known if ms >= (1.0 - SLOW_COHORT_BAND) * slowest_ms]
+    if smoothed and None not in smoothed:  # every rank measured: no pairs for the others
+        values = cast("Sequence[float]", smoothed)
+        bound = (1.0 - SLOW_COHORT_BAND) * max(values)
+        cohort = [(ms, rank) for rank, ms in enumerate(values) if ms >= bound]
+    else:
+        known = [(ms, rank) for rank, ms in enumerate(smoothed) if ms is not None]
+        if not known:
+            return None
+        bound = (1.0 - SLOW_COHORT_BAND) * max(known)[0]
+        cohort = [(ms, rank) for ms, rank in known if ms >= bound]
     current_ms = smoothed[current] if current is not None else None
     if current is None or current_ms is None:
         return min(rank for _, rank in cohort)
@@ -171,6 +190,8 @@ def speed_counts(
 
 def apply_dead_zone(target: Sequence[int], previous: Sequence[int]) -> list[int]:
     """Keep each previous count unless its target moved by more than :data:`DEAD_ZONE`."""
+    if list(target) == list(previous):  # settled counts (the usual case): nothing moved
+        return list(previous)
     return [t if abs(t - p) > DEAD_ZONE * p else p for t, p in zip(target, previous, strict=True)]
 
 

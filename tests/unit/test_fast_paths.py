@@ -14,7 +14,14 @@ import pytest
 
 from flodl.config import ElCheConfig
 from flodl.elche import ElChe, averaging_weights, buffer_weights
-from flodl.elche.speed import clamp_window, speed_counts, speed_order
+from flodl.elche.speed import (
+    SpeedTracker,
+    apply_dead_zone,
+    clamp_window,
+    elect_anchor_rank,
+    speed_counts,
+    speed_order,
+)
 from flodl.runtime.dispatch import EpochCursor
 
 RNG = random.Random(1234)
@@ -120,3 +127,44 @@ def test_report_validation_passes_huge_finite_times_and_refuses_bad_ones() -> No
             elche.report(bad, [1, 1], 0.0)
     with pytest.raises(ValueError, match="batches"):
         elche.report([1.0, 1.0], [1, -1], 0.0)
+
+
+def test_speed_tracker_shortcuts_equal_the_per_rank_updates() -> None:
+    for _ in range(CASES):
+        world = RNG.randint(1, 9)
+        fast, slow = SpeedTracker(world), SpeedTracker(world)
+        for _ in range(RNG.randint(1, 12)):
+            ms = [RNG.uniform(0.1, 50.0) for _ in range(world)]
+            stepped = [RNG.randint(1, 9) for _ in range(world)]  # every rank: the shortcut
+            assert fast.update(ms, stepped)
+            for r in range(world):  # the general path: a report with this rank alone stepping
+                alone = [0] * world
+                alone[r] = stepped[r]
+                streaks = slow.zero_streaks()
+                slow.update(ms, alone)
+                slow._zero_streaks = [0 if q == r else streaks[q] for q in range(world)]
+            assert fast.windows() == slow.windows() and fast.zero_streaks() == [0] * world
+            expected = [math.fsum(w) / len(w) for w in slow.windows()]
+            assert fast.smoothed() == expected
+
+
+def test_elect_anchor_rank_shortcut_equals_the_general_election() -> None:
+    for _ in range(CASES):
+        world = RNG.randint(1, 12)
+        smoothed = [RNG.choice([10.0, 11.0, RNG.uniform(1.0, 12.0)]) for _ in range(world)]
+        current = RNG.choice([None, *range(world)])
+        # The general path runs when some rank is unmeasured: an extra, unmeasured rank
+        # changes nothing about the election among the measured ones.
+        general = elect_anchor_rank([*smoothed, None], current)
+        assert elect_anchor_rank(smoothed, current) == general
+
+
+def test_dead_zone_shortcut_keeps_settled_counts() -> None:
+    for _ in range(CASES):
+        previous = [RNG.randint(1, 60) for _ in range(RNG.randint(1, 12))]
+        target = [max(1, p + RNG.choice([0, 0, 1, -1, 5])) for p in previous]
+        expected = [
+            t if abs(t - p) > 0.05 * p else p for t, p in zip(target, previous, strict=True)
+        ]
+        assert apply_dead_zone(target, previous) == expected
+        assert apply_dead_zone(previous, previous) == previous
