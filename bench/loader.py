@@ -138,6 +138,7 @@ def flodl_run(variant: str, epochs: int) -> dict[str, Any]:
         "per_rank_batch_share": list(s.per_rank_batch_share),
         "idle_fraction": list(s.idle_fraction),
         "data_wait_fraction": [t.get("data_wait_fraction") for t in tele],
+        "pace_overrun_fraction": [t.get("pace_overrun_fraction") for t in tele],
         "final_loss": s.final_loss,
         "total_s": time.perf_counter() - t0,
     }
@@ -202,6 +203,9 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             "rig_efficiency": _median_of(ok, "rig_efficiency"),
             "fast_share": median(shares) if len(SPEEDS) > 1 and shares else None,
             "data_wait_fraction": (ok[len(ok) // 2].get("data_wait_fraction") if ok else None),
+            "pace_overrun_fraction": (
+                ok[len(ok) // 2].get("pace_overrun_fraction") if ok else None
+            ),
         }
     tensor = out["tensor"]["samples_per_s"]
     plain = out["plain_dl2"]["samples_per_s"]

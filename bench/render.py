@@ -359,7 +359,7 @@ _LOADER_ROWS = [
 
 
 LOADER_HEADER = ["data", "where", "samples/s", "nominal step ms", "of the rig's limit",
-                 "fast share", "data wait (per rank)"]  # fmt: skip
+                 "fast share", "data wait (per rank)", "paced steps late (per rank)"]  # fmt: skip
 
 
 def loader_block(data: dict[str, Any]) -> str:
@@ -367,11 +367,12 @@ def loader_block(data: dict[str, Any]) -> str:
     rows = []
     for key, what, where in _LOADER_ROWS:
         v = s.get(key) or {}
-        wait = v.get("data_wait_fraction")
+        wait, late = v.get("data_wait_fraction"), v.get("pace_overrun_fraction")
         rows.append(
             [what, where, _num(v.get("samples_per_s"), ".0f"),
              _num(v.get("nominal_step_ms"), ".2f"), _num(v.get("rig_efficiency"), ".3f"),
-             _num(v.get("fast_share"), ".3f"), _list(wait) if wait else "\u2013"]
+             _num(v.get("fast_share"), ".3f"), _list(wait) if wait else "\u2013",
+             _list(late) if late else "\u2013"]
         )  # fmt: skip
     rig = _speeds(data["speeds"])
     checks = [

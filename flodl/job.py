@@ -378,7 +378,7 @@ def _telemetry(result: ControllerResult) -> list[dict[str, Any]]:
 
 #: A paced rank whose steps ran past their deadlines for more of the training time than this
 #: is not simulating its speed: the summary says so.
-OVERRUN_WARN = 0.05
+OVERRUN_WARN = 0.10
 
 
 def _warn_overruns(telemetry: list[dict[str, Any]], speeds: list[float]) -> None:

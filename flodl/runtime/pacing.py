@@ -34,6 +34,7 @@ class Pacer:
         # the simulated device's. On a CPU rig that means the cores are oversubscribed (loader
         # workers, other ranks, other processes), and the simulated speed ratio is not held.
         self.overrun_s = 0.0
+        self._exempt_s = 0.0  # of the step in progress: waiting in a collective (not counted)
 
     @property
     def step_s(self) -> float | None:
@@ -44,6 +45,7 @@ class Pacer:
 
     def run(self, step: Callable[[], T]) -> T:
         start = time.perf_counter()
+        self._exempt_s = 0.0
         out = step()
         if self.nominal_s is not None:
             deadline = start + self.nominal_s / self.speed
@@ -51,8 +53,14 @@ class Pacer:
             if delay > 0:
                 time.sleep(delay)
             else:
-                self.overrun_s -= delay
+                self.overrun_s += max(0.0, -delay - self._exempt_s)
         return out
+
+    def exempt(self, seconds: float) -> None:
+        """Time the step in progress spent waiting in a collective (nccl_sync's gradient
+        all-reduce waits for the slowest peer inside the step): a step late by that much ran
+        its own work on time, so it is not an overrun."""
+        self._exempt_s += seconds
 
 
 def measure_step_s(step: Callable[[], object], n: int) -> float:

@@ -679,7 +679,9 @@ class Worker:
     def optimizer_step(self) -> None:
         """Step over the pending micro-batches; a GradScaler skip counts as a non-finite step."""
         if self._grad_window and self.grad_sync is not None and not self._grad_failed:
+            t0 = time.perf_counter()
             self._grad_failed = not self._collective(self.grad_sync.finish, "gradient all-reduce")
+            self.pacer.exempt(time.perf_counter() - t0)
         if not self.runner.step(self.model, self.optimizer):
             self._skip_nonfinite(
                 "non-finite gradients (16-mixed: the GradScaler lowered its scale)"

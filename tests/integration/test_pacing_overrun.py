@@ -3,7 +3,8 @@
 A rank's pacer pads each step to ``T / speed``; a step that takes longer than that (the cores
 oversubscribed by loader workers, other ranks or processes) cannot be padded, and the simulated
 device was slower than asked. The overrun time travels in each Report into the per-epoch and
-per-run telemetry (``pace_overrun_fraction``), and the run warns above 5 %.
+per-run telemetry (``pace_overrun_fraction``), and the run warns above 10 %. Time a step spends
+waiting in a collective (nccl_sync's gradient all-reduce, inside the step) is not an overrun.
 """
 
 from __future__ import annotations
@@ -27,6 +28,14 @@ def test_the_pacer_counts_only_the_time_past_each_deadline():
     assert pacer.overrun_s == 0.0  # padded, not overrun
     pacer.run(lambda: time.sleep(0.05))
     assert 0.025 < pacer.overrun_s < 0.2  # ~30 ms past the 20 ms deadline
+    before = pacer.overrun_s
+
+    def waits_in_a_collective() -> None:
+        time.sleep(0.05)
+        pacer.exempt(0.05)  # all of it waiting for a peer: the step's own work was on time
+
+    pacer.run(waits_in_a_collective)
+    assert pacer.overrun_s == before
 
 
 def test_overrunning_ranks_are_reported_and_warned_about(tmp_path, caplog):
@@ -48,10 +57,13 @@ def test_overrunning_ranks_are_reported_and_warned_about(tmp_path, caplog):
     summary = run.result.summary
     assert summary.status == "ok"
     for t in summary.telemetry:
-        # Each step ran ~20 ms past a deadline of a few ms: most of the compute time.
-        assert 0.3 < t["pace_overrun_fraction"] <= t["busy_fraction"] + t["data_wait_fraction"]
+        # Each step ran ~20 ms past a deadline of a few ms: most of the compute time (the rest
+        # of the training time is the ranks' averaging and waiting for each other).
+        compute = t["busy_fraction"] + t["data_wait_fraction"]
+        assert 0.5 * compute < t["pace_overrun_fraction"] <= compute
+        assert t["pace_overrun_fraction"] > 0.15
     assert [m.epoch for m in metrics] == [1, 2]
-    assert all(s["pace_overrun_fraction"] > 0.3 for m in metrics for s in m.per_rank)
+    assert all(s["pace_overrun_fraction"] > 0.15 for m in metrics for s in m.per_rank)
     warned = [r.getMessage() for r in caplog.records if "past their deadlines" in r.getMessage()]
     assert (
         len(warned) == 1 and "rank 0 (speed 1.0)" in warned[0] and "rank 1 (speed 0.5)" in warned[0]
