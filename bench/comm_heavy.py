@@ -72,6 +72,9 @@ def plot(data: dict[str, Any], stem: str, target: float = 0.05) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     stem = "comm_heavy_quick" if "--quick" in argv else "comm_heavy"
+    outs = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "--out"]
+    if outs:  # the caller's name (hetero takes the last --out): annotate that file, not ours
+        stem = outs[-1]
     args = ["--workload", WORKLOAD, "--batch-size", str(BATCH), "--out", stem, *argv]
     code = hetero.main(args)
     path = RESULTS / f"{stem}.json"
