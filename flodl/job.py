@@ -394,9 +394,9 @@ def _warn_overruns(telemetry: list[dict[str, Any]], speeds: list[float]) -> None
     )
     log.warning(
         "cpu_rig: paced steps ran past their deadlines for part of the training time: %s. "
-        "The cores are oversubscribed (loader workers, other ranks or processes), so the rig "
-        "did not hold its speed ratios; raise cluster.pace_margin, use fewer loader.num_workers "
-        "or fewer ranks",
+        "The cores are oversubscribed (loader workers, other ranks or processes) or batches "
+        "arrived late (see data_wait_fraction), so the rig did not hold its speed ratios; raise "
+        "cluster.pace_margin, use fewer loader.num_workers or fewer ranks",
         detail,
     )
 
