@@ -523,6 +523,7 @@ def render() -> dict[str, str]:
         "loader": _loader(missing),
         "scale_sim": scale_sim_block(sim) if sim else missing,
         "comm_heavy": comm_heavy_block(comm) if comm else missing,
+        "comm_heavy_equal": _block("comm_heavy_equal", comm_heavy_block, missing),
         "startup": _startup(missing),
     }
 
