@@ -34,81 +34,61 @@ def _general_take(cursor: EpochCursor, counts: list[int], sizes: list[int]) -> l
 
 def test_one_range_take_equals_the_general_take() -> None:
     for _ in range(CASES):
-        _one_range_take_equals_the_general_take()
-
-
-def _one_range_take_equals_the_general_take() -> None:
-    world = RNG.randint(1, 9)
-    n = RNG.randint(0, 2000)
-    offset = RNG.randint(0, 50)
-    counts = [RNG.choice([0, 0, 1, 2, 5, 40]) for _ in range(world)]
-    sizes = [RNG.choice([1, 3, 16, 64]) for _ in range(world)]
-    fast = EpochCursor(0, n + offset, 16, ranges=[(offset, n)] if n else [])
-    slow = EpochCursor(0, n + offset, 16, ranges=[(offset, n)] if n else [])
-    assert fast.take(counts, sizes) == _general_take(slow, counts, sizes)
-    assert fast.ranges == slow.ranges
+        world = RNG.randint(1, 9)
+        n = RNG.randint(0, 2000)
+        offset = RNG.randint(0, 50)
+        counts = [RNG.choice([0, 0, 1, 2, 5, 40]) for _ in range(world)]
+        sizes = [RNG.choice([1, 3, 16, 64]) for _ in range(world)]
+        fast = EpochCursor(0, n + offset, 16, ranges=[(offset, n)] if n else [])
+        slow = EpochCursor(0, n + offset, 16, ranges=[(offset, n)] if n else [])
+        assert fast.take(counts, sizes) == _general_take(slow, counts, sizes)
+        assert fast.ranges == slow.ranges
 
 
 def test_speed_order_shortcut_equals_the_general_order() -> None:
     for _ in range(CASES):
-        _speed_order_shortcut_equals_the_general_order()
-
-
-def _speed_order_shortcut_equals_the_general_order() -> None:
-    world = RNG.randint(1, 12)
-    smoothed = [RNG.choice([1.0, 2.0, RNG.uniform(0.5, 3.0)]) for _ in range(world)]
-    expected = [r for _, r in sorted((ms, r) for r, ms in enumerate(smoothed))]
-    assert speed_order(smoothed, [True] * world) == expected
+        world = RNG.randint(1, 12)
+        smoothed = [RNG.choice([1.0, 2.0, RNG.uniform(0.5, 3.0)]) for _ in range(world)]
+        expected = [r for _, r in sorted((ms, r) for r, ms in enumerate(smoothed))]
+        assert speed_order(smoothed, [True] * world) == expected
 
 
 def test_speed_counts_shortcut_equals_the_formula() -> None:
     for _ in range(CASES):
-        _speed_counts_shortcut_equals_the_formula()
-
-
-def _speed_counts_shortcut_equals_the_formula() -> None:
-    world = RNG.randint(1, 12)
-    smoothed = [RNG.uniform(0.01, 200.0) for _ in range(world)]
-    anchor, rank = RNG.randint(1, 50), RNG.randrange(world)
-    slow = smoothed[rank]
-    expected = [max(1, round(anchor * min(slow / ms, 64.0))) for ms in smoothed]
-    assert speed_counts(anchor, smoothed, rank, [7] * world) == expected
-    with_gap = [*smoothed[:-1], None]  # an unmeasured rank keeps its fallback (general path)
-    if rank != world - 1:
-        assert speed_counts(anchor, with_gap, rank, [7] * world) == [*expected[:-1], 7]
+        world = RNG.randint(1, 12)
+        smoothed = [RNG.uniform(0.01, 200.0) for _ in range(world)]
+        anchor, rank = RNG.randint(1, 50), RNG.randrange(world)
+        slow = smoothed[rank]
+        expected = [max(1, round(anchor * min(slow / ms, 64.0))) for ms in smoothed]
+        assert speed_counts(anchor, smoothed, rank, [7] * world) == expected
+        with_gap = [*smoothed[:-1], None]  # an unmeasured rank keeps its fallback (general path)
+        if rank != world - 1:
+            assert speed_counts(anchor, with_gap, rank, [7] * world) == [*expected[:-1], 7]
 
 
 def test_clamp_window_shortcut_equals_the_per_rank_copy() -> None:
     for _ in range(CASES):
-        _clamp_window_shortcut_equals_the_per_rank_copy()
-
-
-def _clamp_window_shortcut_equals_the_per_rank_copy() -> None:
-    world = RNG.randint(1, 12)
-    counts = [RNG.randint(1, 30) for _ in range(world)]
-    order = RNG.sample(range(world), world)
-    total = sum(counts)
-    out = clamp_window(counts, total + RNG.randint(0, 5), order)
-    assert out == counts and out is not counts
-    short = clamp_window(counts, max(world, total - 3), order)
-    assert sum(short) == min(total, max(world, total - 3)) and all(s >= 1 for s in short)
+        world = RNG.randint(1, 12)
+        counts = [RNG.randint(1, 30) for _ in range(world)]
+        order = RNG.sample(range(world), world)
+        total = sum(counts)
+        out = clamp_window(counts, total + RNG.randint(0, 5), order)
+        assert out == counts and out is not counts
+        short = clamp_window(counts, max(world, total - 3), order)
+        assert sum(short) == min(total, max(world, total - 3)) and all(s >= 1 for s in short)
 
 
 def test_weights_shortcuts_equal_the_formulas() -> None:
     for _ in range(CASES):
-        _weights_shortcuts_equal_the_formulas()
-
-
-def _weights_shortcuts_equal_the_formulas() -> None:
-    world = RNG.randint(1, 12)
-    batches = [RNG.choice([0, 1, 5, 64, 1000]) for _ in range(world)]
-    if not any(batches):
-        batches[0] = 3
-    for gamma in (1.0, 0.5, 0.0, -1.0):
-        raw = [float(b) ** gamma if b > 0 else 0.0 for b in batches]
-        assert averaging_weights(batches, gamma) == [w / math.fsum(raw) for w in raw]
-    stepped = sum(1 for b in batches if b > 0)
-    assert buffer_weights(batches) == [1.0 / stepped if b > 0 else 0.0 for b in batches]
+        world = RNG.randint(1, 12)
+        batches = [RNG.choice([0, 1, 5, 64, 1000]) for _ in range(world)]
+        if not any(batches):
+            batches[0] = 3
+        for gamma in (1.0, 0.5, 0.0, -1.0):
+            raw = [float(b) ** gamma if b > 0 else 0.0 for b in batches]
+            assert averaging_weights(batches, gamma) == [w / math.fsum(raw) for w in raw]
+        stepped = sum(1 for b in batches if b > 0)
+        assert buffer_weights(batches) == [1.0 / stepped if b > 0 else 0.0 for b in batches]
 
 
 @pytest.mark.parametrize("bad", [[True, 1], [1.5, 2], [-1, 2], ["3", 1]])
