@@ -3,18 +3,21 @@
     .venv/bin/python -m bench.ddp_bench                         # the whole grid (hours here)
     .venv/bin/python -m bench.ddp_bench --workloads char_rnn gpt_nano
     .venv/bin/python -m bench.ddp_bench --quick                 # smoke: tiny data, few epochs
+    .venv/bin/python -m bench.ddp_bench --anchor                # gpt_nano at nanoGPT's settings
 
 Every flodl run trains exactly the config ``python run.py experiment=ddp_bench workload=W
 elche=M`` composes (conf/workload/W.yaml states W's epoch scaling; the rig is [1.0, 0.4], no LR
-scaling), through the same factories as ``run.py``, each in a fresh process. Variants:
-``solo-fast`` / ``solo-slow`` (one rank paced at 1.0 / 0.4), the five modes on the 2-rank rig,
-and ``ddp``: ``DistributedDataParallel`` over gloo on the same rig (equal shards of flodl's
-per-epoch permutation, flodl's deadline pacing, the same model, optimizer, scheduler, step and
-eval built from the same config). Validation is evaluated after every epoch; its arrival time
-since the end of calibration gives the val-loss-against-wall-time curves. ``--quick`` shrinks
-the data and epochs (``QUICK``) and writes ``ddp_bench_quick.json``: a proof that the grid runs
-end to end, not a measurement. ``python -m bench.render`` turns the JSON into bench/README.md
-tables and one PNG per language model (bench/results/ddp_bench_<workload>.png).
+scaling unless ``--override trainer.lr_scale_ratio=R``, which torch DDP then applies too),
+through the same factories as ``run.py``, each in a fresh process. Variants: ``solo-fast`` /
+``solo-slow`` (one rank paced at 1.0 / 0.4), the five modes on the 2-rank rig, and ``ddp``:
+``DistributedDataParallel`` over gloo on the same rig (equal shards of flodl's per-epoch
+permutation, flodl's deadline pacing, the same model, optimizer, scheduler, step and eval built
+from the same config). Validation is evaluated after every epoch; its arrival time since the
+end of calibration gives the val-loss-against-wall-time curves. ``--quick`` shrinks the data
+and epochs (``QUICK``) and writes ``ddp_bench_quick.json``: a proof that the grid runs end to
+end, not a measurement. ``--anchor`` trains gpt_nano at nanoGPT's baby-GPT settings for its
+tokens (``ANCHOR``) into ``ddp_bench_anchor.json``. ``python -m bench.render`` turns the JSON
+into bench/README.md tables and one PNG per language model (bench/results/<stem>_<workload>.png).
 """
 
 from __future__ import annotations
@@ -60,6 +63,25 @@ QUICK: dict[str, list[str]] = {
     "char_rnn": _LM_QUICK,
     "gpt_nano": _LM_QUICK,
 }
+
+
+# --anchor: nanoGPT's CPU "baby GPT" (4 layers, 4 heads, d128, block 64, batch 12, 2,000
+# iterations, val ~1.88 on tiny-shakespeare) as gpt_nano trains it: batch 12, Adam 1e-3 with
+# betas (0.9, 0.99), 5 % (100 of 2,000 steps) warm-up then cosine to 1e-4, gradients clipped at
+# 1.0, on 2 epochs of the offline corpus's first 853,340 characters (768,006 train = 12,000
+# windows of 64): 1,536,000 tokens, the baby GPT's 2,000 x 12 x 64 (it samples 1.5 epochs of
+# tiny-shakespeare's 1.0 M train characters). nanoGPT's AdamW weight decay (0.1, matrices only)
+# is left out: the recipe's optimizer is Adam.
+ANCHOR = [
+    "trainer.batch_size=12",
+    "dataset.max_chars=853340",
+    "trainer.num_epochs=2",
+    "optimizer.lr=0.001",
+    "+optimizer.betas=[0.9,0.99]",
+    "scheduler.warmup_fraction=0.05",
+    "scheduler.floor=0.1",
+    "trainer.max_grad_norm=1.0",
+]
 
 
 # --- the config a variant trains ----------------------------------------------------------------
@@ -199,6 +221,7 @@ def _describe(workload: str, extra: list[str]) -> dict[str, Any]:
         "eval_metric": run_cfg.task.eval_metric,
         "higher_is_better": run_cfg.task.eval_higher_is_better,
         "pace_margin": run_cfg.cluster.pace_margin,
+        "lr_scale_ratio": run_cfg.trainer.lr_scale_ratio,
     }
     if hasattr(train, "block_size"):
         info["block_size"] = train.block_size
@@ -215,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--quick", action="store_true", help="smoke test: tiny data (QUICK)")
+    parser.add_argument(
+        "--anchor", action="store_true", help="gpt_nano at nanoGPT's baby-GPT settings (ANCHOR)"
+    )
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
     parser.add_argument("--quiet-cores", type=float, default=0.6)
     parser.add_argument("--max-wait", type=float, default=10.0)
@@ -230,7 +256,13 @@ def main(argv: list[str] | None = None) -> int:
         help="a Hydra override for every cell (after the workload's; e.g. trainer.num_epochs=6)",
     )
     args = parser.parse_args(argv)
-    out = args.out or ("ddp_bench_quick" if args.quick else "ddp_bench")
+    if args.anchor and (args.quick or args.workloads != list(WORKLOADS)):
+        parser.error("--anchor trains gpt_nano at its own settings: no --quick, no --workloads")
+    if args.anchor:
+        args.workloads = ["gpt_nano"]
+    out = args.out or (
+        "ddp_bench_quick" if args.quick else "ddp_bench_anchor" if args.anchor else "ddp_bench"
+    )
     info = machine()
     started = time.perf_counter()
     rows: list[dict[str, Any]] = []
@@ -248,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
             {"command": old["command"], "machine": old["machine"], "workloads": list(workloads)},
         ]
     for workload in args.workloads:
-        extra = [*(QUICK[workload] if args.quick else []), *args.override]
+        preset = QUICK[workload] if args.quick else ANCHOR if args.anchor else []
+        extra = [*preset, *args.override]
         workloads[workload] = {**_describe(workload, extra), "overrides": extra}
         for variant in args.variants:
             quiet = wait_quiet(args.quiet_cores, args.max_wait)
@@ -271,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
             "settings": {
                 "rig": list(RIG),
                 "quick": args.quick,
-                "lr_scale_ratio": 0.0,
+                # every workload's (one experiment, the same overrides): 0 unless overridden
+                "lr_scale_ratio": next(iter(workloads.values()))["lr_scale_ratio"],
                 "workloads": workloads,
                 "variants": list(VARIANTS) if args.merge else args.variants,
                 "bench_wall_s": time.perf_counter() - started,

@@ -179,6 +179,8 @@ def _num(x: float | None) -> str:
 
 
 def anchor_line(data: dict[str, Any]) -> str:
+    """The nanoGPT anchor: every 2-rank variant's final val after nanoGPT's tokens, and the
+    verdict (<= 1.88, and done sooner in wall time than solo-fast)."""
     d = data["settings"]["workloads"].get("gpt_nano")
     if not d:
         return "nanoGPT anchor: gpt_nano not run."
@@ -189,9 +191,23 @@ def anchor_line(data: dict[str, Any]) -> str:
             f"solo-fast): **not measured** — this run trains gpt_nano on {tokens:,} tokens."
         )
     by = _by(data)
-    rows = [(v, by.get(("gpt_nano", v))) for v in ("solo-fast", "nccl_cadence")]
-    vals = ", ".join(f"{v} {r['eval']:.4f} in {r['total_s']:.0f} s" for v, r in rows if _ok(r))
-    return f"nanoGPT anchor after {tokens:,} tokens (goal <= {NANOGPT_VAL}): {vals}."
+    solo = by.get(("gpt_nano", "solo-fast"))
+    rows = [(v, by.get(("gpt_nano", v))) for v in data["settings"]["variants"]]
+    ran = [(v, r) for v, r in rows if _ok(r)]
+    vals = ", ".join(f"{v} {r['eval']:.4f} in {r['total_s']:.0f} s" for v, r in ran if r)
+    verdicts = []
+    for v, r in ran:
+        if v.startswith("solo") or r is None:
+            continue
+        low = r["eval"] <= NANOGPT_VAL
+        sooner = _ok(solo) and solo is not None and r["total_s"] < solo["total_s"]
+        verdicts.append(
+            f"{v}: {'ok' if low and sooner else 'MISSED'} "
+            f"({'<=' if low else '>'} {NANOGPT_VAL}, {'sooner' if sooner else 'not sooner'} "
+            "than solo-fast)"
+        )
+    verdict = ("; " + "; ".join(verdicts)) if verdicts else ""
+    return f"nanoGPT anchor after {tokens:,} tokens (goal <= {NANOGPT_VAL}): {vals}{verdict}."
 
 
 def plot_curves(data: dict[str, Any], stem: str) -> list[Path]:
@@ -229,6 +245,17 @@ def plot_curves(data: dict[str, Any], stem: str) -> list[Path]:
     return paths
 
 
+def lr_line(ratio: float, world: int) -> str:
+    """How the 2-rank cells' LR relates to solo's."""
+    if not ratio:
+        return "no LR scaling (lr_scale_ratio 0.0): every cell trains at solo's LR"
+    factor = 1.0 + (world - 1) * ratio
+    return (
+        f"LR scaled on {world} ranks by {factor:g} (lr_scale_ratio {ratio:g}; torch DDP "
+        "by the same rule), solo at the recipe's LR"
+    )
+
+
 def ddp_bench_block(data: dict[str, Any], stem: str, machine_line: str) -> str:
     s = data["settings"]
     load = data["machine"].get("load_average") or [0.0]
@@ -253,7 +280,7 @@ def ddp_bench_block(data: dict[str, Any], stem: str, machine_line: str) -> str:
         if label
         else "One run per cell; side by side on one machine.",
         "",
-        f"Rig {s['rig']}, no LR scaling (lr_scale_ratio {s['lr_scale_ratio']}). Cell: final "
+        f"Rig {s['rig']}, {lr_line(s['lr_scale_ratio'], len(s['rig']))}. Cell: final "
         "training loss / final eval (accuracy; MSE for conv_ae; val loss in nats/char for the "
         "LMs) / total s (job wall incl. rank start-up) / syncs (optimizer steps for torch DDP).",
         "",

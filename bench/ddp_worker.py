@@ -5,8 +5,9 @@ optimizer, dataset, scheduler; the task's step and eval), so the only difference
 averages: ``DistributedDataParallel`` over gloo, gradients all-reduced every step, equal shards
 of flodl's per-epoch permutation (``epoch_permutation(n, seed, epoch)``). Pacing is flodl's:
 ``T`` = ``pace_margin`` x the MAX over ranks of the median of ``warmup_steps`` timed steps on a
-throwaway copy; each step ends at ``start + T / speed``. Rank 0 evaluates after every epoch
-(the others wait at a barrier) and writes the result.
+throwaway copy; each step ends at ``start + T / speed``. The LR is scaled by flodl's rule
+(``trainer.lr_scale_ratio``: lr x (1 + (world - 1) x ratio)), before the scheduler reads it.
+Rank 0 evaluates after every epoch (the others wait at a barrier) and writes the result.
 """
 
 from __future__ import annotations
@@ -29,6 +30,19 @@ def _scheduler(run_cfg: Any, optimizer: Any, total_steps: int) -> tuple[Any, boo
         return None, False
     scheduler = build_scheduler(run_cfg.scheduler, optimizer, total_steps)
     return scheduler, run_cfg.scheduler.interval == "step"
+
+
+def scaled_optimizer(run_cfg: Any, params: Any, world: int) -> Any:
+    """The config's optimizer, its LR scaled by flodl's rule for ``world`` ranks
+    (``trainer.lr_scale_ratio``), before a scheduler reads its base LRs."""
+    from flodl.app import build_optimizer
+    from flodl.preflight.launch import lr_scaling
+
+    optimizer = build_optimizer(run_cfg.optimizer, params)
+    factor = lr_scaling(None, run_cfg.trainer.lr_scale_ratio, world)["factor"]
+    for group in optimizer.param_groups:
+        group["lr"] *= factor
+    return optimizer
 
 
 def worker(
@@ -79,7 +93,7 @@ def worker(
         pacer.set_nominal(nominal)
 
         ddp = DistributedDataParallel(model)
-        optimizer = build_optimizer(run_cfg.optimizer, ddp.parameters())
+        optimizer = scaled_optimizer(run_cfg, ddp.parameters(), world)
         shard_lo, shard_hi = rank * n // world, (rank + 1) * n // world
         steps_per_epoch = len(range(0, shard_hi - shard_lo, batch))
         scheduler, per_step = _scheduler(run_cfg, optimizer, epochs * steps_per_epoch)

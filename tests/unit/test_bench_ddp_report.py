@@ -72,3 +72,59 @@ def test_beside_the_goal_the_time_to_ddps_own_final_loss() -> None:
     assert "gpt_nano" not in table  # only the language models that ran
     data["settings"]["workloads"].pop("char_rnn")
     assert "language model" not in goals_table(data)  # a vision-only block has no LM tables
+
+
+def test_the_ddp_baseline_scales_its_lr_by_flodls_rule() -> None:
+    import torch
+
+    from bench.ddp_bench import compose_config
+    from bench.ddp_worker import _scheduler, scaled_optimizer
+    from flodl.config import validate_run_config
+
+    for ratio, world, lr in ((0.0, 2, 3e-4), (1.0, 2, 6e-4), (0.5, 3, 6e-4), (1.0, 1, 3e-4)):
+        plain = compose_config("gpt_nano", "ddp", [f"trainer.lr_scale_ratio={ratio}"])
+        run_cfg = validate_run_config(plain)
+        params = [torch.nn.Parameter(torch.zeros(2))]
+        optimizer = scaled_optimizer(run_cfg, params, world)
+        scheduler, per_step = _scheduler(run_cfg, optimizer, 100)
+        assert per_step  # gpt_nano's warm-up + cosine advances per step
+        assert scheduler.base_lrs == pytest.approx([lr]), (ratio, world)  # what it schedules
+        assert 0.0 < optimizer.param_groups[0]["lr"] < lr / 10  # the warm-up's first step
+
+
+def test_lr_line_says_whether_the_two_rank_cells_scale() -> None:
+    from bench.ddp_bench_report import lr_line
+
+    assert lr_line(0.0, 2) == "no LR scaling (lr_scale_ratio 0.0): every cell trains at solo's LR"
+    assert lr_line(1.0, 2).startswith("LR scaled on 2 ranks by 2 (lr_scale_ratio 1;")
+    assert "by 1.5 (lr_scale_ratio 0.25;" in lr_line(0.25, 3)
+
+
+def test_the_anchor_line_gives_a_verdict_per_two_rank_variant() -> None:
+    from bench.ddp_bench_report import NANOGPT_TOKENS, anchor_line
+
+    rows = [
+        _row("gpt_nano", "solo-fast", 1.95, total_s=160.0),
+        _row("gpt_nano", "nccl_cadence", 1.87, total_s=120.0),  # low enough and sooner: ok
+        _row("gpt_nano", "ddp", 1.86, total_s=170.0),  # low enough, not sooner: missed
+    ]
+    data = _data(rows)
+    data["settings"]["workloads"]["gpt_nano"].update(epochs=2, tokens_per_epoch=768_000)
+    line = anchor_line(data)
+    assert line.startswith(f"nanoGPT anchor after {NANOGPT_TOKENS:,} tokens (goal <= 1.88): ")
+    assert "solo-fast 1.9500 in 160 s" in line
+    assert "nccl_cadence: ok (<= 1.88, sooner than solo-fast)" in line
+    assert "ddp: MISSED (<= 1.88, not sooner than solo-fast)" in line
+    data["settings"]["workloads"]["gpt_nano"].update(epochs=1)
+    assert "**not measured**" in anchor_line(data)  # half the tokens
+
+
+def test_the_anchor_preset_trains_nanogpts_tokens_at_its_settings() -> None:
+    from bench.ddp_bench import ANCHOR, _describe
+    from bench.ddp_bench_report import NANOGPT_TOKENS
+
+    d = _describe("gpt_nano", ANCHOR)
+    assert d["epochs"] * d["tokens_per_epoch"] == NANOGPT_TOKENS  # 1,536,000
+    assert d["epochs"] * d["train_samples"] // d["batch_size"] == 2000  # the baby GPT's iterations
+    assert d["optimizer"]["lr"] == 0.001 and list(d["optimizer"]["betas"]) == [0.9, 0.99]
+    assert d["scheduler"]["warmup_fraction"] == 0.05 and d["scheduler"]["floor"] == 0.1
