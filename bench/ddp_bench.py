@@ -246,7 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-wait", type=float, default=10.0)
     parser.add_argument("--out", default=None, help="results stem (ddp_bench[_quick])")
     parser.add_argument(
-        "--merge", action="store_true", help="keep the results file's other workloads' rows"
+        "--merge",
+        action="store_true",
+        help="keep the results file's rows this run does not redo (other workloads or variants)",
     )
     parser.add_argument(
         "--override",
@@ -268,17 +270,25 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     workloads: dict[str, Any] = {}
     merged_from: list[dict[str, Any]] = []
+    kept_variants: set[str] = set()
     if args.merge and (RESULTS / f"{out}.json").exists():
         old = json.loads((RESULTS / f"{out}.json").read_text())
-        rows = [r for r in old["rows"] if r["workload"] not in args.workloads]
+        redo = {(w, v) for w in args.workloads for v in args.variants}
+        rows = [r for r in old["rows"] if (r["workload"], r["variant"]) not in redo]
         workloads = {
             w: d for w, d in old["settings"]["workloads"].items() if w not in args.workloads
         }
         # where the kept rows came from: every earlier command and its machine
         merged_from = [
             *old["settings"].get("merged_from", []),
-            {"command": old["command"], "machine": old["machine"], "workloads": list(workloads)},
+            {
+                "command": old["command"],
+                "machine": old["machine"],
+                "workloads": sorted({r["workload"] for r in rows}),
+                "variants": [v for v in VARIANTS if v in {r["variant"] for r in rows}],
+            },
         ]
+        kept_variants = {r["variant"] for r in rows}
     for workload in args.workloads:
         preset = QUICK[workload] if args.quick else ANCHOR if args.anchor else []
         extra = [*preset, *args.override]
@@ -307,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
                 # every workload's (one experiment, the same overrides): 0 unless overridden
                 "lr_scale_ratio": next(iter(workloads.values()))["lr_scale_ratio"],
                 "workloads": workloads,
-                "variants": list(VARIANTS) if args.merge else args.variants,
+                "variants": [v for v in VARIANTS if v in kept_variants | set(args.variants)],
                 "bench_wall_s": time.perf_counter() - started,
                 "merged_from": merged_from,
             },

@@ -210,6 +210,25 @@ def anchor_line(data: dict[str, Any]) -> str:
     return f"nanoGPT anchor after {tokens:,} tokens (goal <= {NANOGPT_VAL}): {vals}{verdict}."
 
 
+def anchor_block(data: dict[str, Any], machine_line: str) -> str:
+    """The anchor run: what it trained, every variant's cell, the verdict."""
+    s = data["settings"]
+    return "\n".join(
+        [
+            machine_line,
+            "",
+            f"Rig {s['rig']}, {lr_line(s['lr_scale_ratio'], len(s['rig']))}. Cell: final "
+            "training loss / final val loss (nats/char) / total s / syncs.",
+            "",
+            results_table(data),
+            "",
+            scaling_table(data),
+            "",
+            anchor_line(data),
+        ]
+    )
+
+
 def plot_curves(data: dict[str, Any], stem: str) -> list[Path]:
     """One PNG per language model: val loss against seconds since calibration, every variant."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -256,6 +275,14 @@ def lr_line(ratio: float, world: int) -> str:
     )
 
 
+def _partial(earlier: dict[str, Any]) -> list[str]:
+    """The variants an earlier run's kept rows cover, where they are not all of them."""
+    from bench.ddp_bench import VARIANTS
+
+    kept = earlier.get("variants") or []
+    return kept if set(kept) != set(VARIANTS) else []
+
+
 def ddp_bench_block(data: dict[str, Any], stem: str, machine_line: str) -> str:
     s = data["settings"]
     load = data["machine"].get("load_average") or [0.0]
@@ -270,7 +297,9 @@ def ddp_bench_block(data: dict[str, Any], stem: str, machine_line: str) -> str:
     for earlier in s.get("merged_from") or []:
         m = earlier["machine"]
         parts += [
-            f"Rows of {', '.join(earlier['workloads'])} come from an earlier run "
+            f"Rows of {', '.join(earlier['workloads'])}"
+            + (f" ({', '.join(partial)})" if (partial := _partial(earlier)) else "")
+            + " come from an earlier run "
             f"({m['date']}, load average at start {m.get('load_average')}): "
             f"`.venv/bin/{earlier['command']}`",
             "",

@@ -450,7 +450,7 @@ def replace_block(text: str, name: str, body: str) -> str:
 
 
 def _ddp_bench() -> str:
-    from bench.ddp_bench_report import anchor_line, ddp_bench_block
+    from bench.ddp_bench_report import anchor_block, ddp_bench_block
 
     full, quick = _load("ddp_bench"), _load("ddp_bench_quick")
     blocks = []
@@ -474,12 +474,18 @@ def _ddp_bench() -> str:
             }
             title = "#### Workloads without a full run yet (quick)\n\n" if full else ""
             blocks.append(title + ddp_bench_block(kept, "ddp_bench_quick", _machine(quick)))
-    anchor = _load("ddp_bench_anchor")  # gpt_nano trained past the nanoGPT anchor's tokens
-    if anchor:
+    scaled = _load("ddp_bench_lr1")  # the language models again, at the linear LR rule
+    if scaled:
         blocks.insert(
             1 if full else 0,
-            "#### The nanoGPT anchor (a longer gpt_nano run)\n\n"
-            f"{_machine(anchor)}\n\n{anchor_line(anchor)}",
+            "#### The language models with the linear LR rule (lr_scale_ratio 1.0)\n\n"
+            + ddp_bench_block(scaled, "ddp_bench_lr1", _machine(scaled)),
+        )
+    anchor = _load("ddp_bench_anchor")  # gpt_nano for the nanoGPT anchor's tokens
+    if anchor:
+        blocks.insert(
+            (1 if full else 0) + (1 if scaled else 0),
+            "#### The nanoGPT anchor\n\n" + anchor_block(anchor, _machine(anchor)),
         )
     return "\n\n".join(blocks) or "_No results yet: run the command above._"
 

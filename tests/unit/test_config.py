@@ -138,6 +138,10 @@ def test_presets():
     assert ElCheConfig.cpu_sync().mode is Mode.CPU_SYNC
     assert ElCheConfig.cpu_async().effective_easgd_alpha == 0.5
     assert ElCheConfig.cpu_async().effective_divergence_threshold == 0.3
+    # cpu_async windows like the cadence modes (its averaging is overlapped: at anchor 1 no
+    # overhead is ever measured to grow it, and it averaged every slow-rank batch)
+    assert ElCheConfig.cpu_async().anchor == ElCheConfig.nccl_cadence().anchor == 10
+    assert ElCheConfig.cpu_async().effective_min_anchor == 10
     assert ElCheConfig.nccl_cadence().effective_easgd_alpha is None
     assert ElCheConfig.nccl_cadence(max_anchor=50).max_anchor == 50
 
