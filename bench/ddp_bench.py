@@ -112,7 +112,13 @@ def run_flodl_config(plain: dict[str, Any]) -> dict[str, Any]:
     from functools import partial
 
     from bench.common import _probe_calibration
-    from flodl.app import build_dataset, build_model, build_optimizer, build_scheduler
+    from flodl.app import (
+        build_dataset,
+        build_model,
+        build_optimizer,
+        build_scheduler,
+        evaluation_kwargs,
+    )
     from flodl.config import LoggerConfig, resolve_dotted, validate_run_config
     from flodl.trainer import Trainer
 
@@ -137,7 +143,7 @@ def run_flodl_config(plain: dict[str, Any]) -> dict[str, Any]:
             config,
             dataset=partial(build_dataset, run_cfg.dataset, "train"),
             eval_dataset=partial(build_dataset, run_cfg.dataset, "test"),
-            eval_fn=resolve_dotted(task.eval_fn) if task.eval_fn else None,
+            **evaluation_kwargs(task),  # as run.py evaluates: eval_fn or metrics + eval_loss
             eval_result_fn=on_eval,
             scheduler_factory=partial(build_scheduler, scheduler) if scheduler else None,
             scheduler_interval=scheduler.interval if scheduler else "epoch",

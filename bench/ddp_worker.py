@@ -32,6 +32,28 @@ def _scheduler(run_cfg: Any, optimizer: Any, total_steps: int) -> tuple[Any, boo
     return scheduler, run_cfg.scheduler.interval == "step"
 
 
+def evaluator(run_cfg: Any, val_x: Any, val_y: Any) -> Any:
+    """``fn(model) -> float``: the task's ``eval_metric`` over the whole validation split, as
+    flodl's evaluation computes it (the same ``EvalSpec``: eval_fn, or metrics + eval_loss)."""
+    from flodl import evaluation
+    from flodl.app import evaluation_kwargs
+
+    task = run_cfg.task
+    spec = evaluation.EvalSpec(**evaluation_kwargs(task), eval_fn_name=task.eval_metric)
+    batch = run_cfg.trainer.batch_size
+
+    def evaluate(model: Any) -> float:
+        batches = [
+            (val_x[i : i + batch], val_y[i : i + batch]) for i in range(0, len(val_y), batch)
+        ]
+        values = evaluation.merge([evaluation.evaluate(model, batches, spec, "cpu")])
+        name = evaluation.primary_name(values, task.eval_metric)
+        assert name is not None, f"task {task.eval_metric!r}: nothing evaluated"
+        return float(values[name])
+
+    return evaluate
+
+
 def scaled_optimizer(run_cfg: Any, params: Any, world: int) -> Any:
     """The config's optimizer, its LR scaled by flodl's rule for ``world`` ranks
     (``trainer.lr_scale_ratio``), before a scheduler reads its base LRs."""
@@ -69,9 +91,9 @@ def worker(
         model = build_model(run_cfg.model, torch.device("cpu"))
         model.train()
         train_step = resolve_dotted(run_cfg.task.train_step)
-        eval_fn = resolve_dotted(run_cfg.task.eval_fn)
         inputs, target = build_dataset(run_cfg.dataset, "train").tensors
         val_x, val_y = build_dataset(run_cfg.dataset, "test").tensors
+        evaluate = evaluator(run_cfg, val_x, val_y)
         n = len(target)
 
         dist.barrier()  # calibrate together, as flodl's ranks do
@@ -126,9 +148,7 @@ def worker(
             if scheduler is not None and not per_step:
                 scheduler.step()
             if rank == 0:
-                curve.append(
-                    [time.perf_counter() - t0, epoch, float(eval_fn(ddp.module, val_x, val_y))]
-                )
+                curve.append([time.perf_counter() - t0, epoch, evaluate(ddp.module)])
             dist.barrier()
         train_s = time.perf_counter() - t0
         counts = torch.tensor([samples, steps], dtype=torch.float64)

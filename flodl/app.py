@@ -158,10 +158,7 @@ def _start(
         config,
         dataset=partial(build_dataset, run_cfg.dataset, "train"),
         eval_dataset=partial(build_dataset, run_cfg.dataset, "test") if has_eval else None,
-        eval_fn=_optional(task.eval_fn),
-        metrics={name: partial(build_metric, t) for name, t in task.metrics.items()},
-        eval_loss=_optional(task.eval_loss),
-        eval_step=_optional(task.eval_step),
+        **evaluation_kwargs(task),
         scheduler_factory=(
             partial(build_scheduler, run_cfg.scheduler) if run_cfg.scheduler is not None else None
         ),
@@ -173,6 +170,18 @@ def _start(
         eval_metric=task.eval_metric,
         run_info=run_info,
     )
+
+
+def evaluation_kwargs(task: schema.TaskConfig) -> dict[str, Any]:
+    """What ``Trainer.run`` evaluates with, from the task section: the legacy ``eval_fn``, the
+    torchmetrics ``metrics``, ``eval_loss`` and ``eval_step`` (also ``flodl.evaluation.EvalSpec``'s
+    fields, which is how bench/ddp_worker.py evaluates its torch DDP baseline alike)."""
+    return {
+        "eval_fn": _optional(task.eval_fn),
+        "metrics": {name: partial(build_metric, t) for name, t in task.metrics.items()},
+        "eval_loss": _optional(task.eval_loss),
+        "eval_step": _optional(task.eval_step),
+    }
 
 
 def objective(row: dict[str, Any], task: schema.TaskConfig) -> float:

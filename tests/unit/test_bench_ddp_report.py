@@ -128,3 +128,44 @@ def test_the_anchor_preset_trains_nanogpts_tokens_at_its_settings() -> None:
     assert d["epochs"] * d["train_samples"] // d["batch_size"] == 2000  # the baby GPT's iterations
     assert d["optimizer"]["lr"] == 0.001 and list(d["optimizer"]["betas"]) == [0.9, 0.99]
     assert d["scheduler"]["warmup_fraction"] == 0.05 and d["scheduler"]["floor"] == 0.1
+
+
+def test_the_ddp_baseline_evaluates_the_tasks_metric_as_flodl_does() -> None:
+    import torch
+
+    from bench.ddp_bench import compose_config
+    from bench.ddp_worker import evaluator
+    from flodl.app import build_dataset, build_model
+    from flodl.config import validate_run_config
+    from recipes.steps import val_loss
+
+    for workload in ("logistic", "char_rnn"):  # metrics (accuracy) and a legacy eval_fn
+        run_cfg = validate_run_config(
+            compose_config(
+                workload, "ddp", ["dataset.max_chars=20000"] if workload != "logistic" else []
+            )
+        )
+        torch.manual_seed(0)
+        model = build_model(run_cfg.model, torch.device("cpu"))
+        x, y = build_dataset(run_cfg.dataset, "test").tensors
+        value = evaluator(run_cfg, x, y)(model)
+        with torch.no_grad():
+            model.eval()
+            expected = (
+                float((model(x).argmax(dim=1) == y).double().mean())
+                if workload == "logistic"
+                else val_loss(model, x, y)
+            )
+        assert value == pytest.approx(expected, rel=1e-6), workload
+
+
+def test_a_vision_cell_of_the_grid_is_evaluated() -> None:
+    """The classification task evaluates through metrics (no eval_fn): the cell has its eval."""
+    from bench.ddp_bench import run_one
+
+    res = run_one(
+        {"workload": "logistic", "variant": "solo-fast", "extra": ["trainer.num_epochs=1"]}
+    )
+    assert res["status"] == "ok"
+    assert 0.5 < res["eval"] <= 1.0  # accuracy after one epoch (0.857 measured)
+    assert [point[1] for point in res["curve"]] == [1]  # one eval, after epoch 1
