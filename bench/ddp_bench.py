@@ -320,8 +320,8 @@ def main(argv: list[str] | None = None) -> int:
             "settings": {
                 "rig": list(RIG),
                 "quick": args.quick,
-                # every workload's (one experiment, the same overrides): 0 unless overridden
-                "lr_scale_ratio": next(iter(workloads.values()))["lr_scale_ratio"],
+                # this run's (one experiment, the same overrides): 0 unless overridden
+                "lr_scale_ratio": workloads[args.workloads[0]]["lr_scale_ratio"],
                 "workloads": workloads,
                 "variants": [v for v in VARIANTS if v in kept_variants | set(args.variants)],
                 "bench_wall_s": time.perf_counter() - started,
