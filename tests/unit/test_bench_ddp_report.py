@@ -169,3 +169,57 @@ def test_a_vision_cell_of_the_grid_is_evaluated() -> None:
     assert res["status"] == "ok"
     assert 0.5 < res["eval"] <= 1.0  # accuracy after one epoch (0.857 measured)
     assert [point[1] for point in res["curve"]] == [1]  # one eval, after epoch 1
+
+
+def test_merge_redoes_only_the_cells_it_runs(tmp_path, monkeypatch) -> None:
+    """``--merge`` keeps the results file's rows a run does not redo (other workloads, or other
+    variants of the same workload) and says where they came from; fake cells, no training."""
+    import json
+
+    import bench.ddp_bench as grid
+
+    monkeypatch.setattr(grid, "RESULTS", tmp_path)
+    monkeypatch.setattr(grid, "write_result", lambda name, data: _write(tmp_path, name, data))
+    monkeypatch.setattr(grid, "wait_quiet", lambda *_: {})
+    value = {"v": 1.0}
+    monkeypatch.setattr(
+        grid, "_describe", lambda w, extra: {"w": w, "lr_scale_ratio": value["v"] / 4}
+    )
+    monkeypatch.setattr(
+        grid,
+        "run_isolated",
+        lambda _m, payload, _t: {
+            "status": "ok",
+            "final_loss": value["v"],
+            "eval": value["v"],
+            "total_s": 1.0,
+            "syncs": 1,
+        },
+    )
+    grid.main(["--workloads", "mlp", "lenet", "--variants", "solo-fast", "ddp", "--out", "g"])
+    value["v"] = 2.0
+    first = json.loads((tmp_path / "g.json").read_text())
+    for described in first["settings"]["workloads"].values():
+        del described["lr_scale_ratio"]  # as older results files hold them
+    (tmp_path / "g.json").write_text(json.dumps(first))
+    grid.main(["--merge", "--workloads", "lenet", "--variants", "ddp", "--out", "g"])
+    data = json.loads((tmp_path / "g.json").read_text())
+    cells = {(r["workload"], r["variant"]): r["eval"] for r in data["rows"]}
+    assert cells == {
+        ("mlp", "solo-fast"): 1.0,
+        ("mlp", "ddp"): 1.0,
+        ("lenet", "solo-fast"): 1.0,  # kept: this run did not redo it
+        ("lenet", "ddp"): 2.0,  # redone
+    }
+    assert data["settings"]["variants"] == ["solo-fast", "ddp"]
+    (earlier,) = data["settings"]["merged_from"]
+    assert earlier["workloads"] == ["lenet", "mlp"] and earlier["variants"] == ["solo-fast", "ddp"]
+    assert data["settings"]["lr_scale_ratio"] == 0.5  # this run's, not a kept description's
+
+
+def _write(directory, name, data):
+    import json
+
+    path = directory / f"{name}.json"
+    path.write_text(json.dumps(data))
+    return path
