@@ -217,6 +217,7 @@ def anchor_block(data: dict[str, Any], machine_line: str) -> str:
         [
             machine_line,
             "",
+            *merged_lines(s),
             f"Rig {s['rig']}, {lr_line(s['lr_scale_ratio'], len(s['rig']))}. Cell: final "
             "training loss / final val loss (nats/char) / total s / syncs.",
             "",
@@ -275,6 +276,22 @@ def lr_line(ratio: float, world: int) -> str:
     )
 
 
+def merged_lines(settings: dict[str, Any]) -> list[str]:
+    """Where a ``--merge``'d file's kept rows came from: one paragraph per earlier command."""
+    lines = []
+    for earlier in settings.get("merged_from") or []:
+        m = earlier["machine"]
+        partial = _partial(earlier)
+        lines += [
+            f"Rows of {', '.join(earlier['workloads'])}"
+            + (f" ({', '.join(partial)})" if partial else "")
+            + f" come from an earlier run ({m['date']}, load average at start "
+            f"{m.get('load_average')}): `.venv/bin/{earlier['command']}`",
+            "",
+        ]
+    return lines
+
+
 def _partial(earlier: dict[str, Any]) -> list[str]:
     """The variants an earlier run's kept rows cover, where they are not all of them."""
     from bench.ddp_bench import VARIANTS
@@ -293,17 +310,7 @@ def ddp_bench_block(data: dict[str, Any], stem: str, machine_line: str) -> str:
     if max(load + (data["machine"].get("load_average_end") or [0.0])) > cores:
         label.append(f"**under load** (load average above the {cores} cores)")
     plots = plot_curves(data, stem)
-    parts = [machine_line, ""]
-    for earlier in s.get("merged_from") or []:
-        m = earlier["machine"]
-        parts += [
-            f"Rows of {', '.join(earlier['workloads'])}"
-            + (f" ({', '.join(partial)})" if (partial := _partial(earlier)) else "")
-            + " come from an earlier run "
-            f"({m['date']}, load average at start {m.get('load_average')}): "
-            f"`.venv/bin/{earlier['command']}`",
-            "",
-        ]
+    parts = [machine_line, "", *merged_lines(s)]
     parts += [
         (" — ".join(label) + ": these numbers are not side-by-side measurements.")
         if label

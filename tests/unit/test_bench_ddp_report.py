@@ -223,3 +223,26 @@ def _write(directory, name, data):
     path = directory / f"{name}.json"
     path.write_text(json.dumps(data))
     return path
+
+
+def test_the_anchor_block_says_which_rows_an_earlier_run_gave() -> None:
+    from bench.ddp_bench_report import anchor_block
+
+    rows = [_row("gpt_nano", "solo-fast", 1.95), _row("gpt_nano", "cpu_async", 2.4)]
+    data = _data(rows)
+    data["settings"].update(rig=[1.0, 0.4], lr_scale_ratio=1.0, variants=["solo-fast", "cpu_async"])
+    data["settings"]["workloads"] = {"gpt_nano": data["settings"]["workloads"]["gpt_nano"]}
+    data["settings"]["workloads"]["gpt_nano"].update(
+        epochs=2, tokens_per_epoch=768_000, model="m.GPTNano", dataset="d.shakespeare",
+        optimizer={"target": "torch.optim.Adam", "lr": 0.001}, batch_size=12, train_samples=12000,
+    )  # fmt: skip
+    earlier = {"date": "2026-12-02 14:31 UTC", "load_average": [0.5]}
+    data["settings"]["merged_from"] = [
+        {"command": "python -m bench.ddp_bench --anchor", "machine": earlier,
+         "workloads": ["gpt_nano"], "variants": ["solo-fast"]},
+    ]  # fmt: skip
+    block = anchor_block(data, "Machine: here.")
+    assert "Rows of gpt_nano (solo-fast) come from an earlier run (2026-12-02 14:31 UTC" in block
+    assert "LR scaled on 2 ranks by 2 (lr_scale_ratio 1;" in block
+    assert "| cpu_async | 1.0000/2.4000/5.0/3 |" in block
+    assert "cpu_async: MISSED (> 1.88, not sooner than solo-fast)" in block
