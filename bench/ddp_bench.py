@@ -235,6 +235,10 @@ def _describe(workload: str, extra: list[str]) -> dict[str, Any]:
     return info
 
 
+def _provenance(command: str, info: dict[str, Any]) -> dict[str, Any]:
+    return {"command": command, "date": info["date"], "load_average": info.get("load_average")}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if child_main(argv, run_one):
@@ -272,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         "ddp_bench_quick" if args.quick else "ddp_bench_anchor" if args.anchor else "ddp_bench"
     )
     info = machine()
+    command = "python -m bench.ddp_bench " + " ".join(argv)
+    run = _provenance(command, info)  # each row says which run measured it (--merge mixes)
     started = time.perf_counter()
     rows: list[dict[str, Any]] = []
     workloads: dict[str, Any] = {}
@@ -280,7 +286,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.merge and (RESULTS / f"{out}.json").exists():
         old = json.loads((RESULTS / f"{out}.json").read_text())
         redo = {(w, v) for w in args.workloads for v in args.variants}
-        rows = [r for r in old["rows"] if (r["workload"], r["variant"]) not in redo]
+        rows = [
+            {"run": _provenance(old["command"], old["machine"]), **r}  # older rows: the file's
+            for r in old["rows"]
+            if (r["workload"], r["variant"]) not in redo
+        ]
         workloads = {
             w: d for w, d in old["settings"]["workloads"].items() if w not in args.workloads
         }
@@ -303,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
             quiet = wait_quiet(args.quiet_cores, args.max_wait)
             payload = {"workload": workload, "variant": variant, "extra": extra}
             res = run_isolated("bench.ddp_bench", payload, args.timeout)
-            rows.append({"workload": workload, "variant": variant, **quiet, **res})
+            rows.append({"workload": workload, "variant": variant, "run": run, **quiet, **res})
             if res.get("status") == "ok":
                 log(
                     f"{workload:<9} {variant:<12} loss {res['final_loss']:.4f}  "
@@ -327,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
                 "bench_wall_s": time.perf_counter() - started,
                 "merged_from": merged_from,
             },
-            "command": "python -m bench.ddp_bench " + " ".join(argv),
+            "command": command,
             "rows": rows,
         }
         path = write_result(out, data)  # after every workload: a cut-short run keeps its rows

@@ -217,7 +217,7 @@ def anchor_block(data: dict[str, Any], machine_line: str) -> str:
         [
             machine_line,
             "",
-            *merged_lines(s),
+            *merged_lines(data),
             f"Rig {s['rig']}, {lr_line(s['lr_scale_ratio'], len(s['rig']))}. Cell: final "
             "training loss / final val loss (nats/char) / total s / syncs.",
             "",
@@ -276,28 +276,33 @@ def lr_line(ratio: float, world: int) -> str:
     )
 
 
-def merged_lines(settings: dict[str, Any]) -> list[str]:
-    """Where a ``--merge``'d file's kept rows came from: one paragraph per earlier command."""
+def merged_lines(data: dict[str, Any]) -> list[str]:
+    """Where a ``--merge``'d file's rows came from: a paragraph per earlier run (its rows'
+    ``run``), naming its workloads (and variants, where it gave a workload only some)."""
+    from bench.ddp_bench import VARIANTS
+
+    runs: dict[str, dict[str, Any]] = {}
+    for r in data["rows"]:
+        run = r.get("run")
+        if run and run["command"] != data["command"]:
+            runs.setdefault(run["command"], {"run": run, "cells": []})["cells"].append(r)
     lines = []
-    for earlier in settings.get("merged_from") or []:
-        m = earlier["machine"]
-        partial = _partial(earlier)
+    for group in runs.values():
+        run, cells = group["run"], group["cells"]
+        parts = []
+        for w in dict.fromkeys(c["workload"] for c in cells):
+            variants = [c["variant"] for c in cells if c["workload"] == w]
+            whole = set(variants) >= set(data["settings"]["variants"]) or set(variants) == set(
+                VARIANTS
+            )
+            parts.append(w if whole else f"{w} ({', '.join(variants)})")
         lines += [
-            f"Rows of {', '.join(earlier['workloads'])}"
-            + (f" ({', '.join(partial)})" if partial else "")
-            + f" come from an earlier run ({m['date']}, load average at start "
-            f"{m.get('load_average')}): `.venv/bin/{earlier['command']}`",
+            f"Rows of {', '.join(parts)} come from an earlier run ({run['date']}, load average "
+            f"at start {[round(x, 2) for x in run.get('load_average') or []]}): "
+            f"`.venv/bin/{run['command']}`",
             "",
         ]
     return lines
-
-
-def _partial(earlier: dict[str, Any]) -> list[str]:
-    """The variants an earlier run's kept rows cover, where they are not all of them."""
-    from bench.ddp_bench import VARIANTS
-
-    kept = earlier.get("variants") or []
-    return kept if set(kept) != set(VARIANTS) else []
 
 
 def ddp_bench_block(data: dict[str, Any], stem: str, machine_line: str) -> str:
@@ -310,7 +315,7 @@ def ddp_bench_block(data: dict[str, Any], stem: str, machine_line: str) -> str:
     if max(load + (data["machine"].get("load_average_end") or [0.0])) > cores:
         label.append(f"**under load** (load average above the {cores} cores)")
     plots = plot_curves(data, stem)
-    parts = [machine_line, "", *merged_lines(s)]
+    parts = [machine_line, "", *merged_lines(data)]
     parts += [
         (" — ".join(label) + ": these numbers are not side-by-side measurements.")
         if label

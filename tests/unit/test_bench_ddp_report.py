@@ -215,6 +215,12 @@ def test_merge_redoes_only_the_cells_it_runs(tmp_path, monkeypatch) -> None:
     (earlier,) = data["settings"]["merged_from"]
     assert earlier["workloads"] == ["lenet", "mlp"] and earlier["variants"] == ["solo-fast", "ddp"]
     assert data["settings"]["lr_scale_ratio"] == 0.5  # this run's, not a kept description's
+    from bench.ddp_bench_report import merged_lines
+
+    (line, _) = merged_lines(data)  # one earlier run: mlp whole, lenet's solo-fast only
+    assert line.startswith("Rows of mlp, lenet (solo-fast) come from an earlier run (")
+    assert line.endswith("`.venv/bin/python -m bench.ddp_bench --workloads mlp lenet "
+                         "--variants solo-fast ddp --out g`")  # fmt: skip
 
 
 def _write(directory, name, data):
@@ -236,13 +242,19 @@ def test_the_anchor_block_says_which_rows_an_earlier_run_gave() -> None:
         epochs=2, tokens_per_epoch=768_000, model="m.GPTNano", dataset="d.shakespeare",
         optimizer={"target": "torch.optim.Adam", "lr": 0.001}, batch_size=12, train_samples=12000,
     )  # fmt: skip
-    earlier = {"date": "2026-12-02 14:31 UTC", "load_average": [0.5]}
-    data["settings"]["merged_from"] = [
-        {"command": "python -m bench.ddp_bench --anchor", "machine": earlier,
-         "workloads": ["gpt_nano"], "variants": ["solo-fast"]},
-    ]  # fmt: skip
+    data["command"] = "python -m bench.ddp_bench --anchor --variants cpu_async --merge"
+    rows[0]["run"] = {
+        "command": "python -m bench.ddp_bench --anchor",
+        "date": "2026-12-02 14:31 UTC",
+        "load_average": [0.5012, 0.7, 0.6],
+    }
+    rows[1]["run"] = {"command": data["command"], "date": "later", "load_average": None}
     block = anchor_block(data, "Machine: here.")
-    assert "Rows of gpt_nano (solo-fast) come from an earlier run (2026-12-02 14:31 UTC" in block
+    assert (
+        "Rows of gpt_nano (solo-fast) come from an earlier run (2026-12-02 14:31 UTC, load "
+        "average at start [0.5, 0.7, 0.6]): `.venv/bin/python -m bench.ddp_bench --anchor`"
+    ) in block
+    assert block.count("come from an earlier run") == 1  # not the run the block is of
     assert "LR scaled on 2 ranks by 2 (lr_scale_ratio 1;" in block
     assert "| cpu_async | 1.0000/2.4000/5.0/3 |" in block
     assert "cpu_async: MISSED (> 1.88, not sooner than solo-fast)" in block
