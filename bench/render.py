@@ -120,6 +120,80 @@ def hetero_block(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n" + _table(header, rows)
 
 
+def readme_summary_block(hetero: dict[str, Any] | None, overhead: dict[str, Any] | None) -> str:
+    """The root README's benchmark summary: the hetero rig's table (fewer columns) and the
+    sentences that quote it and the Trainer overhead, from the same result files."""
+    if hetero is None:
+        return "_No results yet: `.venv/bin/python -m bench.hetero`._"
+    s, m = hetero["settings"], hetero["machine"]
+    load = m.get("load_average") or []
+    rows = {(tuple(r["speeds"]), r["variant"]): r for r in hetero["rows"]}
+    lines = [
+        f"Machine: {m['cores']}-core {m['cpu']} VM, torch {m['torch']}, {m['date']}, load "
+        f"average {min(load):.1f}\u2013{max(load):.1f} at the start. Workload: {s['workload']} "
+        f"on {s['dataset']}, batch {s['batch_size']} per rank, {s['epochs']} epochs, no LR "
+        f"scaling, CPU-rig pacing with a nominal step of {s['pace_margin']}\u00d7 the measured "
+        f"one; medians of {s['repeats']} interleaved repeats "
+        f"(`.venv/bin/{hetero['command'].strip()}`).",
+        "",
+    ]
+    header = ["rig", "variant", "samples/s", "efficiency", "efficiency, T-matched", "vs DDP",
+              "vs DDP, T-matched", "test acc", "syncs", "idle per rank"]  # fmt: skip
+    table = []
+    for r in hetero["rows"]:
+        if r["variant"].startswith("solo"):
+            continue
+        name = {"ddp": "torch DDP (gloo)", "nccl_cadence": "**nccl_cadence**"}.get(
+            r["variant"], r["variant"]
+        )
+        idle = " / ".join(f"{x:.2f}" for x in r["idle_fraction"])
+        table.append(
+            [
+                _speeds(r["speeds"]),
+                name,
+                _num(r["samples_per_s"], ".0f"),
+                _num(r["efficiency"], ".2f"),
+                _num(r.get("efficiency_T_matched"), ".2f"),
+                _num(r["vs_ddp"], ".2f"),
+                _num(r.get("vs_ddp_T_matched"), ".2f"),
+                _num(r["test_accuracy"], ".3f"),
+                _num(r["syncs"], ".0f"),
+                idle,
+            ]
+        )
+    lines.append(_table(header, table))
+    hetero_rig = (1.0, 0.4)
+    fast, slow = rows.get((hetero_rig, "solo_fast")), rows.get((hetero_rig, "solo_slow"))
+    ddp, cad = rows.get((hetero_rig, "ddp")), rows.get((hetero_rig, "nccl_cadence"))
+    text = []
+    if fast and slow:
+        text.append(
+            f"Solo on the fast device: {fast['samples_per_s']:.0f} samples/s, on the slow one "
+            f"{slow['samples_per_s']:.0f}; test accuracy {fast['test_accuracy']:.3f}."
+        )
+    if ddp and cad:
+        text.append(
+            f"Lock-step DDP on [1.0, 0.4] sits at its bound (the fast rank idles "
+            f"{ddp['idle_fraction'][0]:.0%} of the time); `nccl_cadence` keeps both devices "
+            f"busy (idle \u2264 {max(cad['idle_fraction']):.0%}): efficiency "
+            f"{cad['efficiency']:.2f} on [1.0, 0.4] ({cad['efficiency_T_matched']:.2f} "
+            f"T-matched), {cad['vs_ddp']:.2f}\u00d7 DDP's throughput "
+            f"({cad['vs_ddp_T_matched']:.2f}\u00d7 T-matched)."
+        )
+    if overhead:
+        ratios = {r["model"]: r for r in overhead["rows"] if r.get("threads", 1) == 1}
+        parts = [f"{name} {r['train_ratio']:.3f}" for name, r in ratios.items()]
+        bests = " / ".join(f"{r['train_ratio_of_mins']:.3f}" for r in ratios.values())
+        text.append(
+            "Trainer overhead on one device (`bench/overhead.py`, median of "
+            f"{overhead['settings']['repeats']} interleaved repeats, one torch thread, "
+            "training-time ratio Trainer \u00f7 hand-written loop doing the same steps bit for "
+            f"bit, {overhead['machine']['date']}): {', '.join(parts)} (ratio of best runs "
+            f"{bests})."
+        )
+    return "\n".join(lines) + "\n\n" + " ".join(text)
+
+
 def comm_heavy_block(data: dict[str, Any]) -> str:
     """The hetero table of the communication-heavy rig, its all-reduce share and its plot."""
     s = data["settings"]
@@ -553,6 +627,13 @@ def main(argv: list[str] | None = None) -> int:
         text = replace_block(text, name, body)
     README.write_text(text, encoding="utf-8")
     print(f"updated {README}", file=sys.stderr)
+    root = README.parent.parent / "README.md"  # the project's README: its summary block
+    summary = readme_summary_block(_load("hetero"), _load("overhead"))
+    root.write_text(
+        replace_block(root.read_text(encoding="utf-8"), "bench_summary", summary),
+        encoding="utf-8",
+    )
+    print(f"updated {root}", file=sys.stderr)
     return 0
 
 
