@@ -133,6 +133,18 @@ def test_garbage_written_into_the_store_does_not_kill_the_run(tmp_path, monkeypa
         port = s.getsockname()[1]
     planted = threading.Event()
     threading.Thread(target=_plant_garbage, args=(port + 1, planted), daemon=True).start()
+    # The garbage must be in place before the survivors' regroup writes its keys: planted after
+    # that write it replaces a genuine value, the documented delay that the regroup's timeout
+    # ends in a PermissionError (seen under CI load). The controller starts the regroup here.
+    from flodl.runtime.elastic import Elastic
+
+    lose = Elastic.lose
+
+    def lose_once_planted(self, rank, why):
+        assert planted.wait(60), "the stranger never planted its garbage"
+        lose(self, rank, why)
+
+    monkeypatch.setattr(Elastic, "lose", lose_once_planted)
     result, _ = faulted_run(tmp_path, monkeypatch, "2:window:4", controller_port=port)
     assert planted.is_set()
     assert result.summary.status == "ok" and result.summary.lost_ranks == [2]

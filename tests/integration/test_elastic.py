@@ -4,6 +4,7 @@ every sample of every epoch is still trained exactly once."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 from functools import partial
 
@@ -266,7 +267,13 @@ def test_a_rank_lost_in_the_last_average_after_stop_ends_the_run_cleanly(
         )
         handle.join(timeout=60)
     result = handle.result
-    assert "lost rank 1 while stopping" in caplog.text
+    # Usually Stop is out when rank 1 dies (the case this test was written for). Under load the
+    # survivor's last report can reach the controller after rank 1's death: then the loss is an
+    # ordinary mid-run one and the survivors regroup (seen once in CI). Either way the run must
+    # end as below.
+    assert "lost rank 1 while stopping" in caplog.text or re.search(
+        r"lost rank 1 \(.*\); \d rank\(s\) go on", caplog.text
+    ), caplog.text
     assert result.summary.status == "ok" and result.summary.lost_ranks == [1]
     assert result.coverage_exact and result.summary.samples_seen == samples
     if checkpoint:
