@@ -235,6 +235,12 @@ def _describe(workload: str, extra: list[str]) -> dict[str, Any]:
     return info
 
 
+def _variants(rows: list[dict[str, Any]]) -> list[str]:
+    """The variants ``rows`` hold, in the grid's order."""
+    held = {r["variant"] for r in rows}
+    return [v for v in VARIANTS if v in held]
+
+
 def _provenance(command: str, info: dict[str, Any]) -> dict[str, Any]:
     return {"command": command, "date": info["date"], "load_average": info.get("load_average")}
 
@@ -282,7 +288,6 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     workloads: dict[str, Any] = {}
     merged_from: list[dict[str, Any]] = []
-    kept_variants: set[str] = set()
     if args.merge and (RESULTS / f"{out}.json").exists():
         old = json.loads((RESULTS / f"{out}.json").read_text())
         redo = {(w, v) for w in args.workloads for v in args.variants}
@@ -301,10 +306,9 @@ def main(argv: list[str] | None = None) -> int:
                 "command": old["command"],
                 "machine": old["machine"],
                 "workloads": sorted({r["workload"] for r in rows}),
-                "variants": [v for v in VARIANTS if v in {r["variant"] for r in rows}],
+                "variants": _variants(rows),
             },
         ]
-        kept_variants = {r["variant"] for r in rows}
     for workload in args.workloads:
         preset = QUICK[workload] if args.quick else ANCHOR if args.anchor else []
         extra = [*preset, *args.override]
@@ -333,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
                 # this run's (one experiment, the same overrides): 0 unless overridden
                 "lr_scale_ratio": workloads[args.workloads[0]]["lr_scale_ratio"],
                 "workloads": workloads,
-                "variants": [v for v in VARIANTS if v in kept_variants | set(args.variants)],
+                "variants": _variants(rows),  # the kept rows' and this run's
                 "bench_wall_s": time.perf_counter() - started,
                 "merged_from": merged_from,
             },

@@ -279,8 +279,6 @@ def lr_line(ratio: float, world: int) -> str:
 def merged_lines(data: dict[str, Any]) -> list[str]:
     """Where a ``--merge``'d file's rows came from: a paragraph per earlier run (its rows'
     ``run``), naming its workloads (and variants, where it gave a workload only some)."""
-    from bench.ddp_bench import VARIANTS
-
     runs: dict[str, dict[str, Any]] = {}
     for r in data["rows"]:
         run = r.get("run")
@@ -292,9 +290,7 @@ def merged_lines(data: dict[str, Any]) -> list[str]:
         parts = []
         for w in dict.fromkeys(c["workload"] for c in cells):
             variants = [c["variant"] for c in cells if c["workload"] == w]
-            whole = set(variants) >= set(data["settings"]["variants"]) or set(variants) == set(
-                VARIANTS
-            )
+            whole = set(variants) >= set(data["settings"]["variants"])
             parts.append(w if whole else f"{w} ({', '.join(variants)})")
         lines += [
             f"Rows of {', '.join(parts)} come from an earlier run ({run['date']}, load average "

@@ -540,11 +540,6 @@ def _ddp_bench() -> str:
                 "workloads": {
                     w: d for w, d in quick["settings"]["workloads"].items() if w not in measured
                 },
-                "merged_from": [
-                    m
-                    for m in quick["settings"].get("merged_from") or []
-                    if set(m["workloads"]) - measured
-                ],
             }
             title = "#### Workloads without a full run yet (quick)\n\n" if full else ""
             blocks.append(title + ddp_bench_block(kept, "ddp_bench_quick", _machine(quick)))
