@@ -2,7 +2,7 @@
 log), controller-side averages (``cpu_*`` modes), progress and the closed epochs' metrics.
 
 A part of :class:`flodl.runtime.controller.Controller`: the :class:`Aggregator` owns the event
-log, the closed epochs, the ``cpu_*`` snapshot sums, the EASGD centre and the outer momentum.
+log, the closed epochs, the ``cpu_*`` snapshot sums and the outer momentum.
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ class Aggregator:
         self.events: list[SyncEvent] = []
         self.closed_epochs: list[EpochMetrics] = []
         self.sums = SnapshotSums(cfg.elche.gamma) if self.mode.via_controller else None
-        self.center: Any = None
         self.outer: Any = None
         self.t_train = 0.0  # when training started (see begin)
         self._restore(saved)
@@ -59,10 +58,10 @@ class Aggregator:
             self.sums.n_params = n_params
 
     def _restore(self, saved: dict[str, Any] | None) -> None:
-        """cpu_* modes: the EASGD centre and the outer momentum a resumed bundle holds."""
+        """cpu_* modes: the outer momentum a resumed bundle holds (a bundle of a version that
+        kept an EASGD centre holds that too: nothing reads it now)."""
         if not saved:
             return
-        self.center = saved.get("center")
         if saved.get("outer_previous") is not None:
             from flodl.runtime.outer import make_outer
 
@@ -73,19 +72,16 @@ class Aggregator:
                 self.outer.buffer = buffer.clone() if buffer is not None else None
 
     def release(self) -> None:
-        """Drop the EASGD centre and the outer state (at Stop, once they are saved)."""
-        self.center = self.outer = None
+        """Drop the outer state (at Stop, once it is saved)."""
+        self.outer = None
 
     def state(self) -> dict[str, Any] | None:
-        """cpu_* modes: what only the controller holds (EASGD centre, outer momentum)."""
-        if self.center is None and self.outer is None:
-            return None
+        """cpu_* modes with outer=nesterov: what only the controller holds (the outer step's
+        previous average and momentum)."""
         outer = self.outer
-        return {
-            "center": self.center,
-            "outer_previous": outer.previous if outer is not None else None,
-            "outer_buffer": outer.buffer if outer is not None else None,
-        }
+        if outer is None:
+            return None
+        return {"outer_previous": outer.previous, "outer_buffer": outer.buffer}
 
     def route(self, msg: Any, descriptors: list) -> dict:
         """For the launcher's readers: a cpu_* snapshot is summed as it arrives (no copy)."""
@@ -152,22 +148,17 @@ class Aggregator:
             )
             self.out.send_each([r.rank for r in reports], Average(track.index, None))
             return
-        alpha = self.cfg.elche.effective_easgd_alpha
-        if alpha is not None and self.center is not None:
-            self.center.mul_(1 - alpha).add_(mean, alpha=alpha)
-        elif self.cfg.elche.outer is Outer.NESTEROV:
+        if self.cfg.elche.outer is Outer.NESTEROV:
             if self.outer is None:
                 from flodl.runtime.outer import make_outer
 
                 self.outer = make_outer(self.cfg.elche, self.sums.n_params)
-            self.center = self.outer.step(mean)
-        else:
-            self.center = mean
-        self.out.send_each([r.rank for r in reports], Average(track.index, self.center))
-        if alpha is None:
-            # A plain average is not state: holding it would overlap the next round's snapshots
-            # (with outer=nesterov the state is the outer step's own, ``outer.previous``)
-            self.center = None
+            mean = self.outer.step(mean)
+        # The round's average goes out as it is: cpu_async's ranks blend it into their own
+        # weights on arrival (EASGD, ``Worker._apply_average``). It is not kept (holding it
+        # would overlap the next round's snapshots); with outer=nesterov the state is the
+        # outer step's own, ``outer.previous``.
+        self.out.send_each([r.rank for r in reports], Average(track.index, mean))
 
     def progress(self, epoch: EpochTrack, total: int) -> None:
         loss = epoch.loss_sum / epoch.loss_count if epoch.loss_count else None

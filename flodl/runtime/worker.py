@@ -65,6 +65,7 @@ class WindowTally:
     loss_count: int = 0
     batches: int = 0
     data_ms: float = 0.0  # waiting for batches
+    blend_ms: float = 0.0  # cpu_async: blending in averages that arrived between steps
     overrun_s: float = 0.0  # the pacer's overrun count when the window began
     last_loss: float = math.nan
     steps: list[tuple[int, float, float]] = dataclasses.field(default_factory=list)
@@ -118,7 +119,6 @@ class Worker:
         self._sync_started: float | None = None
         self._eval_ms = 0.0
         self._epoch = -1
-        self._center: torch.Tensor | None = None
         self._outstanding: list[int] = []
         self._pending: collections.deque[Any] = collections.deque()
         self._nonfinite = 0
@@ -566,7 +566,32 @@ class Worker:
             self.log_step(tally)
             if tally.batches == 1:
                 chaos.point("window", self.rank)
+            if self._outstanding:
+                self._take_arrived(tally)
         self.end_window(window, tally)
+
+    def _take_arrived(self, tally: WindowTally) -> None:
+        """cpu_async: blend in, between two steps, every average that has arrived. The rank
+        keeps training while an average round-trips and blends it in as soon as it is here:
+        taken only when the rank ran out of overshoot, an average lands windows late (the
+        controller plans ahead, so plans queue in front of it), and each blend then pulls the
+        rank back towards weights that many windows old. Plans ahead of an average keep their
+        order for the loop (as :meth:`average` keeps them); anything else (a stop, a regroup)
+        ends the look, and nothing is blended while micro-batches accumulated on the current
+        weights wait for their step."""
+        if self.runner.pending:
+            return
+        t0 = time.perf_counter()
+        while self._outstanding:
+            waiting = self.link.peek()
+            if not waiting or not isinstance(waiting[0], (Average, Plan)):
+                break
+            msg = self.link.recv()
+            if isinstance(msg, Average):
+                self._apply_average(msg)
+            else:
+                self._pending.append(msg)
+        tally.blend_ms += (time.perf_counter() - t0) * 1000.0
 
     def _fetch_train(self, batches: Any, last: bool) -> tuple[float, Any]:
         batch = next(batches)
@@ -611,9 +636,10 @@ class Worker:
 
     def end_window(self, window: Window, tally: WindowTally) -> None:
         """Report the window (before averaging, so planning overlaps it), average, evaluate."""
-        compute_ms = (time.perf_counter() - tally.start) * 1000.0
+        # time spent blending in averages is averaging time, not compute: it goes to the sync
+        compute_ms = (time.perf_counter() - tally.start) * 1000.0 - tally.blend_ms
         loss_sum, loss_count, batches = tally.loss_sum, tally.loss_count, tally.batches
-        self._sync_started = time.perf_counter()
+        self._sync_started = time.perf_counter() - tally.blend_ms / 1000.0
         snapshot = self._snapshot() if self.mode.via_controller else None
         self.link.send(
             Report(
