@@ -247,3 +247,21 @@ def test_an_epoch_closes_only_once_its_last_averaging_held():
     assert not ctl.aggregator.closed_epochs  # one rank's averaging is still unconfirmed
     ctl._handle(*held[1][:1], Settled(*held[1]))
     assert len(ctl.aggregator.closed_epochs) == 1
+
+
+@pytest.mark.parametrize(("ms", "expected"), [(1.0, 250), (0.1, 2500), (200.0, 10)])
+def test_one_rank_windows_last_a_quarter_second_once_measured(ms, expected):
+    """One rank averages with nobody: after the first report its windows hold ~0.25 s of
+    batches (``elche.anchor`` at least), not ``anchor`` batches each (window boundaries cost a
+    fast model several per cent of its time); every sample is still covered once."""
+    ctl, links = make(world=1, epochs=2, n=50_000, has_eval=False)
+    drive(ctl, links, ms_per_batch=(ms,))
+    windows = [w for m in links[0].sent if isinstance(m, Plan) for w in m.windows]
+    sizes = [chunk_batches(w.chunks, 10) for w in windows]
+    assert sizes[:2] == [10, 10]  # planned before any report: anchor batches
+    ends = {max(i for i, w in enumerate(windows) if w.epoch == e) for e in (0, 1)}
+    measured = [s for i, s in enumerate(sizes) if i >= 2 and i not in ends]
+    assert measured and set(measured) == {expected}  # an epoch's last window holds the rest
+    result = ctl._result()
+    assert all(result.coverage.exact(e) for e in (0, 1))
+    assert result.samples == 100_000
