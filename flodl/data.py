@@ -152,7 +152,8 @@ class BatchSource:
                 idx = indices if t.device.type == "cpu" else indices.to(t.device)
                 # index_select: the same rows as t[idx], without advanced indexing's general
                 # machinery (measured on CPU: 42 against 92 us for 64 MNIST images)
-                return t.index_select(0, idx).to(device, non_blocking=True)
+                rows = t.index_select(0, idx)
+                return rows if rows.device == device else rows.to(device, non_blocking=True)
 
             return tree_map(take, self._tree)
         return to_device(fetch(self.dataset, indices.tolist(), self.collate), self.device)

@@ -44,16 +44,16 @@ class Pacer:
         self.nominal_s = nominal_s
 
     def run(self, step: Callable[[], T]) -> T:
+        if self.nominal_s is None:  # not paced (no CPU rig, or before calibration)
+            return step()
         start = time.perf_counter()
         self._exempt_s = 0.0
         out = step()
-        if self.nominal_s is not None:
-            deadline = start + self.nominal_s / self.speed
-            delay = deadline - time.perf_counter()
-            if delay > 0:
-                time.sleep(delay)
-            else:
-                self.overrun_s += max(0.0, -delay - self._exempt_s)
+        delay = start + self.nominal_s / self.speed - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        else:
+            self.overrun_s += max(0.0, -delay - self._exempt_s)
         return out
 
     def exempt(self, seconds: float) -> None:
