@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.loader              # the issue's goals (run it on an idle machine)
     .venv/bin/python -m bench.loader --quick      # smoke test: 1 repeat, 1 epoch
+    .venv/bin/python -m bench.loader --pace-margin 2.5 --out loader_margin2.5
 
 Every variant trains LeNet on the 4,000 mnist5k training images in a fresh process:
 
@@ -14,6 +15,10 @@ Every variant trains LeNet on the 4,000 mnist5k training images in a fresh proce
   a plain single-process PyTorch loop over ``DataLoader(num_workers=2, shuffle=True)``;
 * ``solo_resident``: one in-process rank on the ``TensorDataset`` (no pacing): what resident
   placement costs on CPU, next to ``bench.overhead``'s hand loop.
+
+``--pace-margin M`` runs the rig at ``cluster.pace_margin=M`` (1.3 by default): at 1.3 the
+paced ranks' simulated device compute is CPU work that keeps ~1.15 of the 2 cores busy beside the
+loader workers; a larger margin leaves the CPU the headroom a GPU rig leaves it.
 
 Goals (issue 12): ``work0.1_w1`` >= 0.9x the samples/s of ``tensor`` with the fast rank's share
 0.67 +- 0.03; ``work1_w1`` >= 1.0x ``plain_dl2``. Throughput is flodl's ``samples_per_s``
@@ -92,7 +97,7 @@ def _dataset(work_ms: float | None) -> Any:
     return partial(WorkDataset, "train", work_ms)
 
 
-def flodl_run(variant: str, epochs: int) -> dict[str, Any]:
+def flodl_run(variant: str, epochs: int, margin: float = PACE_MARGIN) -> dict[str, Any]:
     from bench.common import WORKLOADS, ModelFactory, OptimFactory, step_fn
     from flodl import ClusterConfig, LoggerConfig, Trainer
     from flodl.config import ElCheConfig
@@ -102,7 +107,7 @@ def flodl_run(variant: str, epochs: int) -> dict[str, Any]:
     cluster = (
         ClusterConfig(kind="auto")
         if solo
-        else ClusterConfig(kind="cpu_rig", ranks=2, speeds=SPEEDS, pace_margin=PACE_MARGIN)
+        else ClusterConfig(kind="cpu_rig", ranks=2, speeds=SPEEDS, pace_margin=margin)
     )
     calibrated: list[dict[str, Any]] = []
     if not solo:
@@ -126,7 +131,7 @@ def flodl_run(variant: str, epochs: int) -> dict[str, Any]:
     s = handle.result.summary
     tele = s.telemetry or []
     steps = [c["step_ms"] for c in calibrated if c["step_ms"] is not None]
-    nominal_ms = max(steps) * PACE_MARGIN if steps else None
+    nominal_ms = max(steps) * margin if steps else None
     # The rig's limit at this run's nominal step T: every rank flat out, batches of BATCH at
     # speed / T each. Its share of it compares runs whose calibrations came out differently.
     limit = BATCH * sum(SPEEDS) / (nominal_ms / 1e3) if nominal_ms else None
@@ -182,7 +187,8 @@ def run_one(payload: dict[str, Any]) -> dict[str, Any]:
     variant, epochs = payload["variant"], payload["epochs"]
     load_before = os.getloadavg()
     plain = VARIANTS[variant].get("plain", False)
-    result = plain_run(variant, epochs) if plain else flodl_run(variant, epochs)
+    margin = payload.get("pace_margin", PACE_MARGIN)
+    result = plain_run(variant, epochs) if plain else flodl_run(variant, epochs, margin)
     return result | {"load_before": load_before, "load_after": os.getloadavg()}
 
 
@@ -239,19 +245,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
     parser.add_argument("--max-wait", type=float, default=10.0, help="wait for a quiet machine")
     parser.add_argument("--out", default="loader", help="results file stem under bench/results")
+    parser.add_argument(
+        "--pace-margin", type=float, default=PACE_MARGIN,
+        help="the rig's cluster.pace_margin (T = margin x the slowest calibrated step)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     repeats, epochs = (1, 1) if args.quick else (args.repeats, args.epochs)
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
     for rep in range(repeats):
         for variant in VARIANTS:  # interleaved: drift on the machine hits every variant
             quiet = wait_quiet(0.5, args.max_wait)
-            payload = {"variant": variant, "epochs": epochs}
+            payload = {"variant": variant, "epochs": epochs, "pace_margin": args.pace_margin}
             result = run_isolated("bench.loader", payload, args.timeout) | quiet
             runs[variant].append(result)
             log(f"[{rep + 1}/{repeats}] {variant}: {result.get('samples_per_s')} samples/s")
     data = {
         "machine": machine() | {"load_average_end": list(os.getloadavg())},
-        "command": "python -m bench.loader" + (" --quick" if args.quick else ""),
+        "command": "python -m bench.loader"
+        + (" --quick" if args.quick else "")
+        + (f" --pace-margin {args.pace_margin:g}" if args.pace_margin != PACE_MARGIN else "")
+        + (f" --out {args.out}" if args.out != "loader" else ""),
+        "pace_margin": args.pace_margin,
         "quick": args.quick,
         "epochs": epochs,
         "repeats": repeats,

@@ -462,7 +462,8 @@ def loader_block(data: dict[str, Any]) -> str:
         [
             _machine(data),
             f"LeNet on mnist5k (4000 train), batch {data['batch_size']}, rig {rig} "
-            f"(nccl_cadence), {data['epochs']} epoch(s), medians of {data['repeats']} "
+            f"(nccl_cadence, pace margin {data.get('pace_margin', 1.3):g}), "
+            f"{data['epochs']} epoch(s), medians of {data['repeats']} "
             f"interleaved repeat(s); samples/s over the training time."
             + (quick if data.get("quick") else ""),
             _table(LOADER_HEADER, rows),
@@ -596,6 +597,7 @@ def render() -> dict[str, str]:
         "targets": targets_block(hetero, overhead, _load("hetero_long")),
         "accuracy": accuracy_block(hetero, _load("hetero_long")),
         "loader": _loader(missing),
+        "loader_headroom": _block("loader_margin2.5", loader_block, missing),
         "scale_sim": scale_sim_block(sim) if sim else missing,
         "comm_heavy": comm_heavy_block(comm) if comm else missing,
         "comm_heavy_equal": _block("comm_heavy_equal", comm_heavy_block, missing),
