@@ -11,7 +11,8 @@ Every variant trains LeNet on the 4,000 mnist5k training images in a fresh proce
 * ``work0.1_w0`` / ``work0.1_w1``: the same rig on a map-style dataset whose ``__getitem__``
   decompresses its image and then does real CPU work up to ~0.1 ms per sample, with
   ``loader.num_workers`` 0 (in the training thread) and 1 (one DataLoader worker per rank);
-* ``work1_w1``: ~1 ms per sample, the rig with one worker per rank, against ``plain_dl2``:
+* ``work1_w1`` / ``work1_w2``: ~1 ms per sample, the rig with one / two workers per rank,
+  against ``plain_dl2``:
   a plain single-process PyTorch loop over ``DataLoader(num_workers=2, shuffle=True)``;
 * ``solo_resident``: one in-process rank on the ``TensorDataset`` (no pacing): what resident
   placement costs on CPU, next to ``bench.overhead``'s hand loop.
@@ -55,6 +56,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "work0.1_w0": {"work_ms": 0.1, "workers": 0},
     "work0.1_w1": {"work_ms": 0.1, "workers": 1},
     "work1_w1": {"work_ms": 1.0, "workers": 1},
+    "work1_w2": {"work_ms": 1.0, "workers": 2},
     "plain_dl2": {"work_ms": 1.0, "workers": 2, "plain": True},
     "solo_resident": {"work_ms": None, "workers": 0, "solo": True},
 }
@@ -229,6 +231,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         "w0_vs_tensor": ratio(out["work0.1_w0"]["samples_per_s"], tensor),
         "w1_fast_share": out["work0.1_w1"]["fast_share"],
         "work1_vs_plain_dl2": ratio(out["work1_w1"]["samples_per_s"], plain),
+        "work1_w2_vs_plain_dl2": ratio((out.get("work1_w2") or {}).get("samples_per_s"), plain),
     }
     return out
 

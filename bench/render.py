@@ -427,6 +427,7 @@ _LOADER_ROWS = [
     ("work0.1_w0", "~0.1 ms/sample, num_workers=0", "rig"),
     ("work0.1_w1", "~0.1 ms/sample, num_workers=1", "rig"),
     ("work1_w1", "~1 ms/sample, num_workers=1", "rig"),
+    ("work1_w2", "~1 ms/sample, num_workers=2", "rig"),
     ("plain_dl2", "~1 ms/sample, plain loop + DataLoader(num_workers=2)", "one process"),
     ("solo_resident", "TensorDataset, solo (resident on CPU)", "one process"),
 ]
@@ -456,6 +457,8 @@ def loader_block(data: dict[str, Any]) -> str:
         ["workers=0 vs TensorDataset (~0.1 ms)", _num(goals.get("w0_vs_tensor")), "(beside it)"],
         ["fast rank's share, workers=1", _num(goals.get("w1_fast_share")), "0.67 +- 0.03"],
         ["workers=1 vs DataLoader(2) (~1 ms)", _num(goals.get("work1_vs_plain_dl2")), ">= 1.0"],
+        ["workers=2 vs DataLoader(2) (~1 ms)", _num(goals.get("work1_w2_vs_plain_dl2")),
+         ">= 1.0"],
     ]  # fmt: skip
     quick = " **Quick run (1 epoch, 1 repeat): a smoke test, not the goals' measurement.**"
     return "\n\n".join(
