@@ -110,13 +110,16 @@ class GradSync:
 
     @torch.no_grad()
     def _write_back(self, b: int, flat: torch.Tensor) -> None:
+        """Each parameter's gradient becomes its slice of the reduced bucket (a view, as DDP's
+        ``gradient_as_bucket_view``: no second pass over the bucket); the step's
+        ``zero_grad(set_to_none=True)`` lets the bucket go."""
         pos = 0
         for i in self.buckets[b]:
             p = self.params[i]
             n = p.numel()
-            reduced = flat[pos : pos + n].view_as(p)
-            if p.grad is None:
-                p.grad = reduced.clone()
+            reduced = flat[pos : pos + n].view(p.shape)
+            if p.grad is not None and p.grad.stride() != reduced.stride():
+                p.grad.copy_(reduced)  # a gradient in another memory format keeps its layout
             else:
-                p.grad.copy_(reduced)
+                p.grad = reduced
             pos += n
