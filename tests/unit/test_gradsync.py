@@ -43,6 +43,7 @@ def _rank(rank_s: str, port: str, path: str) -> None:
     data = torch.randn(12, 4, generator=g)
     target = torch.randn(12, 1, generator=g)
     sizes = (8, 4)  # unequal batches: weights 2/3 and 1/3
+    kept: list[list[int]] = []  # the buffers' addresses after each step
     lo = 0 if rank == 0 else sizes[0]
     x, y = data[lo : lo + sizes[rank]], target[lo : lo + sizes[rank]]
     for _ in range(3):
@@ -51,6 +52,17 @@ def _rank(rank_s: str, port: str, path: str) -> None:
         sync.finish()
         if _ == 0:
             out[f"grad{rank}"] = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        # each gradient is a view into its bucket's buffer, and the buffers are kept across steps
+        out[f"views{rank}"] = out.get(f"views{rank}", True) and all(
+            any(
+                p.grad.untyped_storage().data_ptr() == f.untyped_storage().data_ptr()
+                for f in sync._flats.values()
+            )
+            for p in model.parameters()
+        )
+        ptrs = sorted(f.data_ptr() for f in sync._flats.values())
+        kept.append(ptrs)
+        out[f"kept{rank}"] = all(p == kept[0] for p in kept)
         opt.step()
         opt.zero_grad(set_to_none=True)
     out[f"params{rank}"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -85,3 +97,38 @@ def test_two_ranks_step_with_the_global_batch_gradient_and_stay_identical(tmp_pa
     assert torch.allclose(out["grad0"], whole, atol=1e-6)
     assert torch.equal(out["grad0"], out["grad1"])
     assert torch.equal(out["params0"], out["params1"])
+    assert out["views0"] and out["views1"] and out["kept0"] and out["kept1"]
+    # three steps with the global batch's gradient are three full-batch Adam steps
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    for _ in range(3):
+        if _:
+            nn.functional.mse_loss(model(data), target).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    whole_params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    assert torch.allclose(out["params0"], whole_params, atol=1e-5)
+
+
+def test_gradients_left_in_the_buffer_are_not_overwritten_while_read(tmp_path):
+    """A step whose gradients were not set to None (they are views into the kept buffer, and
+    backward accumulated into them) still reduces what they hold: a fresh buffer, not the kept
+    one that they alias."""
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+        sync = GradSync(model)
+        x, y = torch.randn(6, 4), torch.randn(6, 1)
+        sync.weight, sync.armed = 0.5, True
+        nn.functional.mse_loss(model(x), y).backward()
+        sync.finish()
+        first = [p.grad.clone() for p in model.parameters()]
+        sync.weight, sync.armed = 1.0, True
+        nn.functional.mse_loss(model(x), y).backward()  # accumulates into the views
+        sync.finish()
+        for p, g in zip(model.parameters(), first, strict=True):
+            # first = 0.5 * grad; accumulated: 0.5 * grad + grad = 3 * first
+            assert torch.allclose(p.grad, 3 * g, atol=1e-6)
+    finally:
+        dist.destroy_process_group()
