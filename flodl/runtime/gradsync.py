@@ -9,9 +9,10 @@ in the same order. :meth:`GradSync.finish` (before the optimizer step) launches 
 (a parameter without a gradient contributes zeros), waits, and makes each parameter's gradient
 its slice of the reduced bucket. As DDP's, the bucket buffers are kept across steps (a fresh
 bucket-sized tensor each step costs a CPU rank page faults and zeroing) and the gradients are
-views into them (``gradient_as_bucket_view``: no copy back). Each rank scales its gradients by its share of the step's samples, so the sum is the
-gradient of the mean loss over the global batch, unequal batch sizes included; every rank then
-steps with the same gradient and keeps identical parameters.
+views into them (``gradient_as_bucket_view``: no copy back). Each rank scales its gradients by
+its share of the step's samples, so the sum is the gradient of the mean loss over the global
+batch, unequal batch sizes included; every rank then steps with the same gradient and keeps
+identical parameters.
 
 A collective that fails (a peer is gone) leaves the rank's own gradients in place: the rank
 steps locally and the regroup's re-average brings the survivors together (as a failed
