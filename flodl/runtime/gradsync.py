@@ -98,23 +98,15 @@ class GradSync:
 
     def _flat(self, b: int, grads: list[torch.Tensor]) -> torch.Tensor:
         """``grads`` concatenated into bucket ``b``'s kept buffer (a new one when the bucket's
-        size, dtype or device changed, or a gradient still lives in the old one)."""
+        size, dtype or device changed)."""
         buf = self._flats.get(b)
-        first = grads[0]
-        n = sum(g.numel() for g in grads)
-        if any(g.dtype != first.dtype for g in grads):
-            return torch.cat(grads)
-        if (
-            buf is None
-            or buf.numel() != n
-            or buf.dtype != first.dtype
-            or buf.device != first.device
-        ):
-            buf = self._flats[b] = torch.empty(n, dtype=first.dtype, device=first.device)
-        else:
-            ptr = buf.untyped_storage().data_ptr()
-            if any(g.untyped_storage().data_ptr() == ptr for g in grads):  # not set to None
-                return torch.cat(grads)
+        n, dtype, device = sum(g.numel() for g in grads), grads[0].dtype, grads[0].device
+        if any(g.dtype != dtype for g in grads) or (buf is not None and _aliases(buf, grads)):
+            return torch.cat(
+                grads
+            )  # mixed dtypes, or gradients not set to None since the last step
+        if buf is None or (buf.numel(), buf.dtype, buf.device) != (n, dtype, device):
+            buf = self._flats[b] = torch.empty(n, dtype=dtype, device=device)
         return torch.cat(grads, out=buf)
 
     def finish(self) -> None:
@@ -155,3 +147,9 @@ class GradSync:
             else:
                 p.grad = reduced
             pos += n
+
+
+def _aliases(buf: torch.Tensor, grads: list[torch.Tensor]) -> bool:
+    """Some gradient still lives in ``buf`` (a view the last step made)."""
+    ptr = buf.untyped_storage().data_ptr()
+    return any(g.untyped_storage().data_ptr() == ptr for g in grads)

@@ -312,8 +312,6 @@ class Planner:
         if track is None or report.rank not in track.expected:
             return None  # a void window's report (planned before a loss): its work came back
         track.reports[report.rank] = report
-        if self.world == 1 and report.batches:
-            self.solo_ms = report.compute_ms / report.batches
         assert self.coverage is not None
         self.coverage.record(report.epoch, report.chunks)
         self.epochs[report.epoch].add(report)
@@ -323,6 +321,10 @@ class Planner:
         """A complete window leaves the open ones; its epoch's counts move on."""
         del self.windows[track.index]
         self.completed += 1
+        if self.world == 1:  # once a window, not on every report of a large cohort
+            report = track.reports.get(0)
+            if report is not None and report.batches:
+                self.solo_ms = report.compute_ms / report.batches
         epoch = self.epochs[track.epoch]
         epoch.done += 1
         if epoch.all_planned and epoch.done == epoch.planned:
