@@ -147,7 +147,7 @@ def _start(
     has_eval = task.has_eval
     if checked is None:
         run_info["model_signature"] = preflight.check_factories(run_cfg)
-        preflight.check_task_targets(task)  # last: its metrics import torchmetrics
+        preflight.check_task_targets(task)  # last: its metrics need torchmetrics
         config = run_cfg.trainer_config()
     else:
         run_info["model_signature"], config = checked.signature, checked.config
@@ -273,6 +273,7 @@ def cli(main: Callable[[], Any]) -> None:
     """Run the Hydra entry with flodl's exit codes (2: bad config, 1: a job failed)."""
     try:
         check_override_keys(sys.argv[1:])
+        _warm_early(sys.argv[1:])
         with _sigterm_as_interrupt():
             main()
     except KeyboardInterrupt as exc:
@@ -303,6 +304,29 @@ def cli(main: Callable[[], Any]) -> None:
         if exc.code == 1:
             sys.exit(2)
         raise
+
+
+_INFO_FLAGS = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "--shell-completion")
+
+
+def _warm_early(args: list[str]) -> None:
+    """Start the fork server of local CPU ranks before Hydra composes the job, on speculation:
+    the default job is a CPU rig, and the server's imports (torch, the worker: ~2.5 s of CPU)
+    then overlap composition and the launcher's checks. A job that turns out not to fork its
+    ranks from it ends it (:func:`flodl.sweep._warm_ranks`), as does a refusal (at exit: it is
+    killed, not waited for). Not when torchrun or srun placed this process, nor for Hydra's
+    informational flags (nothing trains)."""
+    from flodl.runtime import warm
+    from flodl.runtime.env import external_role
+
+    if any(arg.split("=", 1)[0] in _INFO_FLAGS for arg in args):
+        return
+    try:
+        placed = external_role() is not None
+    except RuntimeError:  # a broken placement: the launcher refuses it later, with its message
+        placed = True
+    if not placed:
+        warm.start()
 
 
 __all__ = ["RunConfig", "build_dataset", "build_model", "build_optimizer", "cli", "train"]

@@ -7,6 +7,7 @@ silently ignored setting. Below this boundary code receives typed objects, never
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import importlib
 import importlib.machinery
@@ -16,6 +17,7 @@ import re
 import sys
 from collections.abc import Mapping
 from enum import Enum
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -813,24 +815,64 @@ def check_locatable(path: str) -> None:
         resolve_dotted(path)  # not found on disk: the real import says why (or finds it after all)
 
 
+def defined_in_source(path: str) -> bool:
+    """Whether ``pkg.module.attr`` is found without importing anything: the module's source on
+    the import path binds ``attr`` at its top level (a class, a function, an import, an
+    assignment; inside ``if`` / ``try`` blocks too). False when that cannot be told so (no
+    source, a module ``__getattr__``, a star import): the caller then imports it."""
+    module_name, _, attr = path.rpartition(".")
+    spec = _module_spec(module_name) if module_name else None
+    if spec is None or not spec.origin or not str(spec.origin).endswith(".py"):
+        return False
+    try:
+        tree = ast.parse(Path(spec.origin).read_bytes())
+    except (OSError, SyntaxError, ValueError):
+        return False
+    return attr in _top_level_names(tree.body)
+
+
+def _top_level_names(body: list[ast.stmt]) -> set[str]:
+    names: set[str] = set()
+    for node in body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names if a.name != "*")
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+        elif isinstance(node, (ast.If, ast.Try, ast.With)):
+            handlers = getattr(node, "handlers", [])
+            for block in (node.body, getattr(node, "orelse", []), getattr(node, "finalbody", [])):
+                names |= _top_level_names(block)
+            for handler in handlers:
+                names |= _top_level_names(handler.body)
+    return names
+
+
 def _module_found(name: str) -> bool:
     """Whether ``name`` is on the import path, found without executing any package's code
     (``importlib.util.find_spec`` would import every parent package)."""
+    return _module_spec(name) is not None
+
+
+def _module_spec(name: str) -> Any:
     search: Any = None
     parts = name.split(".")
+    spec = None
     for depth in range(1, len(parts) + 1):
         prefix = ".".join(parts[:depth])
         loaded = sys.modules.get(prefix)
         try:
             spec = loaded.__spec__ if loaded is not None else _find(prefix, search)
         except (ImportError, ValueError):
-            return False
+            return None
         if spec is None:
-            return False
+            return None
         search = spec.submodule_search_locations
         if search is None and depth < len(parts):
-            return False  # a plain module has no submodules
-    return True
+            return None  # a plain module has no submodules
+    return spec
 
 
 def _find(name: str, search: Any) -> Any:

@@ -106,15 +106,15 @@ class Job:
         dashboard = None
         try:
             log.info("flodl: %s", format_lr_scaling(self.run_info["lr_scaling"]))
-            # Everything that can refuse the run does so before any rank (or server) starts.
-            if self.spec.has_eval:
-                self.spec.evaluation.build(torch.device("cpu"))  # a bad metric fails here
+            # Everything that can refuse the run does so before any rank trains; the metrics
+            # are built (a bad one refuses here) while the ranks start.
+            gate = _check_metrics(self.spec) if self.spec.has_eval else None
             controller = new_controller(
                 self.spec, topo, self._hooks(), self._resume, self.eval_metric
             )
             dashboard = self._serve()
             self._open_outputs()
-            run = self._finish(self._train(controller))
+            run = self._finish(self._train(controller, gate))
         except BaseException as exc:
             self.summary = self._failed_summary(exc)
             self._write_summary(self.summary)
@@ -128,12 +128,12 @@ class Job:
             raise RunFailed(run.summary.error or "the run failed")
         return run  # ok, or interrupted (a graceful stop: what was trained, what was saved)
 
-    def _train(self, controller: Controller) -> ControllerResult:
+    def _train(self, controller: Controller, gate: Any = None) -> ControllerResult:
         on_cooperative = self._hand_over if self.cooperative else None
         self.cohort = open_cohort(
             self.spec, controller, self.job_dir, self.topology, self._rank_line, on_cooperative
         )
-        return run_cohort(self.cohort, self._stop.is_set)
+        return run_cohort(self.cohort, self._stop.is_set, gate)
 
     def _hand_over(self, core: Any) -> None:
         """Cooperative and in-process: the caller's thread drives the only rank."""
@@ -344,6 +344,30 @@ class Job:
             "samples_per_s": summary.samples_per_s,
         } | {f"final/{name}": value for name, value in summary.metrics.items()}
         self.tb.hparams(hparams, metrics)
+
+
+def _check_metrics(spec: JobSpec) -> Any:
+    """Build the eval metrics once on the launcher (a bad one refuses the run) in a thread, so
+    their import (torchmetrics with scipy: ~1.3 s of CPU) overlaps the ranks' start rather than
+    preceding it; the returned gate waits for it and raises what it raised (:func:`run_cohort`
+    calls it once the ranks are started, before the controller plans a window)."""
+    failure: list[BaseException] = []
+
+    def build() -> None:
+        try:
+            spec.evaluation.build(torch.device("cpu"))
+        except BaseException as exc:  # re-raised by the gate, in the launcher's thread
+            failure.append(exc)
+
+    thread = threading.Thread(target=build, name="flodl-metric-check", daemon=True)
+    thread.start()
+
+    def gate() -> None:
+        thread.join()
+        if failure:
+            raise failure[0]
+
+    return gate
 
 
 def _coverage_exact(result: ControllerResult) -> bool:

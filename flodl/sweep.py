@@ -98,13 +98,17 @@ def check_job(job_cfg: Any, warm: bool = False) -> app.CheckedJob:
 
 
 def _warm_ranks(cluster: Any) -> None:
-    """A local CPU rig: start the fork server its ranks fork from now, so its imports (torch,
-    the worker) overlap the launcher's remaining checks (torch, torchmetrics, the dry build)
-    instead of following them (:mod:`flodl.runtime.warm`)."""
+    """A local CPU rig: start the fork server its ranks fork from now (if :func:`flodl.app.cli`
+    did not already), so its imports (torch, the worker) overlap the launcher's remaining checks
+    (torch, the dry build) instead of following them (:mod:`flodl.runtime.warm`). Any other job:
+    end the server ``cli`` started on speculation."""
     from flodl.runtime import warm
     from flodl.runtime.env import external_role
 
-    warm.start_for(cluster, placed=external_role() is not None)
+    if warm.serves(cluster, placed=external_role() is not None):
+        warm.start()
+    else:
+        warm.close_idle()
 
 
 def _require_flodl_job(job_cfg: Any) -> None:

@@ -8,7 +8,7 @@ Cheapest first, so a pure-config refusal exits before torch is imported:
    batch sizes);
 3. a Hydra job's ``_target_`` factories (:func:`check_factories`: signatures, annotations,
    dataset length, then a dry build of model, optimizer and scheduler; imports torch);
-4. the task's dotted paths and metrics (:func:`check_task_targets`; imports torchmetrics);
+4. the task's dotted paths and metrics (:func:`check_task_targets`; torchmetrics in the background);
 5. per run, once the topology is known (:func:`check_run`, :func:`model_signature`,
    :func:`check_launch`): callback rank, save path, resume bundle, the Python API's closures.
 """

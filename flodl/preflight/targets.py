@@ -5,8 +5,9 @@ binds its keyword arguments against the target's signature and annotations (unkn
 wrong type), compares the batch size with the dataset's length where the dataset factory can
 tell it cheaply (a ``num_samples`` attribute: a function of the same arguments that does not
 load the data), then dry-builds model, optimizer and scheduler (:mod:`.dry_build`).
-:func:`check_task_targets` resolves the task's dotted paths last: its metrics import
-torchmetrics, which no other refusal needs.
+:func:`check_task_targets` resolves the task's dotted paths last: its metrics' package
+(torchmetrics) is read rather than imported when its source shows the name, and imported in the
+background (no other refusal needs it).
 """
 
 from __future__ import annotations
@@ -14,12 +15,17 @@ from __future__ import annotations
 import difflib
 import inspect
 import json
+import logging
+import sys
+import threading
 import typing
 from collections.abc import Callable
 from typing import Any
 
-from flodl.config import ConfigError, TargetConfig, TaskConfig, resolve_dotted
+from flodl.config import ConfigError, TargetConfig, TaskConfig, defined_in_source, resolve_dotted
 from flodl.preflight.dry_build import dry_build_targets
+
+log = logging.getLogger(__name__)
 
 _EMPTY = inspect.Parameter.empty
 
@@ -63,15 +69,39 @@ def _check_dataset_kind(target: TargetConfig) -> None:
         )
 
 
-def check_task_targets(task: TaskConfig) -> None:
-    """Resolve the task's step, eval and callback paths and its metrics' targets."""
+def check_task_targets(task: TaskConfig) -> list[str]:
+    """Resolve the task's step, eval and callback paths and its metrics' targets; return the
+    metric targets found in their module's source instead, imported in the background.
+
+    A metric's package not yet imported (torchmetrics: ~1.3 s with scipy, in the launcher's path
+    to its ranks' first step) is read, not imported, when its source defines the name
+    (:func:`~flodl.config.defined_in_source`); a daemon thread imports it meanwhile, so the
+    launcher's first eval finds it imported (or waits on the import lock for it). A name the
+    source does not show is imported here, and its error names the key, as before."""
     fields = ("train_step", "eval_fn", "eval_loss", "eval_step")
     for field in (*fields, "metrics_fn", "eval_result_fn", "epoch_fn"):
         path = getattr(task, field)
         if path is not None:
             resolve(f"task.{field}", path)
+    deferred = []
     for name, metric in task.metrics.items():
-        _target(f"task.metrics.{name}", metric)
+        if metric.target.rpartition(".")[0] not in sys.modules and defined_in_source(metric.target):
+            deferred.append(metric.target)
+        else:
+            _target(f"task.metrics.{name}", metric)
+    if deferred:
+        threading.Thread(
+            target=_import_all, args=(deferred,), name="flodl-metric-import", daemon=True
+        ).start()
+    return deferred
+
+
+def _import_all(paths: list[str]) -> None:
+    for path in paths:
+        try:
+            resolve_dotted(path)
+        except Exception as exc:  # its ranks' first eval refuses it, naming the metric
+            log.warning("cannot import the metric %s: %s", path, exc)
 
 
 def resolve(key: str, path: str) -> Any:

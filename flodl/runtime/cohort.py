@@ -30,10 +30,16 @@ class Cohort(Protocol):
         """The per-rank files this cohort wrote (``rank_N.log``)."""
 
 
-def run_cohort(cohort: Cohort, stop_requested: Callable[[], bool]) -> ControllerResult:
-    """Start, join and stop ``cohort``: torn down whatever happens, told why when it failed."""
+def run_cohort(
+    cohort: Cohort, stop_requested: Callable[[], bool], gate: Callable[[], None] | None = None
+) -> ControllerResult:
+    """Start, join and stop ``cohort``: torn down whatever happens, told why when it failed.
+    ``gate``: a check still running while the ranks start; it raises to refuse the run before
+    the controller plans any training."""
     try:
         cohort.start()
+        if gate is not None:
+            gate()
         result = cohort.join(stop_requested)
     except BaseException as exc:
         cohort.stop(exc)

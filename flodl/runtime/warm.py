@@ -183,6 +183,8 @@ class _Server:
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
+        if not self.running():  # nothing of ours to end: do not wait for its imports to finish
+            self.popen.kill()
         try:
             self.popen.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -227,8 +229,26 @@ def start() -> None:
 def start_for(cluster: Any, placed: bool) -> None:
     """Start the fork server now when ``cluster`` is a local CPU rig (not one torchrun or srun
     ``placed``), so its imports overlap the launcher's own checks and dry build."""
-    if not placed and cluster.kind == "cpu_rig" and cluster.ranks >= 2:
+    if serves(cluster, placed):
         start()
+
+
+def serves(cluster: Any, placed: bool) -> bool:
+    """Whether ``cluster``'s ranks fork from this process's server: a local CPU rig of 2+ ranks
+    that torchrun or srun did not place."""
+    return not placed and cluster.kind == "cpu_rig" and cluster.ranks >= 2
+
+
+def close_idle() -> None:
+    """End the fork server if it serves no rank now (one started on speculation, before the
+    job was known, for a job whose ranks do not fork from it)."""
+    global _server
+    with _lock:
+        server = _server
+        if server is None or server.owner != os.getpid() or server.running():
+            return
+        _server = None
+    server.close()
 
 
 def take(env: dict[str, str], secret: bytes, target: str = RANK_TARGET) -> Forked | None:

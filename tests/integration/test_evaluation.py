@@ -135,3 +135,34 @@ def test_per_rank_telemetry_is_present_and_plausible(run):
             assert s["peak_mem_mb"] > 50 and 0 < s["data_wait_fraction"] < s["busy_fraction"] < 1
             busy_s = (s["busy_fraction"] + s["data_wait_fraction"]) * m.epoch_ms
             assert busy_s == pytest.approx(s["compute_ms"], rel=1e-6), (m.epoch, r)
+
+
+def not_a_metric() -> float:
+    return 0.5
+
+
+def test_a_bad_metric_refuses_the_run_before_any_rank_trains(tmp_path):
+    """The launcher builds the metrics while the ranks start (their import overlaps the ranks'
+    imports); one that is not a metric stops the started ranks before the first window."""
+    handle = (
+        Trainer.builder(model_factory, optim_factory, classification_step)
+        .dataset(partial(data, "train", 512))
+        .eval_dataset(partial(data, "test"))
+        .metrics({"bad": not_a_metric})
+        .batch_size(32)
+        .num_epochs(2)
+        .elche(ElCheConfig(mode="nccl_cadence"))
+        .cluster(ClusterConfig(kind="cpu_rig", ranks=2, speeds=[1.0, 0.5], warmup_steps=3))
+        .logger(LoggerConfig(progress="off", tensorboard=False))
+        .output_dir(tmp_path / "job")
+        .run()
+    )
+    with pytest.raises(TypeError, match=r"task.metrics.bad: must build a torchmetrics Metric"):
+        handle.join(timeout=120)
+    summary = json.loads((tmp_path / "job" / "summary.json").read_text())
+    assert summary["status"] == "failed" and "task.metrics.bad" in summary["error"]
+    assert summary["samples_seen"] in (0, None) and not summary["loss_curve"]
+    assert sorted(p.name for p in (tmp_path / "job").glob("rank_*.log")) == [
+        "rank_0.log",
+        "rank_1.log",
+    ]  # they had started

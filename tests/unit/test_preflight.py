@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 import typing
 
 import pytest
@@ -375,3 +377,56 @@ def test_python_api_signature_guards_resume():
     assert first and first == launch.model_signature(spec(model), {})
     assert first != launch.model_signature(spec(wider), {})
     assert launch.model_signature(spec(wider), {"model_signature": "hydra"}) == "hydra"
+
+
+def test_a_metric_named_in_its_source_is_checked_without_importing_its_package(tmp_path):
+    """torchmetrics (~1.3 s with scipy) is not on the launcher's path to the first step: the
+    metric's module source binds the name, so it is imported by a background thread instead."""
+    task = {
+        "train_step": "recipes.steps.classification_step",
+        "metrics": {
+            "acc": {"_target_": "torchmetrics.classification.MulticlassAccuracy", "num_classes": 4}
+        },
+        "eval_metric": "acc",
+    }
+    code = (
+        "import sys, threading\n"
+        "from flodl.config import validate_run_config\n"
+        "from flodl.preflight import check_task_targets\n"
+        f"run_cfg = validate_run_config({ {**copy.deepcopy(BASE), 'task': task}!r})\n"
+        "deferred = check_task_targets(run_cfg.task)\n"
+        "print(deferred, 'torchmetrics.classification' in sys.modules)\n"
+        "[t.join() for t in threading.enumerate() if t.name == 'flodl-metric-import']\n"
+        "print('torchmetrics.classification' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[:2] == [
+        "['torchmetrics.classification.MulticlassAccuracy'] False",
+        "True",
+    ]
+
+
+def test_what_a_modules_source_binds_is_found_and_what_it_does_not_is_not(tmp_path, monkeypatch):
+    from flodl.config import defined_in_source
+
+    pkg = tmp_path / "srcpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(
+        "raise RuntimeError('executed')\n"  # reading a module must never run it
+        "from os.path import join as joined\n"
+        "import json.decoder\n"
+        "if True:\n    class InIf: ...\nelse:\n    def in_else(): ...\n"
+        "try:\n    from .sub import from_sub\nexcept ImportError:\n    fallback = 1\n"
+        "with open('x') as f:\n    in_with: int = 1\n"
+        "from .sub import *\n"
+    )
+    (pkg / "sub.py").write_text("def from_sub(): ...\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    found = ["joined", "json", "InIf", "in_else", "from_sub", "fallback", "in_with"]
+    assert all(defined_in_source(f"srcpkg.{name}") for name in found)
+    assert defined_in_source("srcpkg.sub.from_sub")
+    # not bound by name (a star import, a typo, a missing module): the caller imports it
+    for path in ("srcpkg.star_only", "srcpkg.Inif", "srcpkg.nosuch.X", "nosuchpkg.X", "Bare"):
+        assert not defined_in_source(path), path
+    assert "srcpkg" not in sys.modules

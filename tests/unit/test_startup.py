@@ -184,3 +184,31 @@ def test_a_fork_of_the_launcher_neither_uses_nor_closes_its_server(server) -> No
     assert warm.server_pid() == owned and psutil.pid_exists(owned)
     child = warm.take(_env(), b"\x00", target="tests.unit.test_startup:_probe")
     assert child is not None and child.wait(timeout=60) == 7  # still serving its owner
+
+
+def test_run_py_starts_the_server_before_composing_and_ends_it_for_a_job_that_does_not_fork(
+    server, monkeypatch
+) -> None:
+    """``flodl.app.cli`` starts the server on speculation (the default job is a CPU rig); the
+    first job's check keeps it for a rig and ends it, unused, for anything else, at once
+    rather than after its imports."""
+    from flodl import app, sweep
+    from flodl.config import ClusterConfig
+
+    for flags in (["--help"], ["--cfg", "job"], ["--info=config"], ["-c", "job"]):
+        app._warm_early(flags)
+        assert warm.server_pid() is None, flags
+    monkeypatch.setenv("RANK", "1")  # torchrun placed this process: its ranks are not ours
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    app._warm_early(["model=lenet"])
+    assert warm.server_pid() is None
+    monkeypatch.delenv("RANK")
+    app._warm_early(["model=lenet"])
+    kept = warm.server_pid()
+    assert kept is not None
+    sweep._warm_ranks(ClusterConfig(kind="cpu_rig", ranks=2, speeds=[1.0, 0.5]))
+    assert warm.server_pid() == kept
+    started = time.monotonic()
+    sweep._warm_ranks(ClusterConfig(kind="cpu_rig", ranks=1))
+    assert warm.server_pid() is None and not psutil.pid_exists(kept)
+    assert time.monotonic() - started < 1.0  # killed, not waited for (its imports take ~2 s)
