@@ -121,6 +121,12 @@ def _worker(rank: int, cfg: dict[str, Any], rendezvous: str, out: str) -> None:
             Path(out).write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
+    # Finished: leave as flodl's ranks do, without interpreter finalization, where a gloo
+    # worker thread's last reference can abort the process (SIGABRT; pytorch/pytorch#179291)
+    # and fail a run whose result is written.
+    from flodl.runtime.rank import end_process
+
+    end_process(0)
 
 
 def run_ddp(

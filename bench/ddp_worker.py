@@ -168,3 +168,7 @@ def worker(
             Path(out).write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
+    # Finished: no interpreter finalization (a gloo abort there; see bench/ddp.py's _worker).
+    from flodl.runtime.rank import end_process
+
+    end_process(0)
