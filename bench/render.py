@@ -511,7 +511,9 @@ def scale_sim_block(data: dict[str, Any]) -> str:
     )
     checks = [
         f"vs `{c['real']}` (real 2-rank nccl_cadence on [1.0, 0.4], load average "
-        f"{_list(c['real_load_average'])}): real {_num(c['real_efficiency'])}, simulated "
+        f"{_list(c['real_load_average'])}): real {_num(c['real_efficiency'])}"
+        f"{' (at its own nominal step)' if c.get('real_efficiency_basis') == 'own_T' else ''}"
+        ", simulated "
         f"{_num(c['sim_efficiency'])} ({c['relative_gap'] * 100:+.1f} %), syncs "
         f"{c['real_syncs']:.0f} / {c['sim_syncs']}"
         for c in data.get("real_check", [])
