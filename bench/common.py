@@ -156,8 +156,9 @@ def elche_preset(mode: str) -> Any:
 
 
 def _probe_calibration(sink: list[dict[str, Any]]) -> None:
-    """Record each rank's calibrated step (``Ready.step_ms``, after the MAX all-reduce), and the
-    launcher's wall and CPU clocks when it arrives (the last Ready starts the training clock).
+    """Record each rank's calibrated step (``Ready.step_ms``, after the MAX all-reduce; 0.0 when
+    nothing is paced), and the launcher's wall and CPU clocks when it arrives (the last Ready
+    starts the training clock).
 
     Read-only: wraps ``Controller._on_ready`` in this (the launcher's) process. flodl does not
     surface the nominal step ``T`` in its summary, and it differs run to run on a shared VM.
@@ -263,7 +264,7 @@ def run_flodl(
         for r, per in enumerate(epoch.per_rank):
             rank_ms[r] += per["compute_ms"]
             rank_batches[r] += int(per["batches"])
-    steps_ms = [c["step_ms"] for c in calibrated if c["step_ms"] is not None]
+    steps_ms = [c["step_ms"] for c in calibrated if c["step_ms"]]  # 0.0: nothing was paced
     step_ms = max(steps_ms) if steps_ms else None
     # CPU seconds this (the launcher's) process spent while training: the whole run for an
     # in-process solo job, the controller's share for a process-per-rank job.

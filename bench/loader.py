@@ -132,7 +132,7 @@ def flodl_run(variant: str, epochs: int, margin: float = PACE_MARGIN) -> dict[st
     handle.join()
     s = handle.result.summary
     tele = s.telemetry or []
-    steps = [c["step_ms"] for c in calibrated if c["step_ms"] is not None]
+    steps = [c["step_ms"] for c in calibrated if c["step_ms"]]
     nominal_ms = max(steps) * margin if steps else None
     # The rig's limit at this run's nominal step T: every rank flat out, batches of BATCH at
     # speed / T each. Its share of it compares runs whose calibrations came out differently.

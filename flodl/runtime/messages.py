@@ -22,7 +22,7 @@ class Ready:
     rank: int
     signature: str  # architecture fingerprint: names, shapes and dtypes of the state
     n_params: int
-    step_ms: float
+    step_ms: float  # the calibrated step (the MAX over ranks); 0.0 when nothing is paced
     device: str
     n_samples: int
     batch_size: int = 0  # this rank's batch size (configured or probed); 0: trainer.batch_size

@@ -242,7 +242,11 @@ class Worker:
 
     def calibrate(self) -> float:
         """Time warm-up steps that leave the weights as they were (``pacing.probe_model``: at
-        lr=0 on the model itself, else on a copy); agree on one nominal step time (CPU rig)."""
+        lr=0 on the model itself, else on a copy); agree on one nominal step time (CPU rig).
+        Nothing paced (a GPU, a solo run without rig speeds): no steps, 0.0 (the controller
+        plans from the ranks' reports; a probe copy of a large model would only raise the peak)."""
+        if not self.spec.pace:
+            return 0.0
         with probe_model(self.model, self.spec.optim_factory) as (probe, optimizer):
             step_s = self._time_steps(probe, optimizer)
         t = torch.tensor([step_s], dtype=torch.float64)

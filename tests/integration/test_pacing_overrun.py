@@ -68,3 +68,38 @@ def test_overrunning_ranks_are_reported_and_warned_about(tmp_path, caplog):
     assert (
         len(warned) == 1 and "rank 0 (speed 1.0)" in warned[0] and "rank 1 (speed 0.5)" in warned[0]
     )
+
+
+STEPS: list[int] = []
+
+
+def counted_step(model, batch):
+    from recipes.steps import classification_step
+
+    STEPS.append(len(batch[0]))
+    return classification_step(model, batch)
+
+
+def test_only_a_paced_run_spends_steps_on_calibration(tmp_path):
+    """Calibration times 1 + warmup_steps probe steps to agree on a nominal step; a run with
+    nothing to pace (a GPU, a solo run without rig speeds) skips them: its start-up is that
+    much shorter (a ResNet-20 solo on CPU: ~5 s) and no probe copy of the model is made."""
+    counts = {}
+    for paced in (False, True):
+        STEPS.clear()
+        cluster = ClusterConfig(
+            kind="cpu_rig", ranks=1, speeds=[1.0] if paced else None, warmup_steps=3
+        )
+        (
+            Trainer.builder(model_factory, optim_factory, counted_step)
+            .dataset(partial(data, "train", 320))
+            .batch_size(32)
+            .num_epochs(2)
+            .cluster(cluster)
+            .logger(LoggerConfig(progress="off", tensorboard=False))
+            .output_dir(tmp_path / str(paced))
+            .run()
+            .join(timeout=120)
+        )
+        counts[paced] = len(STEPS)
+    assert counts == {False: 2 * 10, True: 2 * 10 + 1 + 3}
