@@ -180,10 +180,11 @@ class _Server:
             return [c for c in self._children.values() if c.returncode is None]
 
     def close(self) -> None:
+        importing = not self.ready.is_set()  # it has forked nothing: not waited for
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
-        if not self.running():  # nothing of ours to end: do not wait for its imports to finish
+        if importing:  # it reads the socket only once its imports are done (~2 s)
             self.popen.kill()
         try:
             self.popen.wait(timeout=10)
