@@ -35,6 +35,7 @@ class InProcessCohort:
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
         self._threads: int | None = None  # the caller's torch thread count, while we pin it
+        self._to_rank: Any = None  # the controller's end of the rank's link
 
     def _heartbeat(self, every_s: float) -> None:
         """Beat for the rank as a rank process's link does: it shares this process, so it is
@@ -50,6 +51,7 @@ class InProcessCohort:
 
         rank_end, controller_end = in_process_link(self.controller.post)
         self.controller.attach(0, controller_end)
+        self._to_rank = controller_end
         device = in_process_device(self.spec.config.device)
         cluster = self.spec.config.cluster
         if cluster.kind == "cpu_rig":  # the rig simulates one device per rank: pin its threads
@@ -95,6 +97,8 @@ class InProcessCohort:
 
     def stop(self, failure: BaseException | None) -> None:
         self._stopped.set()
+        if failure is not None and self._to_rank is not None:
+            self._to_rank.close()  # a rank waiting for a plan that will not come ends now
         if self._thread is not None:
             self._thread.join(timeout=5.0)
         if self._threads is not None:  # the caller's process (a notebook, a test) gets its own back

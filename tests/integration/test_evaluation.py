@@ -141,9 +141,14 @@ def not_a_metric() -> float:
     return 0.5
 
 
-def test_a_bad_metric_refuses_the_run_before_any_rank_trains(tmp_path):
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_bad_metric_refuses_the_run_before_any_rank_trains(tmp_path, ranks):
     """The launcher builds the metrics while the ranks start (their import overlaps the ranks'
-    imports); one that is not a metric stops the started ranks before the first window."""
+    imports); one that is not a metric stops the started ranks before the first window, and
+    an in-process rank (one rank) is told to end rather than left waiting for a plan."""
+    import threading
+
+    speeds = [1.0, 0.5][:ranks]
     handle = (
         Trainer.builder(model_factory, optim_factory, classification_step)
         .dataset(partial(data, "train", 512))
@@ -152,7 +157,7 @@ def test_a_bad_metric_refuses_the_run_before_any_rank_trains(tmp_path):
         .batch_size(32)
         .num_epochs(2)
         .elche(ElCheConfig(mode="nccl_cadence"))
-        .cluster(ClusterConfig(kind="cpu_rig", ranks=2, speeds=[1.0, 0.5], warmup_steps=3))
+        .cluster(ClusterConfig(kind="cpu_rig", ranks=ranks, speeds=speeds, warmup_steps=3))
         .logger(LoggerConfig(progress="off", tensorboard=False))
         .output_dir(tmp_path / "job")
         .run()
@@ -162,7 +167,6 @@ def test_a_bad_metric_refuses_the_run_before_any_rank_trains(tmp_path):
     summary = json.loads((tmp_path / "job" / "summary.json").read_text())
     assert summary["status"] == "failed" and "task.metrics.bad" in summary["error"]
     assert summary["samples_seen"] in (0, None) and not summary["loss_curve"]
-    assert sorted(p.name for p in (tmp_path / "job").glob("rank_*.log")) == [
-        "rank_0.log",
-        "rank_1.log",
-    ]  # they had started
+    logs = sorted(p.name for p in (tmp_path / "job").glob("rank_*.log"))
+    assert logs == ([] if ranks == 1 else ["rank_0.log", "rank_1.log"])  # they had started
+    assert "flodl-rank0" not in [t.name for t in threading.enumerate()]
