@@ -96,3 +96,70 @@ def test_outputs_are_written(runs, mode):
         assert {"anchor", "overhead", "sync_ms", "divergence", "verdict", "batches"} <= set(
             trace[0]
         )
+
+
+def recording_step(out_dir: str, model, batch):
+    """The classification step, saving this rank's parameters before it and its batch."""
+    import os
+
+    from recipes.steps import classification_step
+
+    rank, calls = os.environ["FLODL_RANK"], len(os.listdir(out_dir))
+    torch.save(
+        {"params": [p.detach().clone() for p in model.parameters()], "batch": batch},
+        f"{out_dir}/{rank}.{calls:04d}.{os.getpid()}",
+    )
+    return classification_step(model, batch)
+
+
+def rmsprop(params):
+    return torch.optim.RMSprop(params, lr=5e-3)
+
+
+def test_nccl_sync_steps_are_the_full_batch_steps_of_both_ranks_batches(tmp_path):
+    """DDP's semantics through the whole worker (sample weights, the LR rule, backward-time
+    buckets, the optimizer step): every step equals one full-batch step on the union of the
+    two ranks' batches at the scaled LR, exactly (RMSprop: sign-like, it amplifies any
+    difference in the gradient), and both replicas stay equal."""
+    from functools import partial
+    from pathlib import Path
+
+    from flodl import ClusterConfig, ElCheConfig, LoggerConfig, Trainer
+    from recipes.steps import classification_step
+
+    calls = tmp_path / "calls"
+    calls.mkdir()
+    (
+        Trainer.builder(model_factory, rmsprop, partial(recording_step, str(calls)))
+        .dataset(partial(data, "train", 384))
+        .batch_size(32)
+        .num_epochs(1)
+        .elche(ElCheConfig(mode="nccl_sync"))
+        .cluster(ClusterConfig(kind="cpu_rig", ranks=2, speeds=[1.0, 0.5], warmup_steps=2))
+        .logger(LoggerConfig(progress="off", tensorboard=False))
+        .output_dir(tmp_path / "job")
+        .run()
+        .join(timeout=240)
+    )
+    by_rank = {
+        r: [torch.load(p) for p in sorted(Path(calls).glob(f"{r}.*"))][3:]  # 1 + 2 probe calls
+        for r in (0, 1)
+    }
+    assert [len(by_rank[0]), len(by_rank[1])] == [6, 6]  # 384 / 32 / 2 ranks
+    model = model_factory(torch.device("cpu"))
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), by_rank[0][0]["params"], strict=True):
+            p.copy_(q)
+    optimizer = torch.optim.RMSprop(model.parameters(), lr=5e-3 * 2)  # lr x (1 + (2 - 1) x 1)
+    for a, b in zip(by_rank[0], by_rank[1], strict=True):
+        for p, q0, q1 in zip(model.parameters(), a["params"], b["params"], strict=True):
+            assert torch.equal(q0, q1)  # the replicas
+            assert torch.allclose(p.detach(), q0, rtol=0, atol=1e-6)  # the full-batch step
+        na, nb = len(a["batch"][0]), len(b["batch"][0])
+        loss = (
+            classification_step(model, a["batch"]) * na
+            + classification_step(model, b["batch"]) * nb
+        )
+        (loss / (na + nb)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
