@@ -130,26 +130,20 @@ def collective_average(
     return divergence
 
 
-def collective_average_buffers(
-    state: FlatState, buffer_weight: float, doomed: Callable[[], bool] | None = None
-) -> None:
-    """The float buffers' weighted all-reduce alone (nccl_sync: the parameters already agree,
-    their gradients were all-reduced); nothing when the model has none. Lands only on success."""
-    if not state.buffers:
-        return
-    with torch.no_grad():
-        scaled = torch.cat([b.detach().reshape(-1).to(torch.float32) for b in state.buffers])
-        scaled *= buffer_weight
-    if doomed is not None and dist.get_backend() == "gloo":
-        groups.wait(dist.all_reduce(scaled, op=dist.ReduceOp.SUM, async_op=True), doomed)
-    else:
-        dist.all_reduce(scaled, op=dist.ReduceOp.SUM)
-    with torch.no_grad():
-        pos = 0
-        for b in state.buffers:
-            n = b.numel()
-            b.copy_(scaled[pos : pos + n].view_as(b).to(b.dtype))
-            pos += n
+@torch.no_grad()
+def weighted_buffers(buffers: Sequence[torch.Tensor], weight: float) -> torch.Tensor:
+    """The float buffers as one float32 vector times ``weight`` (a copy), to be summed."""
+    return torch.cat([b.detach().reshape(-1).to(torch.float32) for b in buffers]).mul_(weight)
+
+
+@torch.no_grad()
+def load_buffers(buffers: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copy a vector made by :func:`weighted_buffers` (once reduced) back into ``buffers``."""
+    pos = 0
+    for b in buffers:
+        n = b.numel()
+        b.copy_(flat[pos : pos + n].view_as(b).to(b.dtype))
+        pos += n
 
 
 def weighted_mean(

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from flodl.runtime import groups
+from flodl.runtime.averaging import load_buffers, weighted_buffers
 
 #: torch DDP's default bucket size.
 BUCKET_MB = 25.0
@@ -58,8 +59,14 @@ class GradSync:
         model: nn.Module,
         bucket_mb: float = BUCKET_MB,
         doomed: Callable[[], bool] | None = None,
+        buffers: Sequence[torch.Tensor] = (),
     ) -> None:
         self.params = [p for p in model.parameters() if p.requires_grad]
+        # Float buffers (BatchNorm's running statistics), averaged with ``buffer_weight`` in the
+        # same step, their all-reduce launched with the last bucket's: one wait, inside the step
+        # (as DDP broadcasts its buffers inside forward), not a second collective after it.
+        self.buffers = list(buffers)
+        self.buffer_weight = 1.0
         self.buckets = plan_buckets(self.params, bucket_mb)
         self._bucket_of = {id(self.params[i]): b for b, ix in enumerate(self.buckets) for i in ix}
         self._doomed = doomed
@@ -110,20 +117,28 @@ class GradSync:
         return torch.cat(grads, out=buf)
 
     def finish(self) -> None:
-        """Launch the buckets still out, wait for all, write the reduced gradients back.
-        Raises (``groups.Abandoned``, RuntimeError) when a collective failed: the gradients
-        are then the rank's own, unscaled."""
+        """Launch the buckets still out (and the buffers'), wait for all, write the reduced
+        gradients (and buffers) back. Raises (``groups.Abandoned``, RuntimeError) when a
+        collective failed: the gradients are then the rank's own, unscaled, and the buffers
+        its own."""
         try:
             while self._next < len(self.buckets):
                 self._launch(self._next)
                 self._next += 1
+            buffers = None
+            if self.buffers:
+                buffers = weighted_buffers(self.buffers, self.buffer_weight)
+                self._works.append((-1, buffers, dist.all_reduce(buffers, async_op=True)))
             for _, _, work in self._works:
                 if self._doomed is not None and dist.get_backend() == "gloo":
                     groups.wait(work, self._doomed)
                 else:
                     work.wait()
             for b, flat, _ in self._works:
-                self._write_back(b, flat)
+                if b >= 0:
+                    self._write_back(b, flat)
+            if buffers is not None:  # landed only once every collective of the step succeeded
+                load_buffers(self.buffers, buffers)
         except BaseException:
             # A collective given up on may still write into its buffer: never reuse one.
             self._flats.clear()

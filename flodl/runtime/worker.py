@@ -31,7 +31,7 @@ from flodl.metrics import drain_scalars
 from flodl.precision import StepRunner, compiled
 from flodl.residency import place
 from flodl.runtime import chaos, groups
-from flodl.runtime.averaging import FlatState, collective_average, collective_average_buffers
+from flodl.runtime.averaging import FlatState, collective_average
 from flodl.runtime.gradsync import GradSync
 from flodl.runtime.messages import (
     Average,
@@ -147,7 +147,7 @@ class Worker:
         )
         self.optimizer = self.spec.optim_factory(self.model.parameters())
         if self.mode is Mode.NCCL_SYNC and self.spec.world_size > 1:
-            self.grad_sync = GradSync(self.model, doomed=self._doomed)
+            self.grad_sync = GradSync(self.model, doomed=self._doomed, buffers=self.state.buffers)
         self._scale_lr()
         self.outer = make_outer(self.cfg.elche, self.state.n_params)
         dataset = resolve_dataset(self.spec.dataset)
@@ -634,6 +634,7 @@ class Worker:
         self._grad_failed = False
         if self.grad_sync is not None:
             self.grad_sync.weight = window.weight  # this rank's share of the step's samples
+            self.grad_sync.buffer_weight = window.buffer_weight
         own = sum(size for _, size in window.chunks)
         self._clock, self._own_done = (window.progress, window.window_samples, own), 0
         return WindowTally(time.perf_counter(), overrun_s=self.pacer.overrun_s)
@@ -747,13 +748,8 @@ class Worker:
         if not self.mode.via_controller:
             # The guard reads divergence; lock-step sync modes never consult it. Without an
             # outer step it is measured inside the average (no copy of the weights kept).
-            if self._grad_window:  # the parameters already agree: the float buffers are left
-                averaged = not self._grad_failed and self._collective(
-                    lambda: collective_average_buffers(
-                        self.state, window.buffer_weight, doomed=self._doomed
-                    ),
-                    "averaging",
-                )
+            if self._grad_window:  # parameters and float buffers agree: averaged in the step
+                averaged = not self._grad_failed
                 if not averaged:
                     self._unaveraged = window.index
                     self._await_regroup()

@@ -132,3 +132,43 @@ def test_gradients_left_in_the_buffer_are_not_overwritten_while_read(tmp_path):
             assert torch.allclose(p.grad, 3 * g, atol=1e-6)
     finally:
         dist.destroy_process_group()
+
+
+def _bn_rank(rank_s: str, port: str, path: str) -> None:
+    """One rank of the BatchNorm test: its own running statistics, then the step's."""
+    rank = int(rank_s)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 1))
+    buffers = [b for b in model.buffers() if b.is_floating_point()]
+    sync = GradSync(model, buffers=buffers)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(10 + rank)) * (1 + 3 * rank)
+    sync.weight, sync.buffer_weight, sync.armed = 0.5, (0.25, 0.75)[rank], True
+    model(x).sum().backward()
+    own = [b.clone() for b in buffers]
+    sync.finish()
+    torch.save({"own": own, "after": [b.clone() for b in buffers]}, path)
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)  # see _rank
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_float_buffers_are_averaged_in_the_step_with_their_weights(tmp_path):
+    """nccl_sync averages BatchNorm's running statistics in the step's own collectives (one
+    wait, inside the paced step, as DDP's buffer broadcast), weighted by ``buffer_weight``."""
+    port = _port()
+    code = "import sys; from tests.unit.test_gradsync import _bn_rank; _bn_rank(*sys.argv[1:4])"
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, str(r), str(port), str(tmp_path / f"{r}")])
+        for r in range(2)
+    ]
+    assert [p.wait(timeout=100) for p in procs] == [0, 0]
+    zero, one = (torch.load(tmp_path / f"{r}") for r in range(2))
+    assert not torch.allclose(zero["own"][0], one["own"][0])  # the ranks saw different data
+    for i, (a, b) in enumerate(zip(zero["own"], one["own"], strict=True)):
+        expected = 0.25 * a + 0.75 * b
+        assert torch.allclose(zero["after"][i], expected, atol=1e-6)
+        assert torch.equal(zero["after"][i], one["after"][i])
