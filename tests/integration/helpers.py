@@ -33,6 +33,18 @@ def model_factory(device: torch.device) -> torch.nn.Module:
     return MLP(SHAPE, CLASSES, hidden=32).to(device)
 
 
+def bn_model_factory(device: torch.device) -> torch.nn.Module:
+    """A small conv net with BatchNorm (float buffers, averaged in nccl_sync's step)."""
+    nn = torch.nn
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(4 * SHAPE[1] * SHAPE[2], CLASSES),
+    ).to(device)
+
+
 def optim_factory(params: Any) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=1e-2)
 

@@ -14,12 +14,14 @@ import torch
 from flodl import ClusterConfig, ElCheConfig, LoggerConfig, Trainer
 from recipes.steps import accuracy, classification_step
 
-from .helpers import data, model_factory, optim_factory, rank_pid
+from .helpers import bn_model_factory, data, model_factory, optim_factory, rank_pid
 
 pytestmark = pytest.mark.slow
 
 
-def killing_run(tmp_path, mode, ranks, victim, kill_at_epoch=1, epochs=3, **trainer):
+def killing_run(
+    tmp_path, mode, ranks, victim, kill_at_epoch=1, epochs=3, model=model_factory, **trainer
+):
     killed = []
 
     def metrics(m):
@@ -46,7 +48,7 @@ def killing_run(tmp_path, mode, ranks, victim, kill_at_epoch=1, epochs=3, **trai
     )
     cfg = builder.build_config().with_(**trainer)
     handle = Trainer.run(
-        model_factory,
+        model,
         optim_factory,
         classification_step,
         cfg,
@@ -73,6 +75,29 @@ def test_kill_one_of_three_ranks_mid_run(tmp_path, mode):
     last = result.epochs[-1]
     assert last.per_rank_batch_share[2] == 0.0  # the dead rank did nothing in the last epoch
     assert result.summary.eval_value > 0.8
+
+
+def test_nccl_sync_with_batchnorm_and_checkpoints_survives_a_lost_rank(tmp_path):
+    """nccl_sync averages BatchNorm's statistics inside the step, with the gradients: a rank
+    lost there fails that step's collectives together; the survivors regroup, finish with
+    exact coverage, keep their buffers equal, and the periodic checkpoints are written."""
+    stem = str(tmp_path / "ckpt" / "run")
+    handle, killed = killing_run(
+        tmp_path, "nccl_sync", ranks=3, victim=2, model=bn_model_factory,
+        save_path=stem, checkpoint_every=1,
+    )  # fmt: skip
+    state = handle.join(timeout=300)
+    result = handle.result
+    assert killed == [2] and result.summary.status == "ok"
+    assert result.summary.lost_ranks == [2] and result.coverage_exact
+    assert result.summary.samples_seen == 3 * 3072
+    assert result.summary.eval_value > 0.8
+    running = {k: v for k, v in state.state_dict().items() if "running" in k}
+    assert running and all(torch.isfinite(v).all() for v in running.values())
+    from flodl.checkpoint import load_bundle
+
+    _, meta = load_bundle(stem)
+    assert meta.epoch == 3
 
 
 def test_lone_survivor_finishes_alone(tmp_path):
