@@ -125,19 +125,18 @@ class GradSync:
             while self._next < len(self.buckets):
                 self._launch(self._next)
                 self._next += 1
-            buffers = None
+            works = [work for _, _, work in self._works]
             if self.buffers:
                 buffers = weighted_buffers(self.buffers, self.buffer_weight)
-                self._works.append((-1, buffers, dist.all_reduce(buffers, async_op=True)))
-            for _, _, work in self._works:
+                works.append(dist.all_reduce(buffers, async_op=True))
+            for work in works:
                 if self._doomed is not None and dist.get_backend() == "gloo":
                     groups.wait(work, self._doomed)
                 else:
                     work.wait()
             for b, flat, _ in self._works:
-                if b >= 0:
-                    self._write_back(b, flat)
-            if buffers is not None:  # landed only once every collective of the step succeeded
+                self._write_back(b, flat)
+            if self.buffers:  # landed only once every collective of the step succeeded
                 load_buffers(self.buffers, buffers)
         except BaseException:
             # A collective given up on may still write into its buffer: never reuse one.
