@@ -32,6 +32,10 @@ Consume = Callable[[int, memoryview], None]
 Route = Callable[[Any, list], dict[int, Consume]]
 
 _HEADER = struct.Struct("!4sQ")
+#: A frame this small goes out with its header in one ``sendall`` (a copy of it, not a second
+#: system call: the controller sends a plan to every rank each window); a larger one is sent
+#: from where it lies.
+_JOIN_BELOW = 64 * 1024
 _MAGIC = b"FDL1"
 _STREAMED = b"FDL2"  # a message whose skeleton and tensors follow in frames
 _SHARED = b"FDL3"  # a message whose skeleton follows in frames, its tensors in shared memory
@@ -97,7 +101,11 @@ class Channel:
     def _frame(self, magic: bytes, data: bytes | memoryview) -> None:
         if len(data) > self.max_frame:
             raise FrameError(f"frame of {len(data)} bytes exceeds the {self.max_frame} bound")
-        self.sock.sendall(_HEADER.pack(magic, len(data)))
+        header = _HEADER.pack(magic, len(data))
+        if len(data) <= _JOIN_BELOW:  # a control message: one system call, not two
+            self.sock.sendall(header + data)
+            return
+        self.sock.sendall(header)
         self.sock.sendall(data)
 
     @contextmanager

@@ -108,19 +108,21 @@ class _Collective:
 class _Link:
     """The controller's link to one virtual rank: the message is serialised as the socket
     channel does (:func:`flodl.runtime.streaming.split`, on the controller's thread, so it is
-    counted) and lands ``latency_ms`` later; only the socket write itself is left out."""
+    counted) and lands ``latency_ms`` later; only the socket write itself is left out, and
+    so is the simulator's own delivery (the event is queued once the controller's step is
+    timed, :meth:`Simulator.to_controller`)."""
 
     def __init__(self, sim: Simulator, rank: int) -> None:
         self.sim, self.rank = sim, rank
 
     def send(self, msg: Any) -> None:
         streaming.split(msg)
-        self.sim.schedule(self.sim.latency_ms, self.sim.on_message, self.rank, msg)
+        self.sim.outgoing.append((self.rank, msg))
 
     def send_bytes(self, payload: bytes) -> None:
         """A message the controller pickled once for several ranks (a CohortPlan): decoded
         on arrival as the rank's socket link does, off the controller's clock."""
-        self.sim.schedule(self.sim.latency_ms, self.sim.on_message, self.rank, payload)
+        self.sim.outgoing.append((self.rank, payload))
 
 
 def _clock_cost_s(samples: int = 2000) -> float:
@@ -178,6 +180,7 @@ class Simulator:
         self._seq = itertools.count()
         self.ranks = [_Rank(r, tuple(range(ranks))) for r in range(ranks)]
         self.collectives: dict[tuple, _Collective] = {}
+        self.outgoing: list[tuple[int, Any]] = []  # the controller's sends of one step
         # The launcher hands the controller the configured device speeds (a CPU rig's, or a
         # benchmark's): with speed_hint the first windows are shaped by the true speeds at t=0.
         hint = [self.scenario.speed(r, 0.0) for r in range(ranks)] if speed_hint else [1.0] * ranks
@@ -213,6 +216,9 @@ class Simulator:
         ctl._check_deadlines()
         ctl._handle_timed(rank, msg)
         self.cpu_s += max(0.0, time.process_time() - t0 - self._clock_cost)
+        sent, self.outgoing = self.outgoing, []
+        for to, out in sent:  # delivered in the order sent, latency_ms from now
+            self.schedule(self.latency_ms, self.on_message, to, out)
 
     def _result(self) -> SimResult:
         ctl, total = self.ctl, self.n_samples * self.epochs

@@ -218,3 +218,34 @@ def test_a_rank_link_beats_well_inside_a_short_heartbeat_timeout() -> None:
         controller.close()
     gaps = [t1 - t0 for t0, t1 in itertools.pairwise(arrivals)]
     assert max(gaps) < 0.4, gaps  # every gap inside the timeout
+
+
+def test_a_control_frame_is_one_system_call_and_a_bulk_frame_is_not_copied() -> None:
+    """A plan goes to every rank each window: its header and body leave in one ``sendall``.
+    A frame over the join bound is sent from where it lies (no copy of a tensor's bytes)."""
+    from flodl.runtime import channel as channel_mod
+
+    a, b = socket.socketpair()
+    calls: list[int] = []
+
+    class Counting:
+        def sendall(self, data: bytes | memoryview) -> None:
+            calls.append(len(data))
+            a.sendall(data)
+
+    sender = Channel(a)
+    sender.sock = Counting()  # type: ignore[assignment]
+    receiver = Channel(b)
+    small = b"p" * 1500
+    sender.send_bytes(small)
+    assert calls == [channel_mod._HEADER.size + len(small)]
+    assert receiver.recv_bytes() == small
+    calls.clear()
+    big = memoryview(bytearray(channel_mod._JOIN_BELOW + 1))
+    done = threading.Thread(target=lambda: sender.send_bytes(big), daemon=True)
+    done.start()
+    assert receiver.recv_bytes() == big
+    done.join(5)
+    assert calls == [channel_mod._HEADER.size, len(big)]
+    a.close()
+    b.close()
