@@ -549,11 +549,17 @@ def _ddp_bench() -> str:
             }
             title = "#### Workloads without a full run yet (quick)\n\n" if full else ""
             blocks.append(title + ddp_bench_block(kept, "ddp_bench_quick", _machine(quick)))
-    scaled = _load("ddp_bench_lr1")  # the language models again, at the linear LR rule
+    scaled = _load("ddp_bench_lr1")  # the grid again, at the linear LR rule
     if scaled:
+        lms = {"char_rnn", "gpt_nano"}
+        which = (
+            "The language models"
+            if {row["workload"] for row in scaled["rows"]} <= lms
+            else "The grid"
+        )
         blocks.insert(
             1 if full else 0,
-            "#### The language models with the linear LR rule (lr_scale_ratio 1.0)\n\n"
+            f"#### {which} with the linear LR rule (lr_scale_ratio 1.0)\n\n"
             + ddp_bench_block(scaled, "ddp_bench_lr1", _machine(scaled)),
         )
     anchor = _load("ddp_bench_anchor")  # gpt_nano for the nanoGPT anchor's tokens
