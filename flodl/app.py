@@ -63,6 +63,14 @@ class LaunchFailed(SystemExit):
 
 
 # -- the job -----------------------------------------------------------------------------------
+def say_error(text: str) -> None:
+    """``error: text`` on stderr in one write. ``print`` writes the text and its newline
+    separately, and where stderr is unbuffered (PYTHONUNBUFFERED, as in most containers)
+    another thread's output, such as the metric import's, could land between them."""
+    sys.stderr.write(f"error: {text}\n")
+    sys.stderr.flush()
+
+
 def plain_config(cfg: Any) -> dict[str, Any]:
     """The resolved config as plain data, without Hydra's own node."""
     from omegaconf import OmegaConf, open_dict
@@ -119,7 +127,7 @@ def train(cfg: Any, checked: CheckedJob | None = None) -> Objective:
             if hydra_cfg.job.num
             else ""
         )
-        print(f"error: {exc}{where}", file=sys.stderr)
+        say_error(f"{exc}{where}")
         sys.exit(2)
     try:
         handle.join()
@@ -282,19 +290,13 @@ def cli(main: Callable[[], Any]) -> None:
 
             traceback.print_exc()
         code = getattr(exc, "exit_code", 130)
-        print(
-            f"error: interrupted (exit {code}); see summary.json for what was saved",
-            file=sys.stderr,
-        )
+        say_error(f"interrupted (exit {code}); see summary.json for what was saved")
         sys.exit(code)
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        say_error(str(exc))
         sys.exit(2)
     except JobsFailed as exc:
-        print(
-            f"error: {exc.failed} job(s) failed; see summary.json in their job directories",
-            file=sys.stderr,
-        )
+        say_error(f"{exc.failed} job(s) failed; see summary.json in their job directories")
         sys.exit(1)
     except LaunchFailed:
         raise

@@ -45,7 +45,7 @@ def launch_sweep(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
             checked = check_job(job_cfg, warm=offset == 0)
         except ConfigError as exc:
             where = f" (job {idx}: {' '.join(overrides)})" if several else ""
-            print(f"error: {exc}{where}", file=sys.stderr)
+            app.say_error(f"{exc}{where}")
             sys.exit(2)
         jobs.append((idx, list(overrides), job_cfg, checked))
         loggers.append(checked.run.logger)
@@ -114,11 +114,10 @@ def _warm_ranks(cluster: Any) -> None:
 def _require_flodl_job(job_cfg: Any) -> None:
     """This launcher trains flodl jobs; another app's task gets one line, not a schema error."""
     if not any(key in job_cfg for key in ("model", "optimizer", "dataset", "task")):
-        print(
-            "error: hydra/launcher=flodl runs flodl training jobs (a config with model, "
-            "optimizer, dataset and task) and this app's config has none of them; use another "
-            "launcher for it (hydra/launcher=basic)",
-            file=sys.stderr,
+        app.say_error(
+            "hydra/launcher=flodl runs flodl training jobs (a config with model, optimizer, "
+            "dataset and task) and this app's config has none of them; use another launcher "
+            "for it (hydra/launcher=basic)"
         )
         sys.exit(2)
 
@@ -186,7 +185,7 @@ def _serve(sweep_dir: Path, logger: Any) -> Any:
     try:
         dashboard = Dashboard.start(sweep_dir, logger.serve, logger.host)
     except OSError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        app.say_error(str(exc))
         sys.exit(1)
     print(f"dashboard: {dashboard.url}", flush=True)
     return dashboard

@@ -212,3 +212,23 @@ def test_run_py_starts_the_server_before_composing_and_ends_it_for_a_job_that_do
     sweep._warm_ranks(ClusterConfig(kind="cpu_rig", ranks=1))
     assert warm.server_pid() is None and not psutil.pid_exists(kept)
     assert time.monotonic() - started < 1.0  # killed, not waited for (its imports take ~2 s)
+
+
+def test_the_error_line_leaves_in_one_write(monkeypatch) -> None:
+    """run.py's one refusal line: the metric import's thread runs beside the checks, and with
+    PYTHONUNBUFFERED a ``print`` would give its output a moment between the text and the
+    newline (seen under load in test_refusals: ``error: ...fresh`` + ``import time: ...``)."""
+    import io
+
+    from flodl import app
+
+    writes: list[str] = []
+
+    class Recording(io.StringIO):
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return len(text)
+
+    monkeypatch.setattr(sys, "stderr", Recording())
+    app.say_error("trainer.resume_from=x: no checkpoint")
+    assert writes == ["error: trainer.resume_from=x: no checkpoint\n"]
