@@ -273,7 +273,17 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KEY=VALUE",
         help="a Hydra override for every cell (after the workload's; e.g. trainer.num_epochs=6)",
     )
+    parser.add_argument(
+        "--rank-batch",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the 2-rank cells' (and torch DDP's) per-rank batch; solo keeps the workload's "
+        "(e.g. half of it: equal global batch, as many optimizer steps as solo)",
+    )
     args = parser.parse_args(argv)
+    if args.rank_batch is not None and args.rank_batch < 1:
+        parser.error(f"--rank-batch {args.rank_batch}: must be >= 1")
     if args.anchor and (args.quick or args.workloads != list(WORKLOADS)):
         parser.error("--anchor trains gpt_nano at its own settings: no --quick, no --workloads")
     if args.anchor:
@@ -312,10 +322,17 @@ def main(argv: list[str] | None = None) -> int:
     for workload in args.workloads:
         preset = QUICK[workload] if args.quick else ANCHOR if args.anchor else []
         extra = [*preset, *args.override]
-        workloads[workload] = {**_describe(workload, extra), "overrides": extra}
+        workloads[workload] = {
+            **_describe(workload, extra),
+            "overrides": extra,
+            "rank_batch": args.rank_batch,
+        }
         for variant in args.variants:
             quiet = wait_quiet(args.quiet_cores, args.max_wait)
-            payload = {"workload": workload, "variant": variant, "extra": extra}
+            cell = extra
+            if args.rank_batch is not None and not variant.startswith("solo"):
+                cell = [*extra, f"trainer.batch_size={args.rank_batch}"]
+            payload = {"workload": workload, "variant": variant, "extra": cell}
             res = run_isolated("bench.ddp_bench", payload, args.timeout)
             rows.append({"workload": workload, "variant": variant, "run": run, **quiet, **res})
             if res.get("status") == "ok":
@@ -336,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
                 "quick": args.quick,
                 # this run's (one experiment, the same overrides): 0 unless overridden
                 "lr_scale_ratio": workloads[args.workloads[0]]["lr_scale_ratio"],
+                "rank_batch": args.rank_batch,
                 "workloads": workloads,
                 "variants": _variants(rows),  # the kept rows' and this run's
                 "bench_wall_s": time.perf_counter() - started,

@@ -301,6 +301,16 @@ def merged_lines(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def rank_batch_line(rank_batch: int | None, world: int) -> str:
+    """The clause for a run whose 2-rank cells train at their own per-rank batch."""
+    if rank_batch is None:
+        return ""
+    return (
+        f"; the {world}-rank cells and torch DDP at batch {rank_batch} per rank (global "
+        f"{world * rank_batch}), solo at the workload's batch"
+    )
+
+
 def ddp_bench_block(data: dict[str, Any], stem: str, machine_line: str) -> str:
     s = data["settings"]
     load = data["machine"].get("load_average") or [0.0]
@@ -317,7 +327,8 @@ def ddp_bench_block(data: dict[str, Any], stem: str, machine_line: str) -> str:
         if label
         else "One run per cell; side by side on one machine.",
         "",
-        f"Rig {s['rig']}, {lr_line(s['lr_scale_ratio'], len(s['rig']))}. Cell: final "
+        f"Rig {s['rig']}, {lr_line(s['lr_scale_ratio'], len(s['rig']))}"
+        f"{rank_batch_line(s.get('rank_batch'), len(s['rig']))}. Cell: final "
         "training loss / final eval (accuracy; MSE for conv_ae; val loss in nats/char for the "
         "LMs) / total s (job wall incl. rank start-up) / syncs (optimizer steps for torch DDP).",
         "",

@@ -562,10 +562,17 @@ def _ddp_bench() -> str:
             f"#### {which} with the linear LR rule (lr_scale_ratio 1.0)\n\n"
             + ddp_bench_block(scaled, "ddp_bench_lr1", _machine(scaled)),
         )
+    same = _load("ddp_bench_global")  # the 2-rank cells at half the batch: solo's global batch
+    if same:
+        blocks.insert(
+            (1 if full else 0) + (1 if scaled else 0),
+            "#### At solo's global batch (`--rank-batch`: as many optimizer steps as solo)\n\n"
+            + ddp_bench_block(same, "ddp_bench_global", _machine(same)),
+        )
     anchor = _load("ddp_bench_anchor")  # gpt_nano for the nanoGPT anchor's tokens
     if anchor:
         blocks.insert(
-            (1 if full else 0) + (1 if scaled else 0),
+            (1 if full else 0) + (1 if scaled else 0) + (1 if same else 0),
             "#### The nanoGPT anchor\n\n" + anchor_block(anchor, _machine(anchor)),
         )
     return "\n\n".join(blocks) or "_No results yet: run the command above._"

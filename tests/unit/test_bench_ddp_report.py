@@ -258,3 +258,33 @@ def test_the_anchor_block_says_which_rows_an_earlier_run_gave() -> None:
     assert "LR scaled on 2 ranks by 2 (lr_scale_ratio 1;" in block
     assert "| cpu_async | 1.0000/2.4000/5.0/3 |" in block
     assert "cpu_async: MISSED (> 1.88, not sooner than solo-fast)" in block
+
+
+def test_rank_batch_trains_the_two_rank_cells_at_solos_global_batch(monkeypatch) -> None:
+    """``--rank-batch N`` sets the 2-rank cells' and torch DDP's per-rank batch, never solo's,
+    and the block says so."""
+    import bench.ddp_bench as grid
+    from bench.ddp_bench_report import rank_batch_line
+
+    sent: list[tuple[str, list[str]]] = []
+
+    def fake_run(_module, payload, _timeout):
+        sent.append((payload["variant"], payload["extra"]))
+        return {"status": "failed", "error": "not run"}
+
+    monkeypatch.setattr(grid, "run_isolated", fake_run)
+    monkeypatch.setattr(grid, "wait_quiet", lambda *_: {})
+    monkeypatch.setattr(grid, "write_result", lambda *_: "nowhere")
+    monkeypatch.setattr(grid, "exit_on_sigterm", lambda: None)  # pytest's handler stays
+    argv = ["--workloads", "char_rnn", "--variants", "solo-fast", "ddp", "nccl_cadence"]
+    grid.main([*argv, "--rank-batch", "32", "--out", "never_written"])
+    batch = {v: [e for e in extra if e.startswith("trainer.batch_size=")] for v, extra in sent}
+    assert batch == {
+        "solo-fast": [],
+        "ddp": ["trainer.batch_size=32"],
+        "nccl_cadence": ["trainer.batch_size=32"],
+    }
+    assert rank_batch_line(None, 2) == ""
+    assert "batch 32 per rank (global 64)" in rank_batch_line(32, 2)
+    with pytest.raises(SystemExit):
+        grid.main([*argv, "--rank-batch", "0"])
