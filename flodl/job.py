@@ -15,6 +15,7 @@ import queue
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -128,7 +129,9 @@ class Job:
             raise RunFailed(run.summary.error or "the run failed")
         return run  # ok, or interrupted (a graceful stop: what was trained, what was saved)
 
-    def _train(self, controller: Controller, gate: Any = None) -> ControllerResult:
+    def _train(
+        self, controller: Controller, gate: Callable[[], None] | None = None
+    ) -> ControllerResult:
         on_cooperative = self._hand_over if self.cooperative else None
         self.cohort = open_cohort(
             self.spec, controller, self.job_dir, self.topology, self._rank_line, on_cooperative
@@ -346,7 +349,7 @@ class Job:
         self.tb.hparams(hparams, metrics)
 
 
-def _check_metrics(spec: JobSpec) -> Any:
+def _check_metrics(spec: JobSpec) -> Callable[[], None]:
     """Build the eval metrics once on the launcher (a bad one refuses the run) in a thread, so
     their import (torchmetrics with scipy: ~1.3 s of CPU) overlaps the ranks' start rather than
     preceding it; the returned gate waits for it and raises what it raised (:func:`run_cohort`

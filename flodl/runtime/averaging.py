@@ -80,11 +80,7 @@ class FlatState:
         if storage is not None:
             storage.copy_(flat)
             return
-        pos = 0
-        for t in (*self.params, *self.buffers):
-            n = t.numel()
-            t.copy_(flat[pos : pos + n].view_as(t).to(t.dtype))
-            pos += n
+        load_into((*self.params, *self.buffers), flat)
 
     @torch.no_grad()
     def divergence(self, before: torch.Tensor, after: torch.Tensor) -> float:
@@ -137,12 +133,14 @@ def weighted_buffers(buffers: Sequence[torch.Tensor], weight: float) -> torch.Te
 
 
 @torch.no_grad()
-def load_buffers(buffers: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
-    """Copy a vector made by :func:`weighted_buffers` (once reduced) back into ``buffers``."""
+def load_into(tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copy consecutive spans of ``flat`` into ``tensors`` (each in its own shape and dtype):
+    the inverse of concatenating them, as :meth:`FlatState.flatten` and
+    :func:`weighted_buffers` do."""
     pos = 0
-    for b in buffers:
-        n = b.numel()
-        b.copy_(flat[pos : pos + n].view_as(b).to(b.dtype))
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[pos : pos + n].view_as(t).to(t.dtype))
         pos += n
 
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from flodl.runtime import groups
-from flodl.runtime.averaging import load_buffers, weighted_buffers
+from flodl.runtime.averaging import load_into, weighted_buffers
 
 #: torch DDP's default bucket size.
 BUCKET_MB = 25.0
@@ -137,7 +137,7 @@ class GradSync:
             for b, flat, _ in self._works:
                 self._write_back(b, flat)
             if self.buffers:  # landed only once every collective of the step succeeded
-                load_buffers(self.buffers, buffers)
+                load_into(self.buffers, buffers)
         except BaseException:
             # A collective given up on may still write into its buffer: never reuse one.
             self._flats.clear()

@@ -207,9 +207,6 @@ def test_the_dry_build_stays_cheap_no_dynamo_import():
     """torch.optim imports torch._dynamo on the first optimizer (seconds); the launcher's dry
     builds (targets, closures, the LR announcement's optimizer) avoid it, and a real optimizer
     built afterwards still gets it."""
-    import subprocess
-    import sys
-
     code = (
         "import sys, torch\n"
         "from flodl import preflight\n"
@@ -229,8 +226,7 @@ def test_the_dry_build_stays_cheap_no_dynamo_import():
         "torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)\n"
         "assert 'torch._dynamo' in sys.modules\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
+    in_fresh_python(code, timeout=120)
 
 
 def test_failed_jobs_are_counted_from_summaries_under_any_launcher(tmp_path, monkeypatch):
@@ -272,6 +268,15 @@ def test_hydra_nodes_bind_as_hydra_passes_them():
     data["model"] = {"_target_": "torch.nn.Linear", "_args_": [64, 10]}
     preflight.check_factories(validate_run_config(data))  # positional `_args_` count as bound
     targets._check_type("model", "act", {"_target_": "torch.nn.ReLU"}, typing.Callable, "x")
+
+
+def in_fresh_python(code: str, timeout: float = 60) -> str:
+    """Run ``code`` in a fresh interpreter (nothing imported yet); its stdout, once it passed."""
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
 
 
 def _python_api_run(tmp_path, model_factory, optim_factory=None, **extra):
@@ -399,9 +404,7 @@ def test_a_metric_named_in_its_source_is_checked_without_importing_its_package(t
         "[t.join() for t in threading.enumerate() if t.name == 'flodl-metric-import']\n"
         "print('torchmetrics.classification' in sys.modules)\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split("\n")[:2] == [
+    assert in_fresh_python(code).split("\n")[:2] == [
         "['torchmetrics.classification.MulticlassAccuracy'] False",
         "True",
     ]
