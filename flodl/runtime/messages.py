@@ -41,6 +41,8 @@ class Window:
     eval_after: bool = False  # evaluate after this window's average (the eval ranks only)
     eval_shard: tuple[int, int] = (0, 1)  # (shard, shards) of the eval set this rank evaluates
     max_overshoot: int = 0  # cpu_async: averages this rank may leave in flight
+    # cpu_async, an epoch's last window: wait for its average and take it whole (no blend)
+    consensus: bool = False
     checkpoint_after: bool = False  # write this rank's shard(s) after this window's average
     generation: int = 0  # membership generation it was planned for
     save_tag: str = ""  # names the shard files of that checkpoint
@@ -76,6 +78,7 @@ class PlannedWindow:
     eval_shards: dict[int, tuple[int, int]] = field(default_factory=dict)  # the eval ranks only
     writer: int = -1  # the rank that writes the consensus weights of its checkpoint (-1: none)
     max_overshoot: int = 0
+    consensus: bool = False
     checkpoint_after: bool = False
     generation: int = 0
     save_tag: str = ""
@@ -99,6 +102,7 @@ class PlannedWindow:
             eval_after=shard is not None,
             eval_shard=shard if shard is not None else (0, 1),
             max_overshoot=self.max_overshoot,
+            consensus=self.consensus,
             checkpoint_after=self.checkpoint_after,
             generation=self.generation,
             save_tag=self.save_tag,

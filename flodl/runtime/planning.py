@@ -240,8 +240,10 @@ class Planner:
         self.next_window += 1
         shards: dict[int, tuple[int, int]] = {}
         save = None
-        settle = False
+        settle = consensus = False
         if cursor.done:
+            # cpu_async: the epoch ends at one set of weights (what is evaluated, saved, returned)
+            consensus = self.mode is Mode.CPU_ASYNC and len(self.alive) > 1
             track.all_planned = True
             settle = self.world > 1 and self.mode is not Mode.SOLO and not self.mode.via_controller
             if settle:
@@ -279,6 +281,7 @@ class Planner:
             eval_shards=shards,
             writer=save.writer if save is not None else -1,
             max_overshoot=self.overshoot[0],
+            consensus=consensus,
             checkpoint_after=save is not None,
             generation=self.members.generation,
             save_tag=save.tag if save is not None else "",

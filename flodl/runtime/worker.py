@@ -120,6 +120,7 @@ class Worker:
         self._eval_ms = 0.0
         self._epoch = -1
         self._outstanding: list[int] = []
+        self._whole: set[int] = set()  # cpu_async: windows whose average is taken whole
         self._pending: collections.deque[Any] = collections.deque()
         self._nonfinite = 0
         self._unaveraged = -1  # a window whose averaging failed, until the controller knows
@@ -769,6 +770,9 @@ class Worker:
             return True
         self._outstanding.append(window.index)
         limit = window.max_overshoot if self.mode is Mode.CPU_ASYNC else 0
+        if window.consensus:  # cpu_async, an epoch's end: wait for it, take it whole
+            self._whole.add(window.index)
+            limit = 0
         while len(self._outstanding) > limit:
             msg = self.link.recv()
             if isinstance(msg, Average):
@@ -833,13 +837,18 @@ class Worker:
     def _await_regroup(self) -> None:
         """After a failed collective: the new membership, unless the run is already stopping
         (Stop goes out once every window is reported, which is before the last average; a rank
-        lost in that average is lost while stopping, and no new membership follows)."""
+        lost in that average is lost while stopping, and no new membership follows).
+        A cpu_* average that arrives meanwhile is taken now: queued behind, it would be out of
+        reach of the wait for it that this regroup may have interrupted (:meth:`average`)."""
         while not any(isinstance(m, Stop) for m in self._pending):
             msg = self.link.recv(timeout=self.cfg.cluster.heartbeat_timeout_s * 2)
             if isinstance(msg, Regroup):
                 self.regroup(msg)
                 return
-            self._pending.append(msg)
+            if isinstance(msg, Average):
+                self._apply_average(msg)
+            else:
+                self._pending.append(msg)
 
     def regroup(self, msg: Regroup) -> None:
         """Survivors: rebuild the process group, agree on one set of weights, go on."""
@@ -849,6 +858,7 @@ class Worker:
         self.generation = msg.generation
         self._void_after = msg.last_window
         self._outstanding = [w for w in self._outstanding if w <= msg.last_window]
+        self._whole.intersection_update(self._outstanding)
         self.world = len(msg.members)
         if self.regroup_fn is not None:
             try:
@@ -874,14 +884,27 @@ class Worker:
         self._unaveraged = -1
 
     def _apply_average(self, msg: Average) -> None:
+        """Take an average: in cpu_async blended in at ``easgd_alpha`` (EASGD's pull towards
+        the centre), except an epoch's last (``Window.consensus``), which every rank takes
+        whole: the epoch ends at the ranks' average, so evaluation, a checkpoint and the final
+        weights see the consensus and not one rank's local weights halfway to it (measured:
+        LeNet at 32 a rank evaluated 0.93-0.95 on local weights, 0.956-0.957 on the average)."""
         if msg.window in self._outstanding:
             self._outstanding.remove(msg.window)
+        whole = msg.window in self._whole
+        self._whole.discard(msg.window)
         if msg.flat is None:  # the controller could not average this round: keep our weights
             return
         center = msg.flat.to(self.device)
         before = self.state.current()  # read before the load: no copy of the weights
         alpha = self.cfg.elche.effective_easgd_alpha
-        after = center if alpha is None else center.mul_(alpha).add_(before, alpha=1 - alpha)
+        if alpha is None or whole:
+            # the guard's signal stays the blend's: ||before - blend|| = alpha ||before - centre||
+            divergence = self.state.divergence(before, center)
+            self._last_divergence = divergence * (1.0 if alpha is None else alpha)
+            self.state.load(center)
+            return
+        after = center.mul_(alpha).add_(before, alpha=1 - alpha)
         self._last_divergence = self.state.divergence(before, after)
         self.state.load(after)
 

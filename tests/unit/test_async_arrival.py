@@ -7,8 +7,12 @@ import collections
 import queue
 from types import SimpleNamespace
 
+import pytest
+import torch
+
+from flodl.runtime.averaging import FlatState
 from flodl.runtime.links import QueueLink
-from flodl.runtime.messages import Average, Plan, Stop
+from flodl.runtime.messages import Average, Plan, Regroup, Stop
 from flodl.runtime.worker import WindowTally, Worker
 
 
@@ -69,3 +73,56 @@ def test_an_empty_inbox_returns_at_once() -> None:
     rank, applied, _ = _rank([3], [])
     Worker._take_arrived(rank, WindowTally(0.0))
     assert applied == [] and rank._outstanding == [3]
+
+
+def _holder(alpha: float, whole: set[int], share_storage: bool):
+    model = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(1.0)
+    return SimpleNamespace(
+        state=FlatState(model, share_storage=share_storage),
+        device=torch.device("cpu"),
+        cfg=SimpleNamespace(elche=SimpleNamespace(effective_easgd_alpha=alpha)),
+        _outstanding=[4, 5],
+        _whole=set(whole),
+        _last_divergence=None,
+    )
+
+
+@pytest.mark.parametrize("share_storage", [True, False])
+def test_an_average_is_blended_in_but_an_epochs_last_is_taken_whole(share_storage):
+    """EASGD's pull: ``alpha * centre + (1 - alpha) * local``; the epoch's last average
+    (``Window.consensus``) replaces the weights, and the guard still sees the blend's
+    divergence (``alpha`` times the distance to the centre), so one whole average an epoch
+    does not read as a jump."""
+    rank = _holder(0.25, {5}, share_storage)
+    n = rank.state.n_params
+    Worker._apply_average(rank, Average(4, torch.full((n,), 3.0)))
+    assert torch.allclose(rank.state.flatten(), torch.full((n,), 1.5))  # 0.25 * 3 + 0.75 * 1
+    blended = rank._last_divergence
+    assert blended == pytest.approx(0.5 / 1.5)  # ||1 - 1.5|| / ||1.5||
+    Worker._apply_average(rank, Average(5, torch.full((n,), 3.5)))
+    assert torch.equal(rank.state.flatten(), torch.full((n,), 3.5))
+    assert rank._last_divergence == pytest.approx(0.25 * 2.0 / 3.5)
+    assert rank._outstanding == [] and rank._whole == set()
+
+
+def test_a_void_whole_average_keeps_the_weights_and_is_forgotten():
+    rank = _holder(0.5, {4}, True)
+    Worker._apply_average(rank, Average(4, None))
+    assert torch.equal(rank.state.flatten(), torch.ones(rank.state.n_params))
+    assert rank._outstanding == [5] and rank._whole == set()
+
+
+def test_an_average_arriving_while_a_regroup_is_awaited_is_taken_not_queued() -> None:
+    """A regroup can interrupt the wait for an epoch's last average (:meth:`Worker.average`,
+    ``limit`` 0). Queued behind, an average that arrives while the rank awaits the new
+    membership was out of that wait's reach: the rank blocked on its socket for an average
+    already in hand, and the run hung (the ssh chaos test, 1 run in ~10)."""
+    rank, applied, box = _rank([3], [Average(3, None), Regroup(2, (0,), 3, {0: 1.0})])
+    rank.cfg = SimpleNamespace(cluster=SimpleNamespace(heartbeat_timeout_s=1.0))
+    rank.regroup = lambda msg: applied.append(("regroup", msg.generation))
+    Worker._await_regroup(rank)
+    assert applied == [3, ("regroup", 2)] and rank._outstanding == [] and not rank._pending
+    assert box.empty()

@@ -31,6 +31,7 @@ def _planned() -> PlannedWindow:
         eval_shards={2: (1, 2)},
         writer=0,
         max_overshoot=3,
+        consensus=True,
         checkpoint_after=True,
         generation=2,
         save_tag="t",
@@ -43,8 +44,9 @@ def _planned() -> PlannedWindow:
 
 def test_each_rank_gets_exactly_the_window_a_per_rank_plan_held():
     p = _planned()
-    common = dict(max_overshoot=3, checkpoint_after=True, generation=2, save_tag="t",
-                  settle=True, progress=123, window_samples=45, grad_sync=True)  # fmt: skip
+    common = dict(max_overshoot=3, consensus=True, checkpoint_after=True, generation=2,
+                  save_tag="t", settle=True, progress=123, window_samples=45,
+                  grad_sync=True)  # fmt: skip
     assert p.window(0) == Window(7, 1, ((0, 10),), 0.25, 0.5, write_weights=True, **common)
     assert p.window(2) == Window(
         7, 1, ((10, 30), (50, 5)), 0.75, 0.5, eval_after=True, eval_shard=(1, 2), **common

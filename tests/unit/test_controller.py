@@ -265,3 +265,18 @@ def test_one_rank_windows_last_a_quarter_second_once_measured(ms, expected):
     result = ctl._result()
     assert all(result.coverage.exact(e) for e in (0, 1))
     assert result.samples == 100_000
+
+
+@pytest.mark.parametrize("mode", ["cpu_async", "cpu_cadence", "nccl_cadence"])
+def test_cpu_async_takes_each_epochs_last_average_whole(mode):
+    """cpu_async blends averages in, but every rank waits for its epoch's last and takes it
+    whole (``Window.consensus``): the epoch ends at one set of weights. No other mode needs it
+    (their averages are whole already)."""
+    ctl, links = make(epochs=3, n=2000, mode=mode)
+    drive(ctl, links)
+    for link in links:
+        windows = [w for m in link.sent if isinstance(m, Plan) for w in m.windows]
+        last = {w.epoch: w.index for w in windows}  # each epoch's last window
+        assert len(windows) > len(last)  # windows blended in, not only each epoch's last
+        whole = {w.index for w in windows if w.consensus}
+        assert whole == (set(last.values()) if mode == "cpu_async" else set())
