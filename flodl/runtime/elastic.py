@@ -199,7 +199,7 @@ class Elastic:
 
     def _hand_over_final(self, lost: int) -> None:
         """Ask the new head for the final weights, and for the save's weights if it writes
-        them now (every survivor holds the last average; cpu_async: its own EASGD blend)."""
+        them now (every survivor holds the last average: cpu_async takes the run's last whole)."""
         head = self.planner.head()
         log.warning(
             "rank %d, which was sending the final weights, was lost; rank %d sends them", lost, head
