@@ -549,6 +549,7 @@ def _ddp_bench() -> str:
             }
             title = "#### Workloads without a full run yet (quick)\n\n" if full else ""
             blocks.append(title + ddp_bench_block(kept, "ddp_bench_quick", _machine(quick)))
+    variants = []  # the other full runs, in this order after the full grid (before the quick)
     scaled = _load("ddp_bench_lr1")  # the grid again, at the linear LR rule
     if scaled:
         lms = {"char_rnn", "gpt_nano"}
@@ -557,24 +558,21 @@ def _ddp_bench() -> str:
             if {row["workload"] for row in scaled["rows"]} <= lms
             else "The grid"
         )
-        blocks.insert(
-            1 if full else 0,
+        variants.append(
             f"#### {which} with the linear LR rule (lr_scale_ratio 1.0)\n\n"
-            + ddp_bench_block(scaled, "ddp_bench_lr1", _machine(scaled)),
+            + ddp_bench_block(scaled, "ddp_bench_lr1", _machine(scaled))
         )
     same = _load("ddp_bench_global")  # the 2-rank cells at half the batch: solo's global batch
     if same:
-        blocks.insert(
-            (1 if full else 0) + (1 if scaled else 0),
+        variants.append(
             "#### At solo's global batch (`--rank-batch`: as many optimizer steps as solo)\n\n"
-            + ddp_bench_block(same, "ddp_bench_global", _machine(same)),
+            + ddp_bench_block(same, "ddp_bench_global", _machine(same))
         )
     anchor = _load("ddp_bench_anchor")  # gpt_nano for the nanoGPT anchor's tokens
     if anchor:
-        blocks.insert(
-            (1 if full else 0) + (1 if scaled else 0) + (1 if same else 0),
-            "#### The nanoGPT anchor\n\n" + anchor_block(anchor, _machine(anchor)),
-        )
+        variants.append("#### The nanoGPT anchor\n\n" + anchor_block(anchor, _machine(anchor)))
+    at = 1 if full else 0
+    blocks[at:at] = variants
     return "\n\n".join(blocks) or "_No results yet: run the command above._"
 
 
