@@ -8,7 +8,7 @@ python run.py -m elche=nccl_sync,nccl_cadence   # A/B sweep; ends with ab_report
 import hydra
 from omegaconf import DictConfig
 
-from flodl.app import cli, train
+from flodl.cli.app import cli, train
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

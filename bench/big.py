@@ -27,7 +27,7 @@ from bench.common import log, machine, write_result
 
 def _run(root: Path, name: str, rows: int, mode: str, epochs: int, **trainer: Any) -> Any:
     from flodl import ClusterConfig, ElCheConfig, LoggerConfig, Trainer
-    from recipes.steps import accuracy, classification_step
+    from flodl.recipes.steps import accuracy, classification_step
 
     model = partial(table_model, rows)
     cfg = (
@@ -60,8 +60,8 @@ def _check(result: Any, job_dir: Path, stem: str, rows: int) -> dict[str, Any]:
     import torch
 
     from flodl import TrainedState
-    from flodl.checkpoint import load_bundle
-    from recipes.steps import accuracy
+    from flodl.checkpoint.bundle import load_bundle
+    from flodl.recipes.steps import accuracy
 
     written = TrainedState.load(job_dir / "model.pt")
     payload, meta = load_bundle(stem)

@@ -15,7 +15,8 @@ all-reduce, and a checkpoint shard against the disk's sequential write speed.
   send their snapshot in a Report, the controller sums them as they arrive, both receive the
   Average and load it into their weights; timed on rank 0. All in the same processes,
   interleaved.
-* ``disk``: the median of 5 ``flodl.shards.write_shard`` of the vector against 5 plain sequential
+* ``disk``: the median of 5 ``flodl.checkpoint.shards.write_shard`` of the vector against 5 plain
+sequential
   writes of the same bytes in 64 MiB blocks, both fsync'd, interleaved (the order alternating),
   same directory.
 """
@@ -75,7 +76,7 @@ def _adam(params: Any) -> Any:
 
 
 def _data(split: str) -> Any:
-    from recipes.datasets import synthetic
+    from flodl.recipes.datasets import synthetic
 
     return synthetic(split, n_train=128, n_test=64, input_shape=[1, 8, 8], num_classes=4)
 
@@ -127,8 +128,8 @@ def plain_one(payload: dict[str, Any]) -> dict[str, Any]:
     optimizer and batches, in a fresh process with the same imports; its peak RSS."""
     import torch
 
-    import flodl.runtime.worker  # noqa: F401  (the same baseline as a rank)
-    from recipes.steps import classification_step
+    import flodl.runtime.rank.worker  # noqa: F401  (the same baseline as a rank)
+    from flodl.recipes.steps import classification_step
 
     torch.manual_seed(0)
     baseline_mb = _hwm_mb()
@@ -150,11 +151,11 @@ def _child(payload: dict[str, Any]) -> dict[str, Any]:
 def memory_one(payload: dict[str, Any]) -> dict[str, Any]:
     """One run in this (fresh) process: the launcher's and the ranks' peak RSS."""
     from flodl import ClusterConfig, ElCheConfig, LoggerConfig, Trainer
-    from recipes.steps import classification_step
+    from flodl.recipes.steps import classification_step
 
     rows = payload["params"] // WIDTH
     mode = payload["mode"]
-    import flodl.runtime.worker  # noqa: F401  (torch and flodl imported: the baseline)
+    import flodl.runtime.rank.worker  # noqa: F401  (torch and flodl imported: the baseline)
 
     baseline_mb = _hwm_mb()
     watch = _RankPeaks()
@@ -254,8 +255,8 @@ def _rank_speed(
     import torch
     import torch.distributed as dist
 
-    from flodl.runtime.channel import connect
-    from flodl.runtime.messages import Report
+    from flodl.runtime.wire.channel import connect
+    from flodl.runtime.wire.messages import Report
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", store_port, 2, is_master=rank == 0, use_libuv=False)
@@ -291,10 +292,10 @@ def _rank_speed(
 
 def _controller(listener: Any, secret: bytes, n: int, shared_memory: bool) -> None:
     """As the launcher does it: one reader per rank sums the snapshots as they arrive
-    (flodl.runtime.sums), the mean goes back to both ranks at once."""
-    from flodl.runtime.channel import Channel
-    from flodl.runtime.messages import Average
-    from flodl.runtime.sums import SnapshotSums
+    (flodl.runtime.controller.sums), the mean goes back to both ranks at once."""
+    from flodl.runtime.controller.sums import SnapshotSums
+    from flodl.runtime.wire.channel import Channel
+    from flodl.runtime.wire.messages import Average
 
     channels = []
     for _ in range(2):
@@ -336,7 +337,7 @@ def speed(params: int) -> dict[str, Any]:
     gloo all-reduce of the same vector, interleaved, in the same processes."""
     import multiprocessing as mp
 
-    from flodl.runtime.channel import Listener, new_secret
+    from flodl.runtime.wire.channel import Listener, new_secret
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -384,8 +385,8 @@ def _plain_write(path: Path, data: memoryview) -> None:
 def disk(params: int, where: str) -> dict[str, Any]:
     import torch
 
-    from flodl import shards
-    from flodl.runtime.streaming import tensor_bytes
+    from flodl.checkpoint import shards
+    from flodl.runtime.wire.streaming import tensor_bytes
 
     flat = torch.randn(params)
     view = tensor_bytes(flat)

@@ -36,12 +36,12 @@ MODES = ("nccl_sync", "nccl_cadence", "cpu_sync", "cpu_cadence", "cpu_async")
 class Workload:
     """One model + data + step + eval + optimizer, named like the Hydra groups in conf/."""
 
-    model: str  # class in recipes.models
-    dataset: str  # function in recipes.datasets
+    model: str  # class in flodl.recipes.models
+    dataset: str  # function in flodl.recipes.datasets
     input_shape: tuple[int, ...]
     num_classes: int
-    step: str  # function in recipes.steps
-    eval_fn: str  # function in recipes.steps
+    step: str  # function in flodl.recipes.steps
+    eval_fn: str  # function in flodl.recipes.steps
     eval_metric: str
     higher_is_better: bool
     optimizer: str  # conf/optimizer/<name>.yaml
@@ -87,10 +87,10 @@ class ModelFactory:
         self.name = name
 
     def __call__(self, device: Any = None) -> Any:
-        import recipes.models
+        import flodl.recipes.models
 
         w = WORKLOADS[self.name]
-        model = getattr(recipes.models, w.model)
+        model = getattr(flodl.recipes.models, w.model)
         return model(list(w.input_shape), w.num_classes, **dict(w.model_kwargs))
 
 
@@ -112,12 +112,12 @@ class OptimFactory:
 
 def dataset_factory(name: str, split: str, **overrides: Any) -> Callable[[], Any]:
     """A zero-argument factory of the workload's ``split`` (each rank loads its own copy)."""
-    import recipes.datasets
+    import flodl.recipes.datasets
 
     w = WORKLOADS[name]
     kwargs = {**dict(w.dataset_kwargs), **overrides}
     return functools.partial(
-        getattr(recipes.datasets, w.dataset),
+        getattr(flodl.recipes.datasets, w.dataset),
         split,
         input_shape=list(w.input_shape),
         num_classes=w.num_classes,
@@ -126,15 +126,15 @@ def dataset_factory(name: str, split: str, **overrides: Any) -> Callable[[], Any
 
 
 def step_fn(name: str) -> Callable[..., Any]:
-    import recipes.steps
+    import flodl.recipes.steps
 
-    return getattr(recipes.steps, WORKLOADS[name].step)
+    return getattr(flodl.recipes.steps, WORKLOADS[name].step)
 
 
 def eval_fn(name: str) -> Callable[..., float]:
-    import recipes.steps
+    import flodl.recipes.steps
 
-    return getattr(recipes.steps, WORKLOADS[name].eval_fn)
+    return getattr(flodl.recipes.steps, WORKLOADS[name].eval_fn)
 
 
 def evaluate_state(name: str, state_dict: dict[str, Any], **dataset_overrides: Any) -> float:
@@ -163,7 +163,7 @@ def _probe_calibration(sink: list[dict[str, Any]]) -> None:
     Read-only: wraps ``Controller._on_ready`` in this (the launcher's) process. flodl does not
     surface the nominal step ``T`` in its summary, and it differs run to run on a shared VM.
     """
-    from flodl.runtime.controller import Controller
+    from flodl.runtime.controller.controller import Controller
 
     original = getattr(Controller, "_on_ready", None)
     if original is None:  # flodl's internals moved on: T stays unknown (None), nothing breaks

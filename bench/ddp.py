@@ -2,7 +2,8 @@
 
 Launched the usual way (``torch.multiprocessing.spawn``), one process per rank, each with
 ``torch.set_num_threads(1)``. Equal shards: rank ``r`` takes the ``r``-th equal slice of the
-same per-epoch permutation flodl uses (``flodl.data.epoch_permutation(n, seed, epoch)``), cut into
+same per-epoch permutation flodl uses (``flodl.data.source.epoch_permutation(n, seed, epoch)``),
+cut into
 batches of ``batch_size``. Pacing is flodl's own: ``T`` = ``pace_margin`` x the MAX over ranks of
 the median of ``warmup_steps`` timed steps on a throwaway copy (``measure_step_s``, first ``B x
 warmup_steps`` samples of epoch 0, as ``Worker.calibrate``); each step (forward, backward with
@@ -30,8 +31,8 @@ def _worker(rank: int, cfg: dict[str, Any], rendezvous: str, out: str) -> None:
 
     from bench.common import ModelFactory, OptimFactory, dataset_factory, evaluate_state, step_fn
     from bench.startup import stamp_first_step
-    from flodl.data import epoch_permutation
-    from flodl.runtime.pacing import Pacer, measure_step_s
+    from flodl.data.source import epoch_permutation
+    from flodl.runtime.rank.pacing import Pacer, measure_step_s
 
     torch.set_num_threads(1)
     speeds = cfg["speeds"]
@@ -124,7 +125,7 @@ def _worker(rank: int, cfg: dict[str, Any], rendezvous: str, out: str) -> None:
     # Finished: leave as flodl's ranks do, without interpreter finalization, where a gloo
     # worker thread's last reference can abort the process (SIGABRT; pytorch/pytorch#179291)
     # and fail a run whose result is written.
-    from flodl.runtime.rank import end_process
+    from flodl.runtime.rank.process import end_process
 
     end_process(0)
 

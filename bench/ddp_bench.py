@@ -91,7 +91,7 @@ def compose_config(workload: str, variant: str, extra: list[str]) -> dict[str, A
     """The resolved config of ``run.py experiment=ddp_bench workload=W elche=M`` + overrides."""
     from hydra import compose, initialize_config_dir
 
-    from flodl.app import plain_config
+    from flodl.cli.app import plain_config
 
     mode = "solo" if variant.startswith("solo") or variant == "ddp" else variant
     overrides = ["experiment=ddp_bench", f"workload={workload}", f"elche={mode}", *extra]
@@ -112,7 +112,7 @@ def run_flodl_config(plain: dict[str, Any]) -> dict[str, Any]:
     from functools import partial
 
     from bench.common import _probe_calibration
-    from flodl.app import (
+    from flodl.cli.app import (
         build_dataset,
         build_model,
         build_optimizer,
@@ -211,7 +211,7 @@ def run_one(payload: dict[str, Any]) -> dict[str, Any]:
 
 def _describe(workload: str, extra: list[str]) -> dict[str, Any]:
     """What a workload's runs train: epochs, samples and (LMs) characters per epoch."""
-    from flodl.app import build_dataset
+    from flodl.cli.app import build_dataset
     from flodl.config import validate_run_config
 
     run_cfg = validate_run_config(compose_config(workload, "solo-fast", extra))

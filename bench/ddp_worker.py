@@ -1,6 +1,6 @@
 """One rank of the torch DDP baseline of bench/ddp_bench.py, for any composed run config.
 
-Built from the same validated config as the flodl runs (``flodl.app`` factories: model,
+Built from the same validated config as the flodl runs (``flodl.cli.app`` factories: model,
 optimizer, dataset, scheduler; the task's step and eval), so the only difference is who
 averages: ``DistributedDataParallel`` over gloo, gradients all-reduced every step, equal shards
 of flodl's per-epoch permutation (``epoch_permutation(n, seed, epoch)``). Pacing is flodl's:
@@ -24,7 +24,7 @@ from typing import Any
 def _scheduler(run_cfg: Any, optimizer: Any, total_steps: int) -> tuple[Any, bool]:
     """The config's LR scheduler (``total_steps: auto`` = this run's optimizer steps) and
     whether it advances per step (``interval: step``) rather than per epoch."""
-    from flodl.app import build_scheduler
+    from flodl.cli.app import build_scheduler
 
     if run_cfg.scheduler is None:
         return None, False
@@ -35,8 +35,8 @@ def _scheduler(run_cfg: Any, optimizer: Any, total_steps: int) -> tuple[Any, boo
 def evaluator(run_cfg: Any, val_x: Any, val_y: Any) -> Any:
     """``fn(model) -> float``: the task's ``eval_metric`` over the whole validation split, as
     flodl's evaluation computes it (the same ``EvalSpec``: eval_fn, or metrics + eval_loss)."""
-    from flodl import evaluation
-    from flodl.app import evaluation_kwargs
+    from flodl.cli.app import evaluation_kwargs
+    from flodl.step import evaluation
 
     task = run_cfg.task
     spec = evaluation.EvalSpec(**evaluation_kwargs(task), eval_fn_name=task.eval_metric)
@@ -57,7 +57,7 @@ def evaluator(run_cfg: Any, val_x: Any, val_y: Any) -> Any:
 def scaled_optimizer(run_cfg: Any, params: Any, world: int) -> Any:
     """The config's optimizer, its LR scaled by flodl's rule for ``world`` ranks
     (``trainer.lr_scale_ratio``), before a scheduler reads its base LRs."""
-    from flodl.app import build_optimizer
+    from flodl.cli.app import build_optimizer
     from flodl.preflight.launch import lr_scaling
 
     optimizer = build_optimizer(run_cfg.optimizer, params)
@@ -74,10 +74,10 @@ def worker(
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from flodl.app import build_dataset, build_model, build_optimizer
+    from flodl.cli.app import build_dataset, build_model, build_optimizer
     from flodl.config import resolve_dotted, validate_run_config
-    from flodl.data import epoch_permutation
-    from flodl.runtime.pacing import Pacer, measure_step_s
+    from flodl.data.source import epoch_permutation
+    from flodl.runtime.rank.pacing import Pacer, measure_step_s
 
     run_cfg = validate_run_config(plain)
     torch.set_num_threads(run_cfg.cluster.threads_per_rank or 1)
@@ -169,6 +169,6 @@ def worker(
     finally:
         dist.destroy_process_group()
     # Finished: no interpreter finalization (a gloo abort there; see bench/ddp.py's _worker).
-    from flodl.runtime.rank import end_process
+    from flodl.runtime.rank.process import end_process
 
     end_process(0)

@@ -67,7 +67,7 @@ class WorkDataset:
     CPU work until ``work_ms`` has passed (a decode/augment stand-in with a known cost)."""
 
     def __init__(self, split: str = "train", work_ms: float = 0.1) -> None:
-        from recipes.datasets import mnist5k
+        from flodl.recipes.datasets import mnist5k
 
         x, y = mnist5k(split).tensors
         self.shape = tuple(x.shape[1:])

@@ -4,7 +4,8 @@
     .venv/bin/python -m bench.overhead --quick
 
 Both sides train the same model (seeded init), optimizer, data (mnist5k train split, as one
-``TensorDataset``), batch size, seed, per-epoch permutation (``flodl.data.epoch_permutation``)
+``TensorDataset``), batch size, seed, per-epoch permutation
+(``flodl.data.source.epoch_permutation``)
 and number of steps, in a fresh process each, with the same torch thread count (``--threads``,
 1 by default: with 2 threads on 2 shared cores OpenMP's barriers make every step hostage to
 whatever else the machine runs, and the ratio becomes noise):
@@ -64,7 +65,7 @@ def hand_loop(name: str, epochs: int) -> dict[str, Any]:
         evaluate_state,
         step_fn,
     )
-    from flodl.data import epoch_permutation
+    from flodl.data.source import epoch_permutation
 
     t_start = time.perf_counter()
     torch.manual_seed(SEED)

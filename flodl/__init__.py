@@ -6,7 +6,6 @@ state = (Trainer.builder(model_factory, optim_factory, train_step)
          .elche(ElCheConfig.nccl_cadence()).run().join())
 """
 
-from flodl.cluster import ClusterBuilder
 from flodl.config import (
     CallbackPolicy,
     ClusterConfig,
@@ -24,12 +23,14 @@ from flodl.config import (
     WandbConfig,
     WorkerConfig,
 )
-from flodl.metrics import EpochMetrics, RunSummary, SyncEvent, record_scalar
+from flodl.monitor.metrics import EpochMetrics, RunSummary, SyncEvent, record_scalar
+from flodl.placement.cluster import ClusterBuilder
 
-# The trainer pulls in torch; keep `import flodl.sys` / `flodl.monitor` / the Hydra plugin light.
+# The trainer pulls in torch; keep `import flodl.placement.gpus` / `flodl.monitor` / the Hydra
+# plugin light.
 _LAZY = {
     "RunHandle": "flodl.trainer",
-    "TrainedState": "flodl.results",
+    "TrainedState": "flodl.checkpoint.results",
     "Trainer": "flodl.trainer",
     "TrainerBuilder": "flodl.trainer",
     "Ddp": "flodl.ddp",

@@ -14,11 +14,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0 if args else 2
     if args[0] == "probe":
-        from flodl.probe import main as probe
+        from flodl.cli.probe import main as probe
 
         return probe(args[1:])
     if args[0] == "gpu-check":
-        from flodl.gpu_check import main as gpu_check
+        from flodl.cli.gpu_check import main as gpu_check
 
         return gpu_check(args[1:])
     print(f"error: unknown command {args[0]!r}; commands: probe, gpu-check", file=sys.stderr)

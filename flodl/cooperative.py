@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from flodl.runtime.messages import Plan, Regroup, Stop, Window
-from flodl.runtime.worker import WindowTally, Worker
+from flodl.runtime.rank.worker import WindowTally, Worker
+from flodl.runtime.wire.messages import Plan, Regroup, Stop, Window
 
 
 class CooperativeWorker:

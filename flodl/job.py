@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 
-from flodl.evaluation import primary_name
-from flodl.metrics import EpochMetrics, RunSummary, SyncEvent
+from flodl.checkpoint.results import RunResult, TrainedState
+from flodl.monitor.metrics import EpochMetrics, RunSummary, SyncEvent
+from flodl.placement.topology import Topology, resolve_topology
 from flodl.preflight import (
     check_launch,
     check_run,
@@ -32,15 +33,19 @@ from flodl.preflight import (
     rank_batch_sizes,
     rank_loaders,
 )
-from flodl.results import RunResult, TrainedState
-from flodl.runtime.cohort import Cohort, run_cohort
-from flodl.runtime.cohorts import open_cohort
-from flodl.runtime.control import new_controller
-from flodl.runtime.controller import Controller, ControllerResult, Hooks, RunFailed
-from flodl.runtime.env import ExternalRole
-from flodl.runtime.snapshots import ResumePoint
-from flodl.runtime.spec import Callbacks, JobSpec
-from flodl.topology import Topology, resolve_topology
+from flodl.runtime.cohorts.factory import open_cohort
+from flodl.runtime.cohorts.protocol import Cohort, run_cohort
+from flodl.runtime.controller.build import new_controller
+from flodl.runtime.controller.controller import (
+    Controller,
+    ControllerResult,
+    Hooks,
+    RunFailed,
+)
+from flodl.runtime.controller.snapshots import ResumePoint
+from flodl.runtime.rank.env import ExternalRole
+from flodl.runtime.rank.spec import Callbacks, JobSpec
+from flodl.step.evaluation import primary_name
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +226,7 @@ class Job:
 
     def _on_epoch(self, metrics: EpochMetrics) -> str | None:
         """Log a closed epoch and run the user's callbacks; return metrics_fn's stop request."""
-        from flodl.callbacks import stop_request
+        from flodl.monitor.callbacks import stop_request
         from flodl.monitor.console import format_epoch_line
 
         self._curve.append((time.perf_counter() - self._t0, metrics.avg_loss))

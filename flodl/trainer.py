@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from flodl.checkpoint.results import RunResult, TrainedState
+from flodl.cli.signals import sigterm_as_interrupt
 from flodl.config import (
     ClusterConfig,
     EarlyStoppingConfig,
@@ -30,12 +32,10 @@ from flodl.config import (
     TrainerConfig,
     validate_trainer_config,
 )
-from flodl.metrics import EpochMetrics, RunSummary
-from flodl.results import RunResult, TrainedState
-from flodl.runtime import warm
-from flodl.runtime.env import ExternalRole, external_role, is_follower, placed_cohort
-from flodl.runtime.spec import Callbacks, JobSpec
-from flodl.signals import sigterm_as_interrupt
+from flodl.monitor.metrics import EpochMetrics, RunSummary
+from flodl.runtime.cohorts import fork_server
+from flodl.runtime.rank.env import ExternalRole, external_role, is_follower, placed_cohort
+from flodl.runtime.rank.spec import Callbacks, JobSpec
 
 log = logging.getLogger(__name__)
 
@@ -264,10 +264,10 @@ class TrainerBuilder:
 
     def into_worker(self) -> Any:
         """The cooperative tier (see :mod:`flodl.cooperative`): you own the loop body."""
-        from flodl.runtime.env import is_rank_process
+        from flodl.runtime.rank.env import is_rank_process
 
         if is_rank_process():
-            from flodl.runtime.rank import cooperative_worker
+            from flodl.runtime.rank.process import cooperative_worker
 
             return cooperative_worker()
         from flodl.cooperative import LauncherView
@@ -290,7 +290,7 @@ def _follow_if_placed(config: TrainerConfig, cooperative: bool, role: ExternalRo
             "script itself; start it with python, or use Trainer.run / Ddp.wrap under torchrun"
         )
     if is_follower(role):
-        from flodl.runtime.external import follow_job
+        from flodl.runtime.cohorts.external import follow_job
 
         raise SystemExit(follow_job(role, config))
 
@@ -335,14 +335,14 @@ class Trainer:
         In a process torchrun (or srun) placed, rank 0 runs the job and the other ranks train
         as its workers, then exit: code after ``run()`` runs on rank 0 only.
         """
-        from flodl.evaluation import EvalSpec
+        from flodl.data.loader import adopt
         from flodl.job import Job
-        from flodl.loading import adopt
+        from flodl.step.evaluation import EvalSpec
 
         placed = external_role()  # this process's placement, read once and passed down
         _follow_if_placed(config, cooperative, placed)
         if not cooperative:  # a cooperative rank re-executes the script: a cold interpreter
-            warm.start_for(config.cluster, placed=placed is not None)
+            fork_server.start_for(config.cluster, placed=placed is not None)
         # A DataLoader is adopted (or refused) here, before any rank starts.
         dataset, loader, adopted_collate = adopt(dataset, config.loader, config.batch_size)
         if loader != config.loader:

@@ -148,11 +148,13 @@ def _hygiene():
 def _wait_children(me: psutil.Process, before: set[int], timeout_s: float = 10.0) -> list[str]:
     import time
 
-    from flodl.runtime import warm
+    from flodl.runtime.cohorts import fork_server
 
     deadline = time.monotonic() + timeout_s
     while True:
-        kept = warm.server_pid()  # the fork server outlives a run by design; its forks do not
+        kept = (
+            fork_server.server_pid()
+        )  # the fork server outlives a run by design; its forks do not
         leaked = [
             p
             for p in me.children(recursive=True)

@@ -11,7 +11,7 @@ import math
 import sys
 from typing import TYPE_CHECKING, Literal, TextIO
 
-from flodl.metrics import EpochMetrics
+from flodl.monitor.metrics import EpochMetrics
 
 if TYPE_CHECKING:
     from rich.progress import Progress as RichProgress

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from flodl.config import LoggerConfig, MlflowConfig, WandbConfig
-from flodl.metrics import EpochMetrics
+from flodl.monitor.metrics import EpochMetrics
 
 _RANK_STATS = (
     "loss",

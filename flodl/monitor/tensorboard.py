@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from flodl.metrics import EpochMetrics, SyncEvent
+from flodl.monitor.metrics import EpochMetrics, SyncEvent
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter

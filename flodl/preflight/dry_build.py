@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from flodl.config import ConfigError, TargetConfig
-from flodl.failures import describe
+from flodl.monitor.failures import describe
 
 log = logging.getLogger("flodl")
 
@@ -37,17 +37,17 @@ def dry_build_targets(
     model: TargetConfig, optimizer: TargetConfig, scheduler: TargetConfig | None
 ) -> str | None:
     """Build the ``_target_`` factories of a Hydra job; refusals name the config section."""
-    from flodl import factories as app
+    from flodl.config import factories
 
     def fix(key: str, target: TargetConfig) -> tuple[str, str]:
         return f"{key}: {target.target}({_shown(target.kwargs())})", f"fix the {key}.* values"
 
     builders: Builders = (
-        lambda _device: app.instantiate(model),
-        lambda model_: app.build_optimizer(optimizer, model_.parameters()),
+        lambda _device: factories.instantiate(model),
+        lambda model_: factories.build_optimizer(optimizer, model_.parameters()),
         None
         if scheduler is None  # total_steps: auto is the run's length, known on the ranks
-        else lambda optim: app.build_scheduler(scheduler, optim, total_steps=1000),
+        else lambda optim: factories.build_scheduler(scheduler, optim, total_steps=1000),
     )
     names = [fix("model", model), fix("optimizer", optimizer)]
     if scheduler is not None:
@@ -57,7 +57,7 @@ def dry_build_targets(
 
 def dry_build_closures(spec: Any) -> str | None:
     """Build the Python API's ``model_factory``, ``optim_factory`` and ``scheduler_factory``."""
-    from flodl import schedules
+    from flodl.step import schedules
 
     scheduler = spec.scheduler_factory
     builders: Builders = (
@@ -112,7 +112,7 @@ def _build_all(
 ) -> str:
     from torch import nn
 
-    from flodl.runtime.spec import state_signature
+    from flodl.runtime.rank.spec import state_signature
 
     build_model, build_optimizer, build_scheduler = builders
     model = _refusal(names[0], lambda: build_model(device), explain)

@@ -18,12 +18,12 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from flodl.config import ConfigError, LoaderConfig, LoaderOverride, Mode, TrainerConfig
-from flodl.topology import Topology
+from flodl.placement.topology import Topology
 
 if TYPE_CHECKING:
     import torch
 
-    from flodl.runtime.spec import JobSpec
+    from flodl.runtime.rank.spec import JobSpec
 
 log = logging.getLogger("flodl")
 
@@ -79,7 +79,7 @@ def format_lr_scaling(record: dict[str, Any]) -> str:
 
 
 def _check_scheduler(spec: JobSpec, optimizer: torch.optim.Optimizer | None) -> None:
-    from flodl import schedules
+    from flodl.step import schedules
 
     if spec.scheduler_factory is None or optimizer is None:
         return
@@ -101,7 +101,7 @@ def rank_devices(topology: Topology, device: str) -> list[str]:
     """``cpu`` or ``cuda`` for each rank, decided without touching CUDA."""
     if topology.in_process:
         if device == "auto":
-            from flodl.sys import detect_gpus
+            from flodl.placement.gpus import detect_gpus
 
             device = "cuda" if detect_gpus() else "cpu"
         return [device]
@@ -173,7 +173,7 @@ def rank_loaders(config: TrainerConfig, topology: Topology) -> list[LoaderConfig
 def check_config(config: TrainerConfig) -> None:
     """The checks that need the topology but no factory: what a sweep refuses before any job
     (hosts are not contacted here)."""
-    from flodl.topology import resolve_topology
+    from flodl.placement.topology import resolve_topology
 
     topology = resolve_topology(config, probe_hosts=False)
     check_precision(config.precision, rank_devices(topology, config.device))
@@ -211,7 +211,7 @@ def check_outputs(cfg: TrainerConfig, world_size: int) -> None:
             f"(0..{world_size - 1}); pick one of them or callback_policy.kind=fastest"
         )
     if cfg.save_path is not None:
-        from flodl.checkpoint import CheckpointError, probe_writable
+        from flodl.checkpoint.bundle import CheckpointError, probe_writable
 
         try:
             probe_writable(cfg.save_path)
@@ -222,8 +222,8 @@ def check_outputs(cfg: TrainerConfig, world_size: int) -> None:
 
 
 def _resume(cfg: TrainerConfig, world_size: int, signature: str | None) -> Any:
-    from flodl.checkpoint import CheckpointError
-    from flodl.runtime.snapshots import ResumePoint
+    from flodl.checkpoint.bundle import CheckpointError
+    from flodl.runtime.controller.snapshots import ResumePoint
 
     stem = cfg.resume_from
     assert stem is not None

@@ -60,7 +60,7 @@ def _check_dataset_kind(target: TargetConfig) -> None:
             "knobs)"
         )
     if issubclass(made, IterableDataset):
-        from flodl.data import SHARD_API
+        from flodl.data.source import SHARD_API
 
         raise ConfigError(
             f"dataset._target_={target.target}: an IterableDataset without shards; the "
@@ -156,7 +156,7 @@ def bind(key: str, target: TargetConfig, positional: int, provided: tuple[str, .
     hints = _hints(fn)
     for name, value in kwargs.items():
         if key == "scheduler" and name == "total_steps" and value == "auto":
-            continue  # flodl fills in the run's length (flodl/schedules.py)
+            continue  # flodl fills in the run's length (flodl/step/schedules.py)
         if name in params:
             _check_type(key, name, value, hints.get(name, params[name].annotation), target.target)
 

@@ -2,12 +2,14 @@
 
 The simulator owns only what the hardware would: a virtual clock, what each rank's batches
 cost (:mod:`flodl.sim.costs`), and when a collective completes. Everything the runtime decides
-is decided by the real code: :class:`flodl.runtime.controller.Controller` (with its planning,
+is decided by the real code: :class:`flodl.runtime.controller.controller.Controller` (with its
+planning,
 aggregation and membership parts) and the :class:`flodl.elche.ElChe` it owns receive
 the same messages (``Ready``, ``Report``, ``Settled``, ``Regrouped``, ``Final``, a rank's
 ``Exited``) that reader threads post in a launch, through the same per-message steps as
 ``Controller.run``; their ``Plan``, ``Regroup`` and ``Stop`` replies reach the virtual ranks
-after ``latency_ms``. A virtual rank behaves as :class:`flodl.runtime.worker.RankWorker` does in
+after ``latency_ms``. A virtual rank behaves as :class:`flodl.runtime.rank.worker.RankWorker` does
+in
 the collective modes: it trains a window, reports it, averages with its group (a collective that
 fails when a member is lost), skips windows voided by a regroup, and re-averages on ``Regroup``.
 
@@ -27,10 +29,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flodl.config import ClusterConfig, ElCheConfig, Mode, TrainerConfig
-from flodl.runtime import streaming
-from flodl.runtime.controller import Controller, Exited
-from flodl.runtime.dispatch import chunk_batches
-from flodl.runtime.messages import (
+from flodl.runtime.controller.controller import Controller, Exited
+from flodl.runtime.controller.dispatch import chunk_batches
+from flodl.runtime.wire import streaming
+from flodl.runtime.wire.messages import (
     Final,
     Plan,
     Ready,
@@ -107,7 +109,7 @@ class _Collective:
 
 class _Link:
     """The controller's link to one virtual rank: the message is serialised as the socket
-    channel does (:func:`flodl.runtime.streaming.split`, on the controller's thread, so it is
+    channel does (:func:`flodl.runtime.wire.streaming.split`, on the controller's thread, so it is
     counted) and lands ``latency_ms`` later; only the socket write itself is left out, and
     so is the simulator's own delivery (the event is queued once the controller's step is
     timed, :meth:`Simulator.to_controller`)."""

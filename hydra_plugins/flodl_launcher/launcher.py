@@ -32,7 +32,7 @@ class FlodlLauncher(Launcher):
     def launch(
         self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
     ) -> Sequence[JobReturn]:
-        from flodl.sweep import launch_sweep  # heavy imports only when a sweep really runs
+        from flodl.cli.sweep import launch_sweep  # heavy imports only when a sweep really runs
 
         assert self.config is not None and self.hydra_context is not None
         assert self.task_function is not None

@@ -306,7 +306,7 @@ def test_sweep_ab_report_matches_job_summaries(tmp_path: Path) -> None:
 CHATTY = '''
 import logging
 
-from recipes.models import MLP
+from flodl.recipes.models import MLP
 
 log = logging.getLogger("chatty")
 

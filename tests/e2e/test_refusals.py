@@ -3,7 +3,7 @@ the value and the fix, no traceback.
 
 A few refusals go through the real run.py (exit code, one line, what was imported); the rest
 are checked in this process through the launcher's own sequence of checks (compose, then
-:func:`flodl.sweep.check_job`, then the per-run checks of ``Job``), which is what run.py runs
+:func:`flodl.cli.sweep.check_job`, then the per-run checks of ``Job``), which is what run.py runs
 before it starts a rank, without paying a Python start-up and torch's import for each.
 """
 
@@ -52,7 +52,8 @@ def test_run_py_refusals_exit_2_and_import_only_what_they_need(tmp_path):
         "trainer.num_epochs=abc": ("trainer.num_epochs=abc: Input should be a valid integer", []),
         "optimizer.lr=abc": ("optimizer.lr=abc: torch.optim.Adam expects float", ["torch"]),
         "+model.hiden=3": (
-            "model.hiden: unknown argument of recipes.models.MLP (did you mean model.hidden?)",
+            "model.hiden: unknown argument of flodl.recipes.models.MLP "
+            "(did you mean model.hidden?)",
             ["torch"],
         ),
     }
@@ -101,9 +102,9 @@ def launcher_refusal(overrides: list[str]) -> str:
     """What run.py checks before starting a rank, in this process; the refusal's message."""
     from hydra import compose, initialize_config_dir
 
+    from flodl.cli.sweep import check_job
+    from flodl.placement.topology import resolve_topology
     from flodl.preflight import check_run
-    from flodl.sweep import check_job
-    from flodl.topology import resolve_topology
 
     with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
         cfg = compose("config", overrides=overrides)
@@ -120,14 +121,14 @@ def launcher_refusal(overrides: list[str]) -> str:
 def test_launcher_refusals_name_key_value_and_fix(tmp_path):
     (tmp_path / "a_file").write_text("not a directory")
     cases = {
-        "model.hidden=-1": "model: recipes.models.MLP(input_shape=[1, 28, 28], num_classes=10, "
-        "hidden=-1) refused on a dry build: ValueError: MLP: hidden=-1: must be >= 1; fix the "
-        "model.* values",
+        "model.hidden=-1": "model: flodl.recipes.models.MLP(input_shape=[1, 28, 28], "
+        "num_classes=10, hidden=-1) refused on a dry build: ValueError: MLP: hidden=-1: "
+        "must be >= 1; fix the model.* values",
         "model._target_=tests.e2e.faulty.PretrainedBackbone": (
             "FileNotFoundError: pretrained/backbone.pt: no such file"
         ),
-        "model._target_=recipes.models.Nope": "model._target_=recipes.models.Nope: module "
-        "'recipes.models' has no attribute 'Nope'",
+        "model._target_=flodl.recipes.models.Nope": "model._target_=flodl.recipes.models.Nope: "
+        "module 'flodl.recipes.models' has no attribute 'Nope'",
         "trainer.batch_size=5000": "trainer.batch_size=5000: larger than the dataset (4000 "
         "training samples",
         f"trainer.resume_from={tmp_path}/none": f"trainer.resume_from={tmp_path}/none: no "
@@ -152,7 +153,7 @@ def test_datasets_the_controller_cannot_plan_are_refused():
     cases = {
         "dataset._target_=tests.e2e.faulty.StreamOnly": "IterableDataset without shards; the "
         "controller plans which samples each rank trains: give a map-style dataset or "
-        "flodl.streams.ShardStream(shards",
+        "flodl.data.streams.ShardStream(shards",
         "dataset._target_=tests.e2e.faulty.wrapped_loader": "builds a DataLoader",
         "loader.prefetch_factor=4": "loader.prefetch_factor=4 (rank 0): prefetching needs",
     }

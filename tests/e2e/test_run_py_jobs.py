@@ -19,7 +19,7 @@ def test_sweep_writes_ab_report_and_keeps_failed_rows(tmp_path):
     report is checked field by field in test_dashboard_e2e.) The failed job's factory fails on
     the ranks (the launcher never builds datasets): its root cause, once, in the console (with
     the job directory) and summary.json; exit 1."""
-    failing = f"dataset._target_={MISSING},recipes.datasets.digits"
+    failing = f"dataset._target_={MISSING},flodl.recipes.datasets.digits"
     args = ["-m", *FAST, "trainer.num_epochs=1", failing]
     out = run_py(args, tmp_path, timeout=400)
     assert out.returncode == 1, out.stderr[-3000:]  # one job failed; the sweep went on
@@ -49,7 +49,7 @@ def test_ddp_bench_experiment_trains_gpt_nano_on_the_rig(tmp_path):
     through run.py on the [1.0, 0.4] rig, its vocabulary saved in model.pt."""
     import torch
 
-    from recipes.text import TINY_SHAKESPEARE_VOCAB
+    from flodl.recipes.text import TINY_SHAKESPEARE_VOCAB
 
     args = [
         "experiment=ddp_bench",

@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from flodl.checkpoint import load_bundle
+from flodl.checkpoint.bundle import load_bundle
 
 pytestmark = pytest.mark.slow
 

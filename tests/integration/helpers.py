@@ -16,10 +16,10 @@ import psutil
 import torch
 
 from flodl import ClusterConfig, ElCheConfig, LoggerConfig, Trainer
-from flodl.runtime import warm
-from recipes.datasets import synthetic
-from recipes.models import MLP
-from recipes.steps import accuracy, classification_step
+from flodl.recipes.datasets import synthetic
+from flodl.recipes.models import MLP
+from flodl.recipes.steps import accuracy, classification_step
+from flodl.runtime.cohorts import fork_server
 
 SHAPE = [1, 8, 8]
 CLASSES = 4
@@ -79,7 +79,7 @@ def small_run(
 
 def _environ(proc: psutil.Process) -> dict[str, str]:
     """What ``proc`` runs with: a fork of the fork server shows the server's in /proc."""
-    forked = warm.forks().get(proc.pid)
+    forked = fork_server.forks().get(proc.pid)
     return forked if forked is not None else proc.environ()
 
 

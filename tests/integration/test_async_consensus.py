@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from flodl import ClusterConfig, ElCheConfig, EpochMetrics, LoggerConfig, Trainer
-from flodl.checkpoint import load_bundle
+from flodl.checkpoint.bundle import load_bundle
 from flodl.config import MonitorConfig
-from recipes.steps import classification_step
+from flodl.recipes.steps import classification_step
 
 from .helpers import data, model_factory, optim_factory
 

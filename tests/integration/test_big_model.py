@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from flodl import ClusterConfig, ElCheConfig, LoggerConfig, TrainedState, Trainer
-from flodl.checkpoint import load_bundle
-from recipes.models import MLP
-from recipes.steps import accuracy, classification_step
+from flodl.checkpoint.bundle import load_bundle
+from flodl.recipes.models import MLP
+from flodl.recipes.steps import accuracy, classification_step
 
 from .helpers import CLASSES, SHAPE, data
 

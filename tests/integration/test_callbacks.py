@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flodl import ClusterConfig, ElCheConfig, EpochMetrics, LoggerConfig, Trainer
-from recipes.steps import accuracy, classification_step
+from flodl.recipes.steps import accuracy, classification_step
 
 from .helpers import data, model_factory, optim_factory
 

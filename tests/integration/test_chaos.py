@@ -1,6 +1,6 @@
 """The chaos matrix's in-suite part: faults that used to hang or fail a run, each a real 3-rank
-run with a rank killed at a named moment (flodl/runtime/chaos.py). The whole matrix:
-``python -m tests.chaos.matrix`` (README: "Chaos matrix")."""
+run with a rank killed at a named moment (flodl/runtime/rank/chaos.py). The whole matrix:
+``python -m bench.chaos.matrix`` (README: "Chaos matrix")."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from flodl import ClusterConfig, ControllerAddress, ElCheConfig, LoggerConfig, Trainer
-from recipes.steps import accuracy, classification_step
+from flodl.recipes.steps import accuracy, classification_step
 
 from .helpers import data, model_factory, optim_factory
 
@@ -136,7 +136,7 @@ def test_garbage_written_into_the_store_does_not_kill_the_run(tmp_path, monkeypa
     # The garbage must be in place before the survivors' regroup writes its keys: planted after
     # that write it replaces a genuine value, the documented delay that the regroup's timeout
     # ends in a PermissionError (seen under CI load). The controller starts the regroup here.
-    from flodl.runtime.elastic import Elastic
+    from flodl.runtime.controller.elastic import Elastic
 
     lose = Elastic.lose
 
@@ -152,7 +152,7 @@ def test_garbage_written_into_the_store_does_not_kill_the_run(tmp_path, monkeypa
 
 
 def _run_one(tmp_path, faults: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "tests.chaos.run_one", "--ranks", "2", "--epochs", "2"]
+    cmd = [sys.executable, "-m", "bench.chaos.run_one", "--ranks", "2", "--epochs", "2"]
     cmd += ["--n-train", "1024", "--faults", faults, "--ckpt", str(tmp_path / "ckpt")]
     cmd += ["--job-dir", str(tmp_path / "job"), "--timeout", "120"]
     root = Path(__file__).resolve().parents[2]
@@ -206,7 +206,7 @@ def test_a_launcher_killed_while_writing_a_checkpoint_leaves_no_rank_and_a_loada
         time.sleep(0.2)
     alive = [p for p in ranks if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
     assert not alive, f"ranks outlived their launcher: {alive}"
-    from flodl.checkpoint import load_bundle
+    from flodl.checkpoint.bundle import load_bundle
 
     _, meta = load_bundle(str(tmp_path / "ckpt" / "run"))
     assert meta.epoch == 1

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from flodl import ClusterConfig, ElCheConfig, LoggerConfig, Trainer
-from flodl.checkpoint import load_bundle
-from recipes.steps import classification_step
+from flodl.checkpoint.bundle import load_bundle
+from flodl.recipes.steps import classification_step
 
 from .helpers import data, model_factory, optim_factory, rank_pid
 
@@ -127,7 +127,7 @@ def test_rank_lost_while_writing_its_shard(tmp_path, monkeypatch, caplog, victim
     Either way nothing waits, and the later saves and the final bundle work."""
     monkeypatch.setenv("FLODL_CHAOS", f"{victim}:checkpoint")
     stem = str(tmp_path / "ckpt" / "run")
-    with caplog.at_level("WARNING", logger="flodl.runtime.snapshots"):
+    with caplog.at_level("WARNING", logger="flodl.runtime.controller.snapshots"):
         handle, last_epoch = run(tmp_path, "chaos", 3, 3, save_path=stem, checkpoint_every=1)
     tail_s = time.perf_counter() - last_epoch
     result = handle.result

@@ -1,7 +1,8 @@
 """Cohort conformance: the same scenarios against every cohort that can run here.
 
 Each scenario is one short real run through ``Trainer.run``, whose cohort comes from the one
-factory (:func:`flodl.runtime.cohorts.open_cohort`): start and train with every output written,
+factory (:func:`flodl.runtime.cohorts.factory.open_cohort`): start and train with every output
+written,
 lose a rank, stop on SIGINT. Cohorts: in-process (one device), local children (the CPU rig),
 ssh hosts (network namespaces with their own sshd; skipped without root/sshd) and SLURM through
 submitit's local executor. The torchrun/srun cohort (:class:`ExternalCohort`) is exercised by
@@ -24,8 +25,8 @@ import pytest
 
 from flodl import ClusterConfig, ElCheConfig, LoggerConfig, Trainer
 from flodl.config import SlurmConfig
-from flodl.runtime.controller import RunFailed
-from recipes.steps import classification_step
+from flodl.recipes.steps import classification_step
+from flodl.runtime.controller.controller import RunFailed
 
 from .helpers import data, model_factory, optim_factory
 from .test_multihost import cluster_for

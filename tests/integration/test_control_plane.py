@@ -10,9 +10,9 @@ import psutil
 import pytest
 
 from flodl import ClusterConfig, LoggerConfig, Trainer
-from flodl.runtime import warm
-from flodl.runtime.channel import AuthError, connect, new_secret
-from recipes.steps import classification_step
+from flodl.recipes.steps import classification_step
+from flodl.runtime.cohorts import fork_server
+from flodl.runtime.wire.channel import AuthError, connect, new_secret
 
 from .helpers import data, model_factory, optim_factory
 
@@ -72,7 +72,7 @@ def test_consecutive_runs_leak_no_processes_ports_or_fds(tmp_path):
     fds = []
     for i in range(3):
         tiny_run(tmp_path, f"run{i}").join(timeout=120)
-        kept = warm.server_pid()  # the fork server stays for the next run, its forks do not
+        kept = fork_server.server_pid()  # the fork server stays for the next run, its forks do not
         assert not [
             p for p in me.children(recursive=True) if p.pid != kept and p.status() != "zombie"
         ]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from flodl import ClusterConfig, ElCheConfig, LoggerConfig, Trainer
-from recipes.steps import accuracy, classification_step
+from flodl.recipes.steps import accuracy, classification_step
 
 from .helpers import bn_model_factory, data, model_factory, optim_factory, rank_pid
 
@@ -94,7 +94,7 @@ def test_nccl_sync_with_batchnorm_and_checkpoints_survives_a_lost_rank(tmp_path)
     assert result.summary.eval_value > 0.8
     running = {k: v for k, v in state.state_dict().items() if "running" in k}
     assert running and all(torch.isfinite(v).all() for v in running.values())
-    from flodl.checkpoint import load_bundle
+    from flodl.checkpoint.bundle import load_bundle
 
     _, meta = load_bundle(stem)
     assert meta.epoch == 3
@@ -115,7 +115,7 @@ def test_max_failure_saves_and_stops(tmp_path):
     )
     with pytest.raises(KeyboardInterrupt):
         handle.join(timeout=300)
-    from flodl.checkpoint import load_bundle
+    from flodl.checkpoint.bundle import load_bundle
 
     _, meta = load_bundle(stem)
     assert meta.save_reason == "max_failure"
@@ -166,9 +166,9 @@ def test_a_frozen_rank_is_dropped_when_its_heartbeat_goes_stale(tmp_path, victim
 _BLOCKED_RANK = """
 import socket, sys, time
 import torch, torch.distributed as dist
-from flodl.runtime import groups
-from flodl.runtime.channel import Channel
-from flodl.runtime.links import SocketLink
+from flodl.runtime.sync import groups
+from flodl.runtime.wire.channel import Channel
+from flodl.runtime.wire.links import SocketLink
 
 rank, store_port, control_port = (int(a) for a in sys.argv[1:4])
 store = dist.TCPStore("127.0.0.1", store_port, 2, is_master=rank == 0, use_libuv=False)
@@ -214,8 +214,8 @@ def test_a_regroup_frees_a_rank_blocked_on_a_live_peer(tmp_path):
     import sys
     import time
 
-    from flodl.runtime.channel import Channel
-    from flodl.runtime.messages import Regroup
+    from flodl.runtime.wire.channel import Channel
+    from flodl.runtime.wire.messages import Regroup
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -302,7 +302,7 @@ def test_a_rank_lost_in_the_last_average_after_stop_ends_the_run_cleanly(
     assert result.summary.status == "ok" and result.summary.lost_ranks == [1]
     assert result.coverage_exact and result.summary.samples_seen == samples
     if checkpoint:
-        from flodl.checkpoint import load_bundle
+        from flodl.checkpoint.bundle import load_bundle
 
         payload, meta = load_bundle(stem)
         assert meta.save_reason == "final"

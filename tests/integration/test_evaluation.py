@@ -15,9 +15,9 @@ from sklearn.metrics import f1_score
 from torchmetrics.classification import MulticlassF1Score
 
 from flodl import ClusterConfig, ElCheConfig, EpochMetrics, LoggerConfig, Trainer
-from flodl.checkpoint import load_bundle
+from flodl.checkpoint.bundle import load_bundle
 from flodl.config import EarlyStoppingConfig, MlflowConfig, MonitorConfig, WandbConfig
-from recipes.steps import classification_step
+from flodl.recipes.steps import classification_step
 from tests.integration.helpers import CLASSES, data, model_factory, optim_factory
 from tests.loggers_readback import csv_last, mlflow_last, wandb_last
 from tests.unit.test_evaluation import SampleCount

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from flodl.runtime.controller import RunFailed
-from recipes.models import MLP
+from flodl.recipes.models import MLP
+from flodl.runtime.controller.controller import RunFailed
 
 from .helpers import CLASSES, SHAPE, small_run
 
@@ -22,7 +22,7 @@ def exploding_factory(device):
         try:  # what Hydra's instantiate does: wrap the user's error with a cut message
             raise FileNotFoundError("pretrained/backbone.pt: no such file")
         except FileNotFoundError as exc:
-            raise RuntimeError("Error in call to target 'recipes.models.MLP':") from exc
+            raise RuntimeError("Error in call to target 'flodl.recipes.models.MLP':") from exc
     return MLP(SHAPE, CLASSES, hidden=32).to(device)
 
 
@@ -69,7 +69,7 @@ def test_empty_dataset_fails_with_a_clear_message(tmp_path):
     from torch.utils.data import TensorDataset
 
     from flodl import ClusterConfig, LoggerConfig, Trainer
-    from recipes.steps import classification_step
+    from flodl.recipes.steps import classification_step
 
     from .helpers import model_factory, optim_factory
 
@@ -90,7 +90,7 @@ def test_batch_larger_than_dataset_is_refused(tmp_path):
     from functools import partial
 
     from flodl import ClusterConfig, LoggerConfig, Trainer
-    from recipes.steps import classification_step
+    from flodl.recipes.steps import classification_step
 
     from .helpers import data, model_factory, optim_factory
 

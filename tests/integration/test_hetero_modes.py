@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from flodl import ClusterConfig, ElCheConfig, LoggerConfig, Trainer
-from recipes.datasets import mnist5k
-from recipes.models import MLP
-from recipes.steps import accuracy, classification_step
+from flodl.recipes.datasets import mnist5k
+from flodl.recipes.models import MLP
+from flodl.recipes.steps import accuracy, classification_step
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from recipes.text import offline_corpus
+from flodl.recipes.text import offline_corpus
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 MARKER = "Train a character model on your own text file"
@@ -77,10 +77,10 @@ def test_gpt_nano_cooperative_tier_with_its_per_step_schedule(tmp_path) -> None:
     import torch
 
     from flodl import ClusterConfig, LoggerConfig, Trainer
-    from flodl.schedules import warmup_cosine
-    from recipes.lm import GPTNano
-    from recipes.steps import language_model_step, val_loss
-    from recipes.text import shakespeare
+    from flodl.recipes.lm import GPTNano
+    from flodl.recipes.steps import language_model_step, val_loss
+    from flodl.recipes.text import shakespeare
+    from flodl.step.schedules import warmup_cosine
 
     def data(split: str):
         return shakespeare(split, block_size=16, max_chars=9000)

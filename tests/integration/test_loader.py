@@ -13,10 +13,10 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from flodl import ClusterConfig, ElCheConfig, LoggerConfig, Trainer, record_scalar
-from flodl.checkpoint import load_bundle
-from flodl.data import epoch_permutation
-from flodl.runtime import warm
-from recipes.models import MLP
+from flodl.checkpoint.bundle import load_bundle
+from flodl.data.source import epoch_permutation
+from flodl.recipes.models import MLP
+from flodl.runtime.cohorts import fork_server
 
 from .helpers import CLASSES, SHAPE, data, optim_factory, rank_pid
 
@@ -106,7 +106,7 @@ def _epoch_ids(metrics, samples: float = N) -> tuple[float, float]:
 
 
 def _no_loader_workers_left() -> bool:
-    kept = warm.server_pid()  # the fork server outlives a run; what it forks does not
+    kept = fork_server.server_pid()  # the fork server outlives a run; what it forks does not
     return not [
         p for p in psutil.Process().children(recursive=True) if p.pid != kept and p.is_running()
     ]
@@ -229,7 +229,7 @@ def decode_shard_sample(sample: dict) -> dict:
 def test_tar_shards_dispatched_whole_exactly_once_with_a_loss(tmp_path):
     """12 tar shards through one worker per rank; rank 1 is SIGKILLed once epoch 1 closed: the
     survivor trains its unfinished shards, every sample once per epoch."""
-    from flodl.streams import ShardStream
+    from flodl.data.streams import ShardStream
 
     shards = write_shards(tmp_path, [128] * 12)
     metrics = kill_rank_1_after(1)

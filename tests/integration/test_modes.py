@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flodl import TrainedState
-from recipes.steps import accuracy
+from flodl.recipes.steps import accuracy
 
 from .helpers import data, model_factory, small_run
 
@@ -102,7 +102,7 @@ def recording_step(out_dir: str, model, batch):
     """The classification step, saving this rank's parameters before it and its batch."""
     import os
 
-    from recipes.steps import classification_step
+    from flodl.recipes.steps import classification_step
 
     rank, calls = os.environ["FLODL_RANK"], len(os.listdir(out_dir))
     torch.save(
@@ -125,7 +125,7 @@ def test_nccl_sync_steps_are_the_full_batch_steps_of_both_ranks_batches(tmp_path
     from pathlib import Path
 
     from flodl import ClusterConfig, ElCheConfig, LoggerConfig, Trainer
-    from recipes.steps import classification_step
+    from flodl.recipes.steps import classification_step
 
     calls = tmp_path / "calls"
     calls.mkdir()

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from flodl import ClusterBuilder, ConfigError, ElCheConfig, LoggerConfig, SshConfig, Trainer
-from recipes.steps import accuracy, classification_step
+from flodl.recipes.steps import accuracy, classification_step
 
 from .helpers import data, is_rank_itself, model_factory, optim_factory, rank_pid
 

@@ -1,9 +1,9 @@
 """The chaos hook through ssh hosts (issue 17, item 5): a rank on a network-namespace host
 (tests/netns_hosts.py), started over real ssh, killed or frozen at a named moment
-(flodl/runtime/chaos.py). FLODL_CHAOS reaches the remote ranks through their role env
-(flodl/runtime/env.py ``role_env``); each cell checks the survivors finish with exact coverage
+(flodl/runtime/rank/chaos.py). FLODL_CHAOS reaches the remote ranks through their role env
+(flodl/runtime/rank/env.py ``role_env``); each cell checks the survivors finish with exact coverage
 within a bound derived from the heartbeat and start timeouts, and that no remote rank outlives
-the run. The whole matrix through ssh: ``python -m tests.chaos.matrix --cohort ssh``."""
+the run. The whole matrix through ssh: ``python -m bench.chaos.matrix --cohort ssh``."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from functools import partial
 import pytest
 
 from flodl import ElCheConfig, LoggerConfig, Trainer
-from flodl.checkpoint import load_bundle
-from recipes.steps import accuracy, classification_step
+from flodl.checkpoint.bundle import load_bundle
+from flodl.recipes.steps import accuracy, classification_step
 
 from .helpers import data, model_factory, optim_factory
 from .test_multihost import cluster_for, rank_processes, wait_until

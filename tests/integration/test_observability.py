@@ -18,7 +18,7 @@ import pytest
 
 from flodl import ClusterConfig, ElCheConfig, LoggerConfig, Trainer
 from flodl.monitor.dashboard import port_in_use
-from recipes.steps import accuracy, classification_step
+from flodl.recipes.steps import accuracy, classification_step
 from tests.integration.helpers import data, model_factory, optim_factory
 
 EPOCHS = 2

@@ -13,7 +13,7 @@ import logging
 from functools import partial
 
 from flodl import ClusterConfig, ElCheConfig, LoggerConfig, Trainer
-from flodl.runtime.pacing import Pacer
+from flodl.runtime.rank.pacing import Pacer
 from tests.integration.helpers import data, late_step, model_factory, optim_factory
 
 
@@ -74,7 +74,7 @@ STEPS: list[int] = []
 
 
 def counted_step(model, batch):
-    from recipes.steps import classification_step
+    from flodl.recipes.steps import classification_step
 
     STEPS.append(len(batch[0]))
     return classification_step(model, batch)

@@ -70,9 +70,9 @@ SCRIPT = """
 import json, sys
 from functools import partial
 from flodl import ClusterConfig, ElCheConfig, LoggerConfig, Trainer
-from recipes.datasets import synthetic
-from recipes.models import MLP
-from recipes.steps import classification_step
+from flodl.recipes.datasets import synthetic
+from flodl.recipes.models import MLP
+from flodl.recipes.steps import classification_step
 import torch
 
 def model(device):
@@ -162,7 +162,7 @@ def test_srun_style_placement_trains(tmp_path):
 
 @pytest.mark.light
 def test_srun_environment_is_read(monkeypatch):
-    from flodl.runtime.env import external_role
+    from flodl.runtime.rank.env import external_role
 
     role = external_role(
         {
@@ -181,7 +181,7 @@ def test_srun_environment_is_read(monkeypatch):
 
 @pytest.mark.light
 def test_srun_without_master_addr_derives_it_or_fails_loudly():
-    from flodl.runtime.env import external_role
+    from flodl.runtime.rank.env import external_role
 
     step = {"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "0"}
     role = external_role(
@@ -246,7 +246,7 @@ def test_slurm_places_ranks_through_submitit(tmp_path, where):
 @pytest.mark.light
 def test_slurm_bad_config_is_refused_before_submission(tmp_path):
     out = tmp_path / "sweep"
-    done = slurm_run_py(["task.train_step=recipes.steps.no_such_step"], tmp_path, out)
+    done = slurm_run_py(["task.train_step=flodl.recipes.steps.no_such_step"], tmp_path, out)
     assert done.returncode == 2  # refused before anything is submitted
     assert "task.train_step" in done.stderr
     assert not (out / "0" / "slurm").exists()

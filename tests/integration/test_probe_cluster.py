@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from flodl import ClusterBuilder, SshConfig
-from flodl.probe import ClusterReport, Report, skew_checks
+from flodl.cli.probe import ClusterReport, Report, skew_checks
 from tests.unit.test_probe import run_probe
 
 pytestmark = pytest.mark.slow
@@ -111,8 +111,8 @@ def test_bad_override_exits_2_naming_the_key():
 
 
 def test_slurm_without_sbatch_falls_back_to_the_local_executor(monkeypatch):
+    from flodl.cli.probe import slurm_checks
     from flodl.config import SlurmConfig
-    from flodl.probe import slurm_checks
 
     monkeypatch.setenv("PATH", "/nonexistent")  # no srun, no sbatch
     checks = {c.name: c for c in slurm_checks(SlurmConfig(executor="auto"))[0]}
@@ -122,8 +122,8 @@ def test_slurm_without_sbatch_falls_back_to_the_local_executor(monkeypatch):
 
 
 def test_devices_are_checked_against_the_host_gpus():
+    from flodl.cli.probe import _devices_check
     from flodl.config import WorkerConfig
-    from flodl.probe import _devices_check
 
     facts = {"gpu_indices": [0, 1]}
     ok = _devices_check(0, WorkerConfig(host="localhost", devices=[0, 1]), facts)

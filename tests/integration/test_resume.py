@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from flodl import ClusterConfig, ElCheConfig, LoggerConfig, Trainer
-from flodl.checkpoint import load_bundle
+from flodl.checkpoint.bundle import load_bundle
 from flodl.config import ConfigError
-from recipes.steps import accuracy, classification_step
+from flodl.recipes.steps import accuracy, classification_step
 
 from .helpers import data, model_factory, optim_factory
 
@@ -110,7 +110,7 @@ def test_bundle_for_another_model_is_refused(tmp_path, first_bundle):
     stem = first_bundle
 
     def wider(device):
-        from recipes.models import MLP
+        from flodl.recipes.models import MLP
 
         return MLP([1, 8, 8], 4, hidden=48).to(device)
 

@@ -11,10 +11,10 @@ import torch
 
 import tests.e2e.faulty  # noqa: F401  (registers fulldisk://)
 from flodl import ClusterConfig, ElCheConfig, LoggerConfig, Trainer, TrainerConfig
-from flodl.runtime.controller import RunFailed
+from flodl.recipes.models import MLP
+from flodl.recipes.steps import classification_step
+from flodl.runtime.controller.controller import RunFailed
 from flodl.trainer import TrainedState
-from recipes.models import MLP
-from recipes.steps import classification_step
 
 from .helpers import CLASSES, SHAPE, data, model_factory, optim_factory
 

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from flodl import ClusterConfig, ElCheConfig, LoggerConfig, Trainer
-from flodl.checkpoint import load_bundle
-from flodl.runtime import shm
-from recipes.models import MLP
-from recipes.steps import classification_step
+from flodl.checkpoint.bundle import load_bundle
+from flodl.recipes.models import MLP
+from flodl.recipes.steps import classification_step
+from flodl.runtime.wire import shm
 
 from .helpers import CLASSES, SHAPE, data, optim_factory, rank_pid
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from flodl import ClusterConfig, ElCheConfig, EpochMetrics, LoggerConfig, Trainer
-from flodl.schedules import RunLength, advance_to
-from recipes.steps import classification_step
+from flodl.recipes.steps import classification_step
+from flodl.step.schedules import RunLength, advance_to
 
 from .helpers import data, model_factory
 
@@ -95,7 +95,7 @@ def _trained(builder) -> tuple[Any, Any]:
 
 @pytest.mark.light
 def test_bf16_mixed_on_cpu_is_within_a_point_of_fp32_and_keeps_fp32_weights(tmp_path):
-    from recipes.steps import accuracy
+    from flodl.recipes.steps import accuracy
 
     results = {}
     for precision in ("32", "bf16-mixed"):
@@ -167,7 +167,7 @@ def test_per_rank_batch_sizes_share_samples_and_the_lr_clock_on_a_2_rank_rig(tmp
     """[64, 16] with equal batch counts, accumulating 2: 0.8 / 0.2 of the samples, coverage
     exact, and a per-step warm-up+cosine ends each epoch on the value its global progress
     implies."""
-    from flodl.schedules import warmup_cosine
+    from flodl.step.schedules import warmup_cosine
 
     seen: list[EpochMetrics] = []
     n = 1280
@@ -224,7 +224,7 @@ def test_cooperative_backward_accumulates_like_the_managed_tier(tmp_path):
 
 
 def fixed_warmup_cosine(optimizer: torch.optim.Optimizer) -> Any:
-    from flodl.schedules import warmup_cosine
+    from flodl.step.schedules import warmup_cosine
 
     return warmup_cosine(optimizer, total_steps=32, warmup_fraction=0.25, floor=0.1)
 

@@ -19,9 +19,9 @@ import sys
 from functools import partial
 import torch
 from flodl import ClusterConfig, ElCheConfig, LoggerConfig, Trainer
-from recipes.datasets import synthetic
-from recipes.models import MLP
-from recipes.steps import accuracy, classification_step
+from flodl.recipes.datasets import synthetic
+from flodl.recipes.models import MLP
+from flodl.recipes.steps import accuracy, classification_step
 
 data = partial(synthetic, n_train=1024, n_test=256, input_shape=[1, 8, 8], num_classes=4)
 """
@@ -118,7 +118,7 @@ def test_cooperative_tier_in_process(tmp_path):
     import torch
 
     from flodl import ClusterConfig, LoggerConfig, Trainer
-    from recipes.steps import accuracy, classification_step
+    from flodl.recipes.steps import accuracy, classification_step
 
     from .helpers import data, model_factory, optim_factory
 

@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flodl.runtime.averaging import FlatState
-from flodl.runtime.links import QueueLink
-from flodl.runtime.messages import Average, Plan, Regroup, Stop
-from flodl.runtime.worker import WindowTally, Worker
+from flodl.runtime.rank.worker import WindowTally, Worker
+from flodl.runtime.sync.averaging import FlatState
+from flodl.runtime.wire.links import QueueLink
+from flodl.runtime.wire.messages import Average, Plan, Regroup, Stop
 
 
 def _rank(outstanding: list[int], inbox: list, pending_micro_batches: int = 0):

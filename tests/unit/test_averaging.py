@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from flodl.runtime.averaging import weighted_mean
+from flodl.runtime.sync.averaging import weighted_mean
 
 
 def test_in_place_mean_equals_the_allocating_one_and_reuses_the_first_snapshot():

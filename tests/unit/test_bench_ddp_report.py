@@ -135,9 +135,9 @@ def test_the_ddp_baseline_evaluates_the_tasks_metric_as_flodl_does() -> None:
 
     from bench.ddp_bench import compose_config
     from bench.ddp_worker import evaluator
-    from flodl.app import build_dataset, build_model
+    from flodl.cli.app import build_dataset, build_model
     from flodl.config import validate_run_config
-    from recipes.steps import val_loss
+    from flodl.recipes.steps import val_loss
 
     for workload in ("logistic", "char_rnn"):  # metrics (accuracy) and a legacy eval_fn
         run_cfg = validate_run_config(

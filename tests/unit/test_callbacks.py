@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from flodl.callbacks import EarlyStopping, Watch, stop_request
 from flodl.config import ConfigError, EarlyStoppingConfig, MonitorConfig
-from flodl.metrics import EpochMetrics
+from flodl.monitor.callbacks import EarlyStopping, Watch, stop_request
+from flodl.monitor.metrics import EpochMetrics
 
 
 def _epoch(epoch: int, loss: float, **evals: float) -> EpochMetrics:

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from flodl.runtime.channel import AuthError, Channel, FrameError, Listener, connect, new_secret
+from flodl.runtime.wire.channel import AuthError, Channel, FrameError, Listener, connect, new_secret
 
 
 def _serve_once(listener: Listener, secret: bytes, out: dict) -> threading.Thread:
@@ -79,7 +79,7 @@ def test_oversized_frame_is_refused_before_allocation():
 
 
 def test_silent_peer_times_out_of_the_handshake(monkeypatch):
-    import flodl.runtime.channel as channel_mod
+    import flodl.runtime.wire.channel as channel_mod
 
     monkeypatch.setattr(channel_mod, "HANDSHAKE_TIMEOUT_S", 0.3)
     a, b = socket.socketpair()
@@ -97,7 +97,7 @@ def _pair(max_frame: int) -> tuple[Channel, Channel]:
 def test_tensors_larger_than_the_frame_bound_stream_through(monkeypatch):
     import torch
 
-    from flodl.runtime import streaming
+    from flodl.runtime.wire import streaming
 
     monkeypatch.setattr(streaming, "CHUNK_BYTES", 4096)
     sender, receiver = _pair(max_frame=8192)
@@ -170,8 +170,8 @@ def test_the_rank_link_keeps_no_received_tensor_while_it_awaits_the_next() -> No
 
     import torch
 
-    from flodl.runtime.links import SocketLink
-    from flodl.runtime.messages import Average
+    from flodl.runtime.wire.links import SocketLink
+    from flodl.runtime.wire.messages import Average
 
     a, b = socket.socketpair()
     controller, rank_end = Channel(a), Channel(b)
@@ -198,9 +198,8 @@ def test_a_rank_link_beats_well_inside_a_short_heartbeat_timeout() -> None:
     import itertools
     import time
 
-    from flodl.runtime.links import SocketLink
-    from flodl.runtime.membership import beat_interval_s
-    from flodl.runtime.messages import Heartbeat
+    from flodl.runtime.wire.links import SocketLink, beat_interval_s
+    from flodl.runtime.wire.messages import Heartbeat
 
     assert beat_interval_s(30.0) == 1.0 and beat_interval_s(0.4) == pytest.approx(0.1)
     a, b = socket.socketpair()
@@ -223,7 +222,7 @@ def test_a_rank_link_beats_well_inside_a_short_heartbeat_timeout() -> None:
 def test_a_control_frame_is_one_system_call_and_a_bulk_frame_is_not_copied() -> None:
     """A plan goes to every rank each window: its header and body leave in one ``sendall``.
     A frame over the join bound is sent from where it lies (no copy of a tensor's bytes)."""
-    from flodl.runtime import channel as channel_mod
+    from flodl.runtime.wire import channel as channel_mod
 
     a, b = socket.socketpair()
     calls: list[int] = []

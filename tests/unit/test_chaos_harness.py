@@ -11,10 +11,10 @@ import time
 
 import psutil
 
+from bench.chaos import matrix
 from flodl import ClusterBuilder, SshConfig
-from flodl.remote import shell_line, ssh_argv
-from flodl.runtime import env as rank_env
-from tests.chaos import matrix
+from flodl.placement.remote import shell_line, ssh_argv
+from flodl.runtime.rank import env as rank_env
 from tests.integration.helpers import is_rank_itself, rank_pid
 
 

@@ -1,4 +1,5 @@
-"""flodl.checkpoint: bundle round trips on local paths and fsspec URLs, atomic saves, refusals."""
+"""flodl.checkpoint.bundle: bundle round trips on local paths and fsspec URLs, atomic saves,
+refusals."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ import numpy as np
 import pytest
 import torch
 
-from flodl import checkpoint as ck
-from flodl.checkpoint import (
+from flodl.checkpoint import store
+from flodl.checkpoint.bundle import (
     SCHEMA_VERSION,
     BundleMeta,
     CheckpointError,
@@ -255,7 +256,7 @@ def test_truncated_pt_falls_back_to_previous_pair(tmp_path, kind, caplog):
     _truncate(stem)
     with pytest.raises(CheckpointError, match=r"newest bundle \(epoch 2\).*\(epoch 1, step"):
         load_bundle(stem)  # falling back is an error unless asked for
-    with caplog.at_level(logging.WARNING, logger="flodl.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="flodl.checkpoint.bundle"):
         payload, meta = load_bundle(stem, fallback=True)
     assert payload["epoch_tag"] == meta.epoch == 1
     assert f"checkpoint {stem}.pt is corrupt or truncated" in caplog.text
@@ -391,14 +392,14 @@ def test_interrupted_save_at_every_step(tmp_path, monkeypatch, kind, step):
         if name == step:
             raise _Crash(name)
 
-    monkeypatch.setattr(ck, "_step_hook", crash)
+    monkeypatch.setattr(store, "_step_hook", crash)
     with pytest.raises(_Crash):
         save_bundle(stem, _payload(2), _meta(2))
     payload, meta = load_bundle(stem)
     # before the new pair is complete the old one stands; from then on the new one is found
     assert meta.epoch == (1 if step == "tmp_pt" else 2)
     assert payload["epoch_tag"] == meta.epoch
-    monkeypatch.setattr(ck, "_step_hook", None)
+    monkeypatch.setattr(store, "_step_hook", None)
     save_bundle(stem, _payload(3), _meta(3))  # the next save clears every leftover
     assert _files(stem) == ["run1.meta.json", "run1.pt"]
     assert load_bundle(stem)[0]["epoch_tag"] == 3
@@ -412,7 +413,7 @@ def test_failed_write_leaves_old_bundle(tmp_path, monkeypatch):
         if name == "tmp_pt":
             raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(ck, "_step_hook", disk_full)
+    monkeypatch.setattr(store, "_step_hook", disk_full)
     with pytest.raises(CheckpointError, match=r"No space left on device.*untouched"):
         save_bundle(stem, _payload(2), _meta(2))
     assert sorted(os.listdir(tmp_path)) == ["run1.meta.json", "run1.pt"]
@@ -426,7 +427,13 @@ def test_failed_write_leaves_old_bundle(tmp_path, monkeypatch):
 _ZYGOTE = r"""
 import os, sys, time
 import torch
-from flodl.checkpoint import SCHEMA_VERSION, BundleMeta, CheckpointError, load_bundle, save_bundle
+from flodl.checkpoint.bundle import (
+        SCHEMA_VERSION,
+        BundleMeta,
+        CheckpointError,
+        load_bundle,
+        save_bundle,
+    )
 
 stem = sys.argv[1]
 

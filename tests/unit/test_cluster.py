@@ -10,9 +10,9 @@ import yaml
 
 from flodl import ClusterBuilder, ClusterConfig, ConfigError, SshConfig, TrainerConfig
 from flodl.config import validate_run_config
-from flodl.remote import shell_line, ssh_argv, worker_env
-from flodl.runtime import env as rank_env
-from flodl.topology import resolve_topology
+from flodl.placement.remote import shell_line, ssh_argv, worker_env
+from flodl.placement.topology import resolve_topology
+from flodl.runtime.rank import env as rank_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -124,7 +124,7 @@ def fake_facts(monkeypatch, per_host):
     def facts(workers):
         return {i: {"gpu_indices": per_host[i]} for i in range(len(workers))}
 
-    monkeypatch.setattr("flodl.remote.host_facts_all", facts)
+    monkeypatch.setattr("flodl.placement.remote.host_facts_all", facts)
 
 
 def test_global_ranks_follow_worker_order_and_all_is_resolved_on_the_host(monkeypatch):
@@ -172,18 +172,18 @@ def test_cpu_workers_pace_like_the_rig_and_mixing_backends_is_refused(monkeypatc
 
 
 def test_all_local_gpus_is_the_auto_promote_topology(monkeypatch):
-    from flodl.sys import GpuInfo
+    from flodl.placement.gpus import GpuInfo
 
     gpus = [
         GpuInfo(0, "A", None, 1000, None, physical_index=2),
         GpuInfo(1, "B", None, 1000, None, physical_index=5),
     ]
-    monkeypatch.setattr("flodl.sys.detect_gpus", lambda: gpus)
+    monkeypatch.setattr("flodl.placement.gpus.detect_gpus", lambda: gpus)
     cluster = ClusterBuilder.all_local_gpus()
     assert cluster.controller.host == "127.0.0.1"
     assert [w.host for w in cluster.workers] == ["localhost"]
     assert cluster.workers[0].devices == [2, 5] and cluster.workers[0].ssh is None
-    monkeypatch.setattr("flodl.sys.detect_gpus", list)
+    monkeypatch.setattr("flodl.placement.gpus.detect_gpus", list)
     with pytest.raises(ConfigError, match="no GPU visible"):
         ClusterBuilder.all_local_gpus()
 
@@ -252,7 +252,7 @@ def test_placed_ranks_refuse_a_second_placement(monkeypatch):
 )
 def test_slurm_controller_placement(where, host, executor, beside_rank0):
     from flodl.config import SlurmConfig
-    from flodl.runtime.slurm import controller_placement
+    from flodl.runtime.cohorts.slurm import controller_placement
 
     slurm = SlurmConfig(controller=where)
     assert controller_placement(slurm, host, executor) is beside_rank0

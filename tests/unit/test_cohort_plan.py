@@ -7,10 +7,10 @@ import socket
 import time
 
 from flodl.config import ElCheConfig, TrainerConfig
-from flodl.runtime.channel import Channel
-from flodl.runtime.controller import Controller
-from flodl.runtime.links import SocketLink
-from flodl.runtime.messages import (
+from flodl.runtime.controller.controller import Controller
+from flodl.runtime.wire.channel import Channel
+from flodl.runtime.wire.links import SocketLink
+from flodl.runtime.wire.messages import (
     CohortPlan,
     Plan,
     PlannedWindow,

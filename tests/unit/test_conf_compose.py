@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from flodl.app import plain_config
+from flodl.cli.app import plain_config
 from flodl.config import Mode, validate_run_config
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
@@ -56,7 +56,7 @@ def test_option_composes_and_validates(group, option):
         assert run.cluster.speeds == [1.0, 0.4] and run.trainer.lr_scale_ratio == 0.0
     if group == "model" and option in {"char_rnn", "gpt_nano"}:
         assert run.task.train_step.endswith("language_model_step")
-        assert run.dataset.target == "recipes.text.shakespeare"
+        assert run.dataset.target == "flodl.recipes.text.shakespeare"
 
 
 def test_ddp_bench_sweeps_the_seven_workloads_and_every_mode():
@@ -77,8 +77,8 @@ def test_default_job_matches_the_readme():
     cfg = _compose([], hydra=True)
     assert cfg.hydra.mode.name == "MULTIRUN"
     run = validate_run_config(plain_config(cfg))
-    assert run.model.target == "recipes.models.MLP"
-    assert run.dataset.target == "recipes.datasets.mnist5k"
+    assert run.model.target == "flodl.recipes.models.MLP"
+    assert run.dataset.target == "flodl.recipes.datasets.mnist5k"
     assert run.elche.mode is Mode.NCCL_CADENCE
     assert run.cluster.kind == "cpu_rig" and run.cluster.speeds == [1.0, 0.5]
 
@@ -94,7 +94,7 @@ def test_plugin_import_is_light():
 
     code = (
         "import sys, hydra_plugins.flodl_launcher.launcher;"
-        "print('torch' in sys.modules, 'flodl.runtime.worker' in sys.modules)"
+        "print('torch' in sys.modules, 'flodl.runtime.rank.worker' in sys.modules)"
     )
     out = subprocess.run(
         [sys.executable, "-c", code],

@@ -148,10 +148,14 @@ def test_presets():
 
 def _run_data(**section):
     data = {
-        "model": {"_target_": "recipes.models.MLP", "input_shape": [1, 8, 8], "num_classes": 10},
+        "model": {
+            "_target_": "flodl.recipes.models.MLP",
+            "input_shape": [1, 8, 8],
+            "num_classes": 10,
+        },
         "optimizer": {"_target_": "torch.optim.Adam", "lr": 0.001},
-        "dataset": {"_target_": "recipes.datasets.digits"},
-        "task": {"train_step": "recipes.steps.classification_step"},
+        "dataset": {"_target_": "flodl.recipes.datasets.digits"},
+        "task": {"train_step": "flodl.recipes.steps.classification_step"},
     }
     for key, value in section.items():
         data[key] = value
@@ -178,7 +182,7 @@ def _run_data(**section):
         (
             {
                 "task": {
-                    "train_step": "recipes.steps.classification_step",
+                    "train_step": "flodl.recipes.steps.classification_step",
                     "eval_loss": "torch.nn.functional.cross_entropy",
                     "eval_metric": "eval_loss",
                 },
@@ -190,7 +194,7 @@ def _run_data(**section):
         (
             {
                 "task": {
-                    "train_step": "recipes.steps.classification_step",
+                    "train_step": "flodl.recipes.steps.classification_step",
                     "metrics": {
                         "acc": {"_target_": "torchmetrics.classification.MulticlassAccuracy"}
                     },
@@ -211,8 +215,9 @@ def test_bad_values_name_key_value_and_rule(section, expected):
 
 
 def test_unimportable_target_is_refused():
-    data = _run_data(model={"_target_": "recipes.nope.Model"})
-    with pytest.raises(ConfigError, match=r"model\._target_.*cannot import module 'recipes.nope'"):
+    data = _run_data(model={"_target_": "flodl.recipes.nope.Model"})
+    refused = r"model\._target_.*cannot import module 'flodl.recipes.nope'"
+    with pytest.raises(ConfigError, match=refused):
         validate_run_config(data)
     data = _run_data(model={"_target_": "flodl.config.Nope"})  # imported already: checked
     with pytest.raises(ConfigError, match=r"model\._target_.*no attribute 'Nope'"):
@@ -226,7 +231,7 @@ def test_validation_imports_no_target():
 
     metric = {"_target_": "torchmetrics.classification.MulticlassAccuracy", "num_classes": 10}
     task = {
-        "train_step": "recipes.steps.classification_step",
+        "train_step": "flodl.recipes.steps.classification_step",
         "eval_loss": "torch.nn.functional.cross_entropy",
         "metrics": {"accuracy": metric},
     }
@@ -234,7 +239,8 @@ def test_validation_imports_no_target():
         "import sys\n"
         "from flodl.config import validate_run_config\n"
         f"validate_run_config({_run_data(task=task)!r})\n"
-        "print(sorted(m for m in ('torch', 'torchmetrics', 'recipes.models') if m in sys.modules))"
+        "names = ('torch', 'torchmetrics', 'flodl.recipes.models')\n"
+        "print(sorted(m for m in names if m in sys.modules))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]

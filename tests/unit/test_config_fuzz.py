@@ -8,14 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flodl.app import check_override_keys
+from flodl.cli.app import check_override_keys
 from flodl.config import ConfigError, validate_run_config
 
 BASE = {
-    "model": {"_target_": "recipes.models.MLP", "input_shape": [1, 8, 8], "num_classes": 10},
+    "model": {"_target_": "flodl.recipes.models.MLP", "input_shape": [1, 8, 8], "num_classes": 10},
     "optimizer": {"_target_": "torch.optim.Adam", "lr": 0.001},
-    "dataset": {"_target_": "recipes.datasets.digits"},
-    "task": {"train_step": "recipes.steps.classification_step"},
+    "dataset": {"_target_": "flodl.recipes.datasets.digits"},
+    "task": {"train_step": "flodl.recipes.steps.classification_step"},
 }
 
 # (section, key, strategy of values that must be refused)
@@ -82,7 +82,7 @@ def test_bad_values_name_the_key(section, key, values, data):
     key=st.text(string.ascii_lowercase + "_", min_size=1, max_size=20),
 )
 def test_unknown_keys_are_refused_on_the_command_line_and_in_the_schema(section, key):
-    from flodl.app import _SECTIONS
+    from flodl.cli.app import _SECTIONS
 
     if key in _SECTIONS[section].model_fields:
         return

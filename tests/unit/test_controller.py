@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from flodl.config import CallbackPolicy, ElCheConfig, TrainerConfig
-from flodl.evaluation import SampleMean
-from flodl.runtime.controller import Controller, RunFailed
-from flodl.runtime.dispatch import chunk_batches
-from flodl.runtime.messages import EvalResult, Final, Plan, Ready, Report, Settled, Stop
+from flodl.runtime.controller.controller import Controller, RunFailed
+from flodl.runtime.controller.dispatch import chunk_batches
+from flodl.runtime.wire.messages import EvalResult, Final, Plan, Ready, Report, Settled, Stop
+from flodl.step.evaluation import SampleMean
 
 
 class FakeLink:
@@ -143,9 +143,9 @@ def test_lookahead_keeps_one_window_queued():
 
 
 def test_graceful_stop_mid_epoch_saves_the_uncovered_rest(tmp_path):
-    from flodl.checkpoint import load_bundle
-    from flodl.runtime.messages import RankState
-    from flodl.runtime.snapshots import Checkpointer
+    from flodl.checkpoint.bundle import load_bundle
+    from flodl.runtime.controller.snapshots import Checkpointer
+    from flodl.runtime.wire.messages import RankState
 
     cfg = TrainerConfig(num_epochs=2, batch_size=10, elche=ElCheConfig(anchor=2))
     stem = str(tmp_path / "ck")

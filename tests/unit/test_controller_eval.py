@@ -8,10 +8,9 @@ import pytest
 import torch
 
 from flodl.config import EarlyStoppingConfig, ElCheConfig, MonitorConfig, TrainerConfig
-from flodl.evaluation import SampleMean, shard_range
-from flodl.runtime.controller import Controller, Hooks
-from flodl.runtime.dispatch import chunk_batches
-from flodl.runtime.messages import (
+from flodl.runtime.controller.controller import Controller, Hooks
+from flodl.runtime.controller.dispatch import chunk_batches
+from flodl.runtime.wire.messages import (
     EvalResult,
     Final,
     Plan,
@@ -23,6 +22,7 @@ from flodl.runtime.messages import (
     Settled,
     Stop,
 )
+from flodl.step.evaluation import SampleMean, shard_range
 
 from .test_controller import FakeLink
 from .test_evaluation import SampleCount
@@ -194,8 +194,8 @@ def test_a_relayed_shard_the_launcher_cannot_write_ends_the_run_with_the_error(
     """Found by review: a save whose relayed shard (a rank streamed it; the launcher writes it)
     failed to write stayed pending for ever, so a run ending naturally never finished (its
     final save at Stop has no deadline). Now the save is discarded and the error is the run's."""
-    from flodl import shards
-    from flodl.runtime.snapshots import Checkpointer
+    from flodl.checkpoint import shards
+    from flodl.runtime.controller.snapshots import Checkpointer
 
     real = shards.write_shard
 
@@ -232,8 +232,8 @@ def test_metrics_fn_may_request_a_stop():
 
 
 def test_save_best_keeps_the_bundle_of_the_best_epoch(tmp_path):
-    from flodl.checkpoint import load_bundle
-    from flodl.runtime.snapshots import Checkpointer
+    from flodl.checkpoint.bundle import load_bundle
+    from flodl.runtime.controller.snapshots import Checkpointer
 
     stem = str(tmp_path / "run")
     ctl, links = make(
@@ -255,8 +255,8 @@ def test_save_best_keeps_the_bundle_of_the_best_epoch(tmp_path):
 
 
 def test_epoch_checkpoints_take_the_weights_from_the_head_once_rank_0_is_lost(tmp_path):
-    from flodl.checkpoint import load_bundle
-    from flodl.runtime.snapshots import Checkpointer
+    from flodl.checkpoint.bundle import load_bundle
+    from flodl.runtime.controller.snapshots import Checkpointer
 
     stem = str(tmp_path / "run")
     ctl, links = make(epochs=3, checkpointer=Checkpointer(stem, 1, "hash", 2), save_path=stem)

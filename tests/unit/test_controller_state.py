@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from flodl import shards
+from flodl.checkpoint import shards
 from flodl.config import ElCheConfig, TrainerConfig
-from flodl.runtime.controller import Controller
-from flodl.runtime.outer import make_outer
-from flodl.runtime.snapshots import Checkpointer
+from flodl.runtime.controller.controller import Controller
+from flodl.runtime.controller.snapshots import Checkpointer
+from flodl.runtime.sync.outer import make_outer
 
 
 def _controller(tmp_path) -> tuple[Controller, Checkpointer]:

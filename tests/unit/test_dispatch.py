@@ -7,7 +7,12 @@ import itertools
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flodl.runtime.dispatch import Coverage, EpochCursor, chunk_batches, proportional_counts
+from flodl.runtime.controller.dispatch import (
+    Coverage,
+    EpochCursor,
+    chunk_batches,
+    proportional_counts,
+)
 
 
 def test_cursor_hands_out_consecutive_chunks():
@@ -70,7 +75,7 @@ def test_proportional_counts_follow_ratios():
 
 
 def test_sharded_cursor_hands_out_whole_shards_in_proportion() -> None:
-    from flodl.streams import shard_boundaries
+    from flodl.data.streams import shard_boundaries
 
     sizes = [40, 25, 30, 50, 15, 40]  # 200 samples in 6 shards
     bounds = shard_boundaries(sizes, seed=1, epoch=2)

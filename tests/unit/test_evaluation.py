@@ -12,7 +12,7 @@ from torch import nn
 from torchmetrics import Metric
 from torchmetrics.classification import MulticlassAccuracy, MulticlassAUROC, MulticlassF1Score
 
-from flodl.evaluation import EVAL_LOSS, EvalSpec, SampleMean, evaluate, merge, shard_range
+from flodl.step.evaluation import EVAL_LOSS, EvalSpec, SampleMean, evaluate, merge, shard_range
 
 
 class SampleCount(Metric):

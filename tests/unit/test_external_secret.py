@@ -9,9 +9,9 @@ import threading
 
 import pytest
 
-from flodl.runtime import env as rank_env
-from flodl.runtime import external
-from flodl.runtime.store import serve_store
+from flodl.runtime.cohorts import external
+from flodl.runtime.rank import env as rank_env
+from flodl.runtime.wire.store import serve_store
 
 pytestmark = pytest.mark.light
 

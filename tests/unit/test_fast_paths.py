@@ -22,7 +22,7 @@ from flodl.elche.speed import (
     speed_counts,
     speed_order,
 )
-from flodl.runtime.dispatch import EpochCursor
+from flodl.runtime.controller.dispatch import EpochCursor
 
 RNG = random.Random(1234)
 CASES = 200  # random cases per test

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from flodl import gpu_check
+from flodl.cli import gpu_check
 
 
 def test_without_cuda_it_says_so_and_exits_0(monkeypatch, capsys):
-    monkeypatch.setattr("flodl.sys.detect_gpus", lambda: [])
+    monkeypatch.setattr("flodl.placement.gpus.detect_gpus", lambda: [])
     assert gpu_check.main([]) == 0
     assert "no CUDA device visible" in capsys.readouterr().out
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flodl.runtime.gradsync import GradSync, plan_buckets
+from flodl.runtime.sync.gradsync import GradSync, plan_buckets
 
 
 def test_buckets_run_last_parameter_first_and_respect_the_size():

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from flodl.runtime import groups
+from flodl.runtime.sync import groups
 
 
 class FakeWork:

@@ -1,4 +1,5 @@
-"""What flodl/runtime/groups.py rests on in torch's gloo backend, checked on a real in-process pair.
+"""What flodl/runtime/sync/groups.py rests on in torch's gloo backend, checked on a real in-process
+pair.
 
 These fail loudly when a torch upgrade changes it: the day gloo can abort an operation in
 flight, groups.abort should end gloo operations too instead of leaving them behind; the day
@@ -85,7 +86,7 @@ def test_a_kept_object_outlives_its_other_references_and_the_exit_skips_its_dest
     """The process exits at once although the kept object's destructor would take 30 s."""
     code = (
         "import time\n"
-        "from flodl.runtime import groups\n"
+        "from flodl.runtime.sync import groups\n"
         "class Slow:\n"
         "    def __del__(self):\n"
         "        print('destructor ran', flush=True); time.sleep(30)\n"

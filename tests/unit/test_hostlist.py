@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flodl.runtime.hostlist import expand, root_node
+from flodl.placement.hostlist import expand, root_node
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "flodl"
 
 # The one module allowed to read rank identity from the environment.
-ENV_READER = "flodl.runtime.env"
+ENV_READER = "flodl.runtime.rank.env"
 
 # Rank identity: who this process is and where its peers are. Anything a placing launcher
 # (torchrun, srun, submitit) or our own launcher sets to say so.
@@ -33,17 +33,12 @@ RANK_ENV_EXACT = frozenset(
     }
 )
 RANK_ENV_PREFIXES = ("TORCHELASTIC_", "SLURM_", "FLODL_")
-# FLODL_* variables that are no rank identity: a user's debugging switches.
-NOT_RANK_ENV = frozenset({"FLODL_FULL_ERROR", "FLODL_FORK_SERVER"})
+# FLODL_* variables that are no rank identity: a user's debugging switches and data directory.
+NOT_RANK_ENV = frozenset({"FLODL_FULL_ERROR", "FLODL_FORK_SERVER", "FLODL_DATA_DIR"})
 
 
 # Import edges tolerated for now, each with the reason. A cycle through any other edge fails.
-KNOWN_CYCLE_EDGES: dict[tuple[str, str], str] = {
-    ("flodl.checkpoint", "flodl.shards"): (
-        "the bundle loader assembles schema-2 bundles from shards, which build on the bundle "
-        "store; left to the checkpoint work in flight (split the store out of checkpoint.py)"
-    ),
-}
+KNOWN_CYCLE_EDGES: dict[tuple[str, str], str] = {}
 
 
 def module_name(path: Path) -> str:
@@ -224,3 +219,70 @@ def test_rank_env_is_read_in_one_module() -> None:
         f"rank environment read outside {ENV_READER} (take the typed identity it reads "
         f"instead): {offenders}"
     )
+
+
+# Which folders may not import which: a rank, its sync and the wire never reach up into the
+# launcher's side (cohorts, controller); the wire is the bottom of the runtime; ElChe is pure
+# (its config aside); recipes are plain models and steps that know nothing of the runtime.
+FOLDER_RULES: dict[str, tuple[str, ...]] = {
+    "flodl.runtime.rank": ("flodl.runtime.cohorts", "flodl.runtime.controller"),
+    "flodl.runtime.sync": (
+        "flodl.runtime.cohorts",
+        "flodl.runtime.controller",
+        "flodl.runtime.rank",
+    ),
+    "flodl.runtime.wire": (
+        "flodl.runtime.cohorts",
+        "flodl.runtime.controller",
+        "flodl.runtime.rank",
+        "flodl.runtime.sync",
+    ),
+    "flodl.recipes": ("flodl.runtime", "flodl.cli", "flodl.job", "flodl.trainer"),
+}
+# ElChe may import only itself and its config.
+ELCHE_MAY_IMPORT = ("flodl.elche", "flodl.config")
+MAX_MODULES_PER_FOLDER = 15
+
+
+def _inside(module: str, folder: str) -> bool:
+    return module == folder or module.startswith(folder + ".")
+
+
+def folder_violations(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for source, targets in sorted(graph.items()):
+        for folder, banned in FOLDER_RULES.items():
+            if not _inside(source, folder):
+                continue
+            bad += [f"{source} -> {t}" for t in sorted(targets) for b in banned if _inside(t, b)]
+        if _inside(source, "flodl.elche"):
+            others = [t for t in targets if not any(_inside(t, ok) for ok in ELCHE_MAY_IMPORT)]
+            bad += [f"{source} -> {t}" for t in sorted(others)]
+    return bad
+
+
+def test_folder_rules_catch_an_upward_import() -> None:
+    graph = {
+        "flodl.runtime.wire.channel": {"flodl.runtime.controller.sums"},
+        "flodl.runtime.rank.worker": {"flodl.runtime.sync.averaging"},
+        "flodl.elche.cadence": {"flodl.config", "flodl.runtime.sync.groups"},
+    }
+    assert folder_violations(graph) == [
+        "flodl.elche.cadence -> flodl.runtime.sync.groups",
+        "flodl.runtime.wire.channel -> flodl.runtime.controller.sums",
+    ]
+
+
+def test_folders_import_only_downwards() -> None:
+    bad = folder_violations(import_graph())
+    assert not bad, "imports against the folder rules:\n" + "\n".join(bad)
+
+
+def test_no_folder_holds_more_than_fifteen_modules() -> None:
+    folders: dict[str, int] = {}
+    for path in PACKAGE.rglob("*.py"):
+        if path.name not in ("__init__.py", "__main__.py"):
+            key = str(path.parent.relative_to(ROOT))
+            folders[key] = folders.get(key, 0) + 1
+    crowded = {k: n for k, n in folders.items() if n > MAX_MODULES_PER_FOLDER}
+    assert not crowded, f"folders over {MAX_MODULES_PER_FOLDER} modules: {crowded}"

@@ -7,9 +7,9 @@ import logging
 import time
 
 from flodl.config import ClusterConfig, TrainerConfig
-from flodl.runtime.controller import Controller
-from flodl.runtime.membership import Membership
-from flodl.runtime.messages import Heartbeat, Ready
+from flodl.runtime.controller.controller import Controller
+from flodl.runtime.controller.membership import Membership
+from flodl.runtime.wire.messages import Heartbeat, Ready
 
 
 class FakeLink:
@@ -78,6 +78,6 @@ def test_a_silent_rank_is_still_dropped():
 def test_a_slow_handler_is_warned_about(caplog, monkeypatch):
     ctl, _ = _formed(timeout_s=0.2)
     monkeypatch.setattr(ctl, "_handle", lambda rank, msg: time.sleep(0.15))
-    with caplog.at_level(logging.WARNING, logger="flodl.runtime.controller"):
+    with caplog.at_level(logging.WARNING, logger="flodl.runtime.controller.controller"):
         ctl._handle_timed(0, Heartbeat(0))
     assert any("busy" in r.getMessage() and "Heartbeat" in r.getMessage() for r in caplog.records)

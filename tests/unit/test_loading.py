@@ -9,9 +9,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, TensorDataset
 
 from flodl.config import ConfigError, LoaderConfig, LoaderOverride, TrainerConfig
-from flodl.data import BatchSource, epoch_permutation
-from flodl.loading import READY, InlinePath, PlannedLoader, adopt, data_path
-from flodl.residency import place
+from flodl.data.loader import READY, InlinePath, PlannedLoader, adopt, data_path
+from flodl.data.residency import place
+from flodl.data.source import BatchSource, epoch_permutation
 
 
 class Indexed(Dataset):
@@ -175,7 +175,7 @@ def test_explicit_resident_materializes_a_dict_dataset_once() -> None:
 
 
 def test_resident_over_budget_names_the_knob(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("flodl.residency.free_bytes", lambda device: 100)
+    monkeypatch.setattr("flodl.data.residency.free_bytes", lambda device: 100)
     source = BatchSource(Indexed(10), 4, 0, torch.device("cpu"))
     with pytest.raises(ValueError, match=r"loader\.placement=resident.*resident_fraction"):
         place(source, LoaderConfig(placement="resident"))
@@ -210,8 +210,8 @@ def test_refusals_name_the_fix() -> None:
 
 
 def test_per_rank_overrides_and_their_count() -> None:
+    from flodl.placement.topology import resolve_topology
     from flodl.preflight import rank_loaders
-    from flodl.topology import resolve_topology
 
     cfg = TrainerConfig(
         cluster={"kind": "cpu_rig", "ranks": 2},
@@ -251,7 +251,7 @@ def _decode(sample: dict) -> dict:
 
 
 def test_tar_shards_load_every_sample_once_grouped_by_shard(tmp_path) -> None:
-    from flodl.streams import ShardStream
+    from flodl.data.streams import ShardStream
 
     stream = ShardStream(_write_shards(tmp_path, [5, 7, 4]), decode=_decode)
     assert len(stream) == 16 and stream[6]["i"].item() == 6 and stream[6]["y"].item() == 0
@@ -274,7 +274,7 @@ def test_shards_through_fsspec_urls(tmp_path) -> None:
     pytest.importorskip("fsspec")
     import fsspec
 
-    from flodl.streams import ShardStream
+    from flodl.data.streams import ShardStream
 
     (local,) = _write_shards(tmp_path, [3])
     url = "memory://flodl-test/shard-000.tar"
@@ -287,8 +287,8 @@ def test_shards_through_fsspec_urls(tmp_path) -> None:
 
 
 def test_a_host_workers_loader_overrides_its_ranks() -> None:
+    from flodl.placement.topology import resolve_topology
     from flodl.preflight import rank_loaders
-    from flodl.topology import resolve_topology
 
     workers = [
         {"host": "localhost", "devices": "cpu", "ranks": 2, "loader": {"placement": "resident"}},

@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from flodl.metrics import EpochMetrics
 from flodl.monitor.console import Progress, format_epoch_line
+from flodl.monitor.metrics import EpochMetrics
 
 
 class FakeTty(io.StringIO):

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from flodl.metrics import EpochMetrics
 from flodl.monitor import dashboard
 from flodl.monitor.dashboard import Dashboard, port_in_use
+from flodl.monitor.metrics import EpochMetrics
 from flodl.monitor.tensorboard import RunLogger
 
 pytestmark = pytest.mark.slow

@@ -8,8 +8,8 @@ import math
 import pytest
 
 from flodl.config import LoggerConfig, MlflowConfig, WandbConfig
-from flodl.metrics import EpochMetrics
 from flodl.monitor.loggers import Loggers, epoch_scalars
+from flodl.monitor.metrics import EpochMetrics
 from tests.loggers_readback import csv_last, mlflow_last, wandb_history, wandb_last
 
 HAVE_WANDB = importlib.util.find_spec("wandb") is not None
@@ -98,8 +98,8 @@ def test_a_missing_optional_logger_names_the_package(tmp_path, monkeypatch) -> N
 
 
 def test_launch_banner_names_each_device_and_says_when_they_differ() -> None:
-    from flodl.sys import GpuInfo
-    from flodl.topology import describe_gpus, describe_rig
+    from flodl.placement.gpus import GpuInfo
+    from flodl.placement.topology import describe_gpus, describe_rig
 
     gpus = [
         GpuInfo(0, "RTX 5060 Ti", None, 16384, "12.0"),

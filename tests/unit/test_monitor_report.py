@@ -9,7 +9,7 @@ from typing import Any
 import matplotlib.image
 import pytest
 
-from flodl.metrics import RunSummary
+from flodl.monitor.metrics import RunSummary
 from flodl.monitor.report import differing_overrides, format_table, report_data, write_ab_report
 
 COMMON = ["model=mlp", "trainer.num_epochs=3"]

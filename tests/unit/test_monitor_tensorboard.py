@@ -8,7 +8,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 
-from flodl.metrics import EpochMetrics, SyncEvent
+from flodl.monitor.metrics import EpochMetrics, SyncEvent
 from flodl.monitor.tensorboard import RunLogger
 
 

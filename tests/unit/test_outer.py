@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from flodl.runtime.outer import NesterovOuter
+from flodl.runtime.sync.outer import NesterovOuter
 
 
 def _reference(rounds: list[torch.Tensor], n: int, lr: float, mu: float) -> list[torch.Tensor]:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flodl.precision import StepRunner
-from flodl.runtime.messages import RankState
-from flodl.runtime.snapshots import Checkpointer, ResumePoint
-from flodl.shards import load_shard
+from flodl.checkpoint.shards import load_shard
+from flodl.runtime.controller.snapshots import Checkpointer, ResumePoint
+from flodl.runtime.wire.messages import RankState
+from flodl.step.precision import StepRunner
 
 CPU = torch.device("cpu")
 

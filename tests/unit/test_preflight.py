@@ -12,13 +12,13 @@ import pytest
 from flodl import preflight
 from flodl.config import ConfigError, TrainerConfig, validate_run_config
 from flodl.preflight import targets
-from flodl.runtime import warm
+from flodl.runtime.cohorts import fork_server
 
 BASE = {
-    "model": {"_target_": "recipes.models.MLP", "input_shape": [1, 8, 8], "num_classes": 10},
+    "model": {"_target_": "flodl.recipes.models.MLP", "input_shape": [1, 8, 8], "num_classes": 10},
     "optimizer": {"_target_": "torch.optim.Adam", "lr": 1e-3},
-    "dataset": {"_target_": "recipes.datasets.digits"},
-    "task": {"train_step": "recipes.steps.classification_step"},
+    "dataset": {"_target_": "flodl.recipes.datasets.digits"},
+    "task": {"train_step": "flodl.recipes.steps.classification_step"},
 }
 
 
@@ -42,8 +42,11 @@ def test_a_good_config_passes_and_yields_the_architecture_signature():
     ("sections", "expected"),
     [
         ({"optimizer": {"lr": "abc"}}, "optimizer.lr=abc: torch.optim.Adam expects float"),
-        ({"model": {"hiden": 3}}, "model.hiden: unknown argument of recipes.models.MLP (did you "),
-        ({"model": {"hidden": "wide"}}, "model.hidden=wide: recipes.models.MLP expects int"),
+        (
+            {"model": {"hiden": 3}},
+            "model.hiden: unknown argument of flodl.recipes.models.MLP (did you ",
+        ),
+        ({"model": {"hidden": "wide"}}, "model.hidden=wide: flodl.recipes.models.MLP expects int"),
         ({"model": {"hidden": -1}}, "ValueError: MLP: hidden=-1: must be >= 1"),
         ({"optimizer": {"betas": [0.9, 2.0]}}, "Invalid beta parameter at index 1: 2.0"),
         ({"dataset": {"test_sise": 3}}, "dataset.test_sise: unknown argument"),
@@ -97,10 +100,14 @@ class CudaModel(__import__("torch").nn.Linear):
 @pytest.mark.parametrize(
     ("section", "expected"),
     [
-        ({"model": {"_target_": "recipes.models.Nope"}}, "model._target_=recipes.models.Nope: "),
         (
-            {"task": {"train_step": "recipes.steps.nope_step"}},
-            "task.train_step=recipes.steps.nope_step: module 'recipes.steps' has no attribute",
+            {"model": {"_target_": "flodl.recipes.models.Nope"}},
+            "model._target_=flodl.recipes.models.Nope: ",
+        ),
+        (
+            {"task": {"train_step": "flodl.recipes.steps.nope_step"}},
+            "task.train_step=flodl.recipes.steps.nope_step: module 'flodl.recipes.steps' "
+            "has no attribute",
         ),
         (
             {
@@ -165,17 +172,17 @@ def test_schema_refuses_empty_stems_and_a_port_without_room_for_the_store(data, 
 
 
 def test_objective_follows_task_settings():
-    from flodl.app import objective, objective_maximized
+    from flodl.cli.app import objective, objective_maximized
     from flodl.config import TaskConfig
 
     row = {"status": "ok", "eval_value": 0.9, "final_loss": 0.3, "metrics": {"f1": 0.7}}
-    step = "recipes.steps.classification_step"
-    with_eval = TaskConfig(train_step=step, eval_fn="recipes.steps.accuracy")
+    step = "flodl.recipes.steps.classification_step"
+    with_eval = TaskConfig(train_step=step, eval_fn="flodl.recipes.steps.accuracy")
     assert objective(row, with_eval) == 0.9 and objective_maximized(with_eval)
     no_eval = {**row, "eval_value": None}
     assert objective(no_eval, TaskConfig(train_step=step)) == 0.3
     assert not objective_maximized(TaskConfig(train_step=step))
-    loss = TaskConfig(train_step=step, eval_fn="recipes.steps.accuracy", objective="loss")
+    loss = TaskConfig(train_step=step, eval_fn="flodl.recipes.steps.accuracy", objective="loss")
     assert objective(row, loss) == 0.3 and not objective_maximized(loss)
     nested = TaskConfig(train_step=step, objective="metrics.f1", objective_direction="maximize")
     assert objective(row, nested) == 0.7 and objective_maximized(nested)
@@ -186,11 +193,11 @@ def test_objective_follows_task_settings():
 def test_a_sweeper_direction_against_the_objective_is_warned(caplog):
     from omegaconf import OmegaConf
 
+    from flodl.cli.sweep import _check_direction
     from flodl.config import TaskConfig
-    from flodl.sweep import _check_direction
 
     task = TaskConfig(
-        train_step="recipes.steps.classification_step", eval_fn="recipes.steps.accuracy"
+        train_step="flodl.recipes.steps.classification_step", eval_fn="flodl.recipes.steps.accuracy"
     )
     for sweeper, warned in [
         ({"direction": "minimize"}, True),
@@ -214,8 +221,8 @@ def test_the_dry_build_stays_cheap_no_dynamo_import():
         f"preflight.check_factories(validate_run_config({BASE!r}))\n"
         "assert 'torch._dynamo' not in sys.modules, 'dry build imported torch._dynamo'\n"
         "from flodl.config import TrainerConfig\n"
-        "from flodl.runtime.spec import JobSpec\n"
-        "from flodl.topology import resolve_topology\n"
+        "from flodl.runtime.rank.spec import JobSpec\n"
+        "from flodl.placement.topology import resolve_topology\n"
         "spec = JobSpec(TrainerConfig(), lambda d: torch.nn.Linear(2, 2),\n"
         "    lambda p: torch.optim.Adam(p, lr=0.1), None, None,\n"
         "    scheduler_factory=lambda o: torch.optim.lr_scheduler.StepLR(o, 1))\n"
@@ -238,8 +245,8 @@ def test_failed_jobs_are_counted_from_summaries_under_any_launcher(tmp_path, mon
 
     from omegaconf import OmegaConf
 
-    from flodl import app
-    from flodl.sweep import FailedJobs
+    from flodl.cli import app
+    from flodl.cli.sweep import FailedJobs
 
     old = tmp_path / "0" / "summary.json"
     old.parent.mkdir()
@@ -285,8 +292,8 @@ def _python_api_run(tmp_path, model_factory, optim_factory=None, **extra):
     import torch
 
     from flodl import ClusterConfig, LoggerConfig, Trainer
-    from recipes.datasets import synthetic
-    from recipes.steps import classification_step
+    from flodl.recipes.datasets import synthetic
+    from flodl.recipes.steps import classification_step
 
     data = partial(synthetic, "train", n_train=64, n_test=16, input_shape=[1, 8, 8])
     builder = (
@@ -312,7 +319,7 @@ def test_python_api_closures_are_dry_built_before_any_rank(tmp_path):
     import psutil
     import torch
 
-    from recipes.models import MLP
+    from flodl.recipes.models import MLP
 
     def good_model(device):
         return MLP([1, 8, 8], 10, hidden=16).to(device)
@@ -348,22 +355,24 @@ def test_python_api_closures_are_dry_built_before_any_rank(tmp_path):
         assert expected in str(info.value), str(info.value)
         assert not list(tmp_path.glob("**/rank_*.log"))
         assert not [
-            p for p in psutil.Process().children(recursive=True) if p.pid != warm.server_pid()
+            p
+            for p in psutil.Process().children(recursive=True)
+            if p.pid != fork_server.server_pid()
         ]
 
 
 def test_python_api_signature_guards_resume():
     """The closures' dry build yields the architecture signature a resume bundle must match."""
     from flodl.preflight import launch
-    from flodl.runtime.spec import JobSpec
+    from flodl.runtime.rank.spec import JobSpec
 
     def model(device):
-        from recipes.models import MLP
+        from flodl.recipes.models import MLP
 
         return MLP([1, 8, 8], 10, hidden=16).to(device)
 
     def wider(device):
-        from recipes.models import MLP
+        from flodl.recipes.models import MLP
 
         return MLP([1, 8, 8], 10, hidden=24).to(device)
 
@@ -388,7 +397,7 @@ def test_a_metric_named_in_its_source_is_checked_without_importing_its_package(t
     """torchmetrics (~1.3 s with scipy) is not on the launcher's path to the first step: the
     metric's module source binds the name, so it is imported by a background thread instead."""
     task = {
-        "train_step": "recipes.steps.classification_step",
+        "train_step": "flodl.recipes.steps.classification_step",
         "metrics": {
             "acc": {"_target_": "torchmetrics.classification.MulticlassAccuracy", "num_classes": 4}
         },

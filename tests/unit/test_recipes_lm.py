@@ -11,12 +11,12 @@ import torch
 from hydra import compose, initialize_config_dir
 from torch import nn
 
-from flodl.app import build_dataset, build_model, build_optimizer, build_scheduler, plain_config
+from flodl.cli.app import build_dataset, build_model, build_optimizer, build_scheduler, plain_config
 from flodl.config import validate_run_config
+from flodl.recipes import text
+from flodl.recipes.lm import CharRNN, GPTNano
+from flodl.recipes.steps import bits_per_char, language_model_step, val_loss
 from flodl.trainer import TrainedState
-from recipes import text
-from recipes.lm import CharRNN, GPTNano
-from recipes.steps import bits_per_char, language_model_step, val_loss
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 VOCAB = text.TINY_SHAKESPEARE_VOCAB
@@ -236,7 +236,7 @@ def _run_config(overrides: list[str]):
 
 def test_model_char_rnn_selects_its_dataset_task_and_rmsprop() -> None:
     run = _run_config(["model=char_rnn", "dataset.block_size=16", "dataset.max_chars=20000"])
-    assert run.task.train_step == "recipes.steps.language_model_step"
+    assert run.task.train_step == "flodl.recipes.steps.language_model_step"
     assert run.task.eval_metric == "val_loss" and run.task.eval_higher_is_better is False
     model = build_model(run.model, "cpu")
     assert isinstance(model, CharRNN) and model.embed.num_embeddings == 65 and model.vocab == VOCAB
@@ -265,4 +265,4 @@ def test_model_gpt_nano_follows_block_size_and_uses_adam_3e_4() -> None:
     assert lrs[60] == pytest.approx((3e-4 + 1e-5) / 2, rel=1e-3)
     assert lrs[100] == pytest.approx(1e-5, rel=1e-6)
     flat = _run_config(["model=gpt_nano", "~scheduler"])
-    assert flat.scheduler is None and flat.model.target == "recipes.lm.GPTNano"
+    assert flat.scheduler is None and flat.model.target == "flodl.recipes.lm.GPTNano"

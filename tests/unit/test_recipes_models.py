@@ -1,4 +1,4 @@
-"""recipes.models and the model/optimizer config groups: shapes, sizes, gradients, configs."""
+"""flodl.recipes.models and the model/optimizer config groups: shapes, sizes, gradients, configs."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from recipes import models
-from recipes.datasets import mnist5k
+from flodl.recipes import models
+from flodl.recipes.datasets import mnist5k
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 MNIST_SHAPE = (1, 28, 28)
@@ -164,9 +164,9 @@ def _compose(tmp_path: Path, overrides: list[str]):
 def test_conv_ae_switches_the_task_to_reconstruction(tmp_path: Path) -> None:
     assert _compose(tmp_path / "a", [])["task"]["eval_metric"] == "accuracy"
     cfg = _compose(tmp_path / "b", ["model=conv_ae"])
-    assert cfg.task.train_step == "recipes.steps.reconstruction_step"
+    assert cfg.task.train_step == "flodl.recipes.steps.reconstruction_step"
     assert cfg.task.eval_higher_is_better is False
-    assert cfg.model._target_ == "recipes.models.ConvAE"
+    assert cfg.model._target_ == "flodl.recipes.models.ConvAE"
     assert list(cfg.model.input_shape) == [1, 28, 28]
     # an explicit command-line choice still wins over the model's default task
     cfg = _compose(tmp_path / "c", ["model=conv_ae", "task=classification"])

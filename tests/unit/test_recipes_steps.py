@@ -1,4 +1,4 @@
-"""recipes.steps and the task config group: losses, recorded scalars, eval functions."""
+"""flodl.recipes.steps and the task config group: losses, recorded scalars, eval functions."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch import nn
 
-from flodl.metrics import drain_scalars
-from recipes import steps
-from recipes.datasets import mnist5k
-from recipes.models import ConvAE
+from flodl.monitor.metrics import drain_scalars
+from flodl.recipes import steps
+from flodl.recipes.datasets import mnist5k
+from flodl.recipes.models import ConvAE
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import logging
 
-from flodl.runtime.control_plane import RejectLog
+from flodl.runtime.cohorts.control_server import RejectLog
 
 
 def test_a_storm_from_one_address_logs_once_per_interval(caplog):
     log = RejectLog(every_s=60.0)
-    with caplog.at_level(logging.WARNING, logger="flodl.runtime.control_plane"):
+    with caplog.at_level(logging.WARNING, logger="flodl.runtime.cohorts.control_server"):
         logged = [log.rejected("10.0.0.9", "bad hmac", now=100.0 + i * 0.01) for i in range(500)]
         logged.append(log.rejected("10.0.0.9", "bad hmac", now=161.0))
     assert logged.count(True) == 2 and logged[0] and logged[-1]

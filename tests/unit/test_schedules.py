@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from flodl import schedules
-from flodl.runtime.messages import Plan
+from flodl.runtime.wire.messages import Plan
+from flodl.step import schedules
 
 from .test_controller import drive, make
 
@@ -150,8 +150,8 @@ def test_per_rank_batch_sizes_plan_samples_and_weight_the_average_by_them():
     """Ranks of batch 64 and 16 at equal speed: equal batch counts, sample shares 0.8 / 0.2, and
     the controller's average (cpu_cadence) is 0.8 a + 0.2 b, checked by hand."""
     from flodl.config import ElCheConfig, TrainerConfig
-    from flodl.runtime.controller import Controller
-    from flodl.runtime.messages import Average, Ready, Report
+    from flodl.runtime.controller.controller import Controller
+    from flodl.runtime.wire.messages import Average, Ready, Report
 
     from .test_controller import FakeLink
 
@@ -181,7 +181,7 @@ def test_per_rank_batch_sizes_plan_samples_and_weight_the_average_by_them():
 
 
 def test_clamp_to_samples_fits_a_window_of_unequal_sizes_into_the_epoch():
-    from flodl.runtime.dispatch import EpochCursor, clamp_to_samples
+    from flodl.runtime.controller.dispatch import EpochCursor, clamp_to_samples
 
     assert clamp_to_samples([10, 10], [64, 16], 10_000) == [10, 10]
     counts = clamp_to_samples([10, 10], [64, 16], 400)  # 800 asked, 400 left
@@ -193,8 +193,8 @@ def test_clamp_to_samples_fits_a_window_of_unequal_sizes_into_the_epoch():
 
 def _drive_sized(ctl, links, sizes, ms_per_sample):
     """Fake ranks that take ``ms_per_sample[r]`` per sample of their own batch size."""
-    from flodl.runtime.dispatch import chunk_batches
-    from flodl.runtime.messages import Final, Report, Settled, Stop
+    from flodl.runtime.controller.dispatch import chunk_batches
+    from flodl.runtime.wire.messages import Final, Report, Settled, Stop
 
     done, stopped = [0, 0], [False, False]
     while not all(stopped):
@@ -225,8 +225,8 @@ def test_cadence_shares_follow_samples_per_second_with_unequal_batch_sizes(ms_pe
     which equalise time per window, split the samples evenly; at equal ms per *batch* (the small
     rank 4x slower per sample) they split 0.8 / 0.2: shares follow samples/s either way."""
     from flodl.config import ElCheConfig, TrainerConfig
-    from flodl.runtime.controller import Controller
-    from flodl.runtime.messages import Ready
+    from flodl.runtime.controller.controller import Controller
+    from flodl.runtime.wire.messages import Ready
 
     from .test_controller import FakeLink
 

@@ -9,11 +9,11 @@ import fsspec
 import pytest
 import torch
 
-from flodl import shards
-from flodl.checkpoint import BundleMeta, CheckpointError, load_bundle
+from flodl.checkpoint import shards
+from flodl.checkpoint.bundle import BundleMeta, CheckpointError, load_bundle
 from flodl.config import ElCheConfig, TrainerConfig
-from flodl.runtime.messages import RankState
-from flodl.runtime.snapshots import Checkpointer, ResumePoint
+from flodl.runtime.controller.snapshots import Checkpointer, ResumePoint
+from flodl.runtime.wire.messages import RankState
 
 
 @pytest.fixture(params=["path", "memory"])
@@ -171,7 +171,7 @@ def test_resume_maps_saved_ranks_onto_any_world_and_restores_the_outer_state(tmp
     restore = point.restore_for(1)
     assert isinstance(restore.state, str) and restore.state.endswith(".rank2.pt")
     assert shards.load_shard(restore.state)["optimizer"] == {"r": 2}
-    from flodl.runtime.controller import Controller
+    from flodl.runtime.controller.controller import Controller
 
     cfg = TrainerConfig(elche=ElCheConfig(mode="cpu_cadence", outer="nesterov"))
     ctl = Controller(cfg, 2, [1.0, 1.0], has_eval=False, resume=point)

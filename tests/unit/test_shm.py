@@ -14,8 +14,8 @@ import time
 import pytest
 import torch
 
-from flodl.runtime import shm
-from flodl.runtime.channel import Channel, FrameError, new_secret
+from flodl.runtime.wire import shm
+from flodl.runtime.wire.channel import Channel, FrameError, new_secret
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="no writable /dev/shm")
 
@@ -157,7 +157,7 @@ def test_a_file_is_reused_only_once_the_receiver_dropped_its_message():
 def test_a_consumed_tensor_is_handed_on_in_pieces_and_freed_at_once():
     """The launcher's route (a cpu_* snapshot summed as it arrives): pieces within the lock
     grid, every byte once, and the rank's file free again as soon as the reader is done."""
-    from flodl.runtime.channel import PIECE_BYTES
+    from flodl.runtime.wire.channel import PIECE_BYTES
 
     server, client = _pair()
     snapshot = torch.randn((PIECE_BYTES * 2 + 1000) // 4)
@@ -243,7 +243,7 @@ def test_a_failed_write_turns_shared_memory_off_and_the_message_still_arrives(mo
     monkeypatch.setattr(shm.os, "pwrite", full)
     try:
         thread, out = _recv_in_thread(server)
-        with caplog.at_level(logging.WARNING, logger="flodl.runtime.shm"):
+        with caplog.at_level(logging.WARNING, logger="flodl.runtime.wire.shm"):
             client.send({"w": torch.arange(1_000_000, dtype=torch.float32)})
         thread.join(10)
         assert torch.equal(out["msg"]["w"], torch.arange(1_000_000, dtype=torch.float32))
@@ -257,7 +257,7 @@ def test_a_failed_write_turns_shared_memory_off_and_the_message_still_arrives(mo
 def test_a_region_outside_the_peer_file_is_refused_before_it_is_mapped():
     import pickle
 
-    from flodl.runtime import streaming
+    from flodl.runtime.wire import streaming
 
     server, client = _pair()
     try:

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from flodl.runtime import planning
+from flodl.runtime.controller import planning
 from flodl.sim import RingAllReduce, Simulator, make_scenario
 from flodl.sim.costs import Workload, ideal_ms, lockstep_ms
 

@@ -18,7 +18,7 @@ import numpy
 import psutil
 import pytest
 
-from flodl.runtime import warm
+from flodl.runtime.cohorts import fork_server
 
 pytestmark = pytest.mark.light  # no rank is started
 
@@ -37,7 +37,8 @@ LAUNCHER_ONLY = (
 def test_a_rank_process_imports_no_launcher_only_module() -> None:
     code = (
         "import json, sys\n"
-        "import flodl.runtime.rank, flodl.runtime.worker, flodl.runtime.warm\n"
+        "import flodl.runtime.rank.process, flodl.runtime.rank.worker\n"
+        "import flodl.runtime.cohorts.fork_server\n"
         f"print(json.dumps(sorted(m for m in {LAUNCHER_ONLY!r} if m in sys.modules)))\n"
     )
     out = subprocess.run(
@@ -79,16 +80,16 @@ def _env() -> dict[str, str]:
 
 @pytest.fixture
 def server():
-    warm.close()
+    fork_server.close()
     yield
-    warm.close()
+    fork_server.close()
 
 
 def test_a_fork_gets_its_environment_directory_secret_and_session(server, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("FLODL_PROBE_NOT_PASSED", "1")  # in this process, not in the fork's env
-    child = warm.take(_env(), b"\x01\xfe", target="tests.unit.test_startup:_probe")
-    sibling = warm.take(_env(), b"\x00", target="tests.unit.test_startup:_probe")
+    child = fork_server.take(_env(), b"\x01\xfe", target="tests.unit.test_startup:_probe")
+    sibling = fork_server.take(_env(), b"\x00", target="tests.unit.test_startup:_probe")
     assert child is not None and child.stdin is None and sibling is not None
     assert child.wait(timeout=60) == 7 and child.poll() == 7
     out = child.stdout.read().decode().splitlines()
@@ -103,14 +104,14 @@ def test_a_fork_gets_its_environment_directory_secret_and_session(server, tmp_pa
         "inherited": False,
         "secret": "01fe",  # hex on stdin, as a cold child reads it (env.read_secret)
         "own_session": True,  # the cohort's killpg reaches what it starts
-        "parent": warm.server_pid(),
+        "parent": fork_server.server_pid(),
     }
     assert out[1] == "to stderr"  # stdout and stderr are one pipe, as for a cold child
 
 
 def test_a_killed_fork_reports_the_signal_and_a_closed_server_takes_its_forks(server):
-    first = warm.take(_env(), b"\x00", target="tests.unit.test_startup:_sleep")
-    second = warm.take(_env(), b"\x00", target="tests.unit.test_startup:_sleep")
+    first = fork_server.take(_env(), b"\x00", target="tests.unit.test_startup:_sleep")
+    second = fork_server.take(_env(), b"\x00", target="tests.unit.test_startup:_sleep")
     assert first is not None and second is not None
     assert first.stdout.readline() == b"sleeping\n" and second.stdout.readline() == b"sleeping\n"
     with pytest.raises(subprocess.TimeoutExpired):
@@ -118,41 +119,41 @@ def test_a_killed_fork_reports_the_signal_and_a_closed_server_takes_its_forks(se
     os.killpg(first.pid, signal.SIGKILL)
     assert first.wait(timeout=60) == -signal.SIGKILL
     assert second.poll() is None
-    warm.close()  # the launcher is done: nothing the server forked outlives it
+    fork_server.close()  # the launcher is done: nothing the server forked outlives it
     assert second.wait(timeout=60) == -signal.SIGKILL
     assert not psutil.pid_exists(second.pid) or psutil.Process(second.pid).status() == "zombie"
 
 
 def test_a_server_started_under_other_load_time_settings_is_replaced(server, monkeypatch):
-    first = warm.take(_env(), b"\x00", target="tests.unit.test_startup:_probe")
+    first = fork_server.take(_env(), b"\x00", target="tests.unit.test_startup:_probe")
     assert first is not None and first.wait(timeout=60) == 7
-    before = warm.server_pid()
+    before = fork_server.server_pid()
     monkeypatch.setenv("FLODL_CHAOS", "")  # a per-run variable: each fork gets it anyway
-    assert warm.take(_env(), b"\x00", target="tests.unit.test_startup:_probe").wait(60) == 7
-    assert warm.server_pid() == before
-    running = warm.take(_env(), b"\x00", target="tests.unit.test_startup:_sleep")
+    assert fork_server.take(_env(), b"\x00", target="tests.unit.test_startup:_probe").wait(60) == 7
+    assert fork_server.server_pid() == before
+    running = fork_server.take(_env(), b"\x00", target="tests.unit.test_startup:_sleep")
     assert running is not None and running.stdout.readline() == b"sleeping\n"
     monkeypatch.setenv("OMP_NUM_THREADS", "3")  # libgomp read it when torch was loaded
-    assert warm.take(_env(), b"\x00", target="tests.unit.test_startup:_probe").wait(60) == 7
-    assert warm.server_pid() not in (None, before)
+    assert fork_server.take(_env(), b"\x00", target="tests.unit.test_startup:_probe").wait(60) == 7
+    assert fork_server.server_pid() not in (None, before)
     assert running.poll() is None  # another run's rank on the old server is left running
-    warm.close()  # ... until the launcher closes its servers
+    fork_server.close()  # ... until the launcher closes its servers
     assert running.wait(timeout=60) == -signal.SIGKILL and not psutil.pid_exists(before)
 
 
 def test_a_dead_server_is_replaced_and_no_server_means_a_cold_start(server, monkeypatch):
-    first = warm.take(_env(), b"\x00", target="tests.unit.test_startup:_sleep")
+    first = fork_server.take(_env(), b"\x00", target="tests.unit.test_startup:_sleep")
     assert first is not None and first.stdout.readline() == b"sleeping\n"
-    dead = warm.server_pid()
+    dead = fork_server.server_pid()
     assert dead is not None
     os.kill(dead, signal.SIGKILL)
     assert first.wait(timeout=60) == -signal.SIGKILL  # died with its server (PDEATHSIG)
-    again = warm.take(_env(), b"\x05", target="tests.unit.test_startup:_probe")
+    again = fork_server.take(_env(), b"\x05", target="tests.unit.test_startup:_probe")
     assert again is not None and again.wait(timeout=60) == 7
-    assert warm.server_pid() not in (None, dead)
-    warm.close()
+    assert fork_server.server_pid() not in (None, dead)
+    fork_server.close()
     monkeypatch.setenv("FLODL_FORK_SERVER", "0")
-    assert warm.take(_env(), b"\x00") is None and warm.server_pid() is None
+    assert fork_server.take(_env(), b"\x00") is None and fork_server.server_pid() is None
 
 
 def test_a_rank_process_ends_with_its_code_after_exit_handlers_and_flushed_output(tmp_path) -> None:
@@ -160,7 +161,7 @@ def test_a_rank_process_ends_with_its_code_after_exit_handlers_and_flushed_outpu
     # the process) but keeps what a normal exit gives: atexit handlers, logs and output flushed.
     mark = tmp_path / "atexit"
     code = (
-        "import atexit, logging, sys; from flodl.runtime.rank import end_process; "
+        "import atexit, logging, sys; from flodl.runtime.rank.process import end_process; "
         f"atexit.register(lambda: open({str(mark)!r}, 'w').write('ran')); "
         "logging.basicConfig(); logging.getLogger('x').warning('logged'); "
         "sys.stdout.write('unflushed'); end_process(3)"
@@ -172,45 +173,45 @@ def test_a_rank_process_ends_with_its_code_after_exit_handlers_and_flushed_outpu
 
 
 def test_a_fork_of_the_launcher_neither_uses_nor_closes_its_server(server) -> None:
-    warm.start()
-    owned = warm.server_pid()
+    fork_server.start()
+    owned = fork_server.server_pid()
     assert owned is not None
     pid = os.fork()
     if pid == 0:  # a fork of the launcher (a loader worker, say): the socket is not its own
-        mine = warm.server_pid()
-        warm.close()
+        mine = fork_server.server_pid()
+        fork_server.close()
         os._exit(0 if mine is None else 1)
     assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
-    assert warm.server_pid() == owned and psutil.pid_exists(owned)
-    child = warm.take(_env(), b"\x00", target="tests.unit.test_startup:_probe")
+    assert fork_server.server_pid() == owned and psutil.pid_exists(owned)
+    child = fork_server.take(_env(), b"\x00", target="tests.unit.test_startup:_probe")
     assert child is not None and child.wait(timeout=60) == 7  # still serving its owner
 
 
 def test_run_py_starts_the_server_before_composing_and_ends_it_for_a_job_that_does_not_fork(
     server, monkeypatch
 ) -> None:
-    """``flodl.app.cli`` starts the server on speculation (the default job is a CPU rig); the
+    """``flodl.cli.app.cli`` starts the server on speculation (the default job is a CPU rig); the
     first job's check keeps it for a rig and ends it, unused, for anything else, at once
     rather than after its imports."""
-    from flodl import app, sweep
+    from flodl.cli import app, sweep
     from flodl.config import ClusterConfig
 
     for flags in (["--help"], ["--cfg", "job"], ["--info=config"], ["-c", "job"]):
         app._warm_early(flags)
-        assert warm.server_pid() is None, flags
+        assert fork_server.server_pid() is None, flags
     monkeypatch.setenv("RANK", "1")  # torchrun placed this process: its ranks are not ours
     monkeypatch.setenv("WORLD_SIZE", "2")
     app._warm_early(["model=lenet"])
-    assert warm.server_pid() is None
+    assert fork_server.server_pid() is None
     monkeypatch.delenv("RANK")
     app._warm_early(["model=lenet"])
-    kept = warm.server_pid()
+    kept = fork_server.server_pid()
     assert kept is not None
     sweep._warm_ranks(ClusterConfig(kind="cpu_rig", ranks=2, speeds=[1.0, 0.5]))
-    assert warm.server_pid() == kept
+    assert fork_server.server_pid() == kept
     started = time.monotonic()
     sweep._warm_ranks(ClusterConfig(kind="cpu_rig", ranks=1))
-    assert warm.server_pid() is None and not psutil.pid_exists(kept)
+    assert fork_server.server_pid() is None and not psutil.pid_exists(kept)
     assert time.monotonic() - started < 1.0  # killed, not waited for (its imports take ~2 s)
 
 
@@ -220,7 +221,7 @@ def test_the_error_line_leaves_in_one_write(monkeypatch) -> None:
     newline (seen under load in test_refusals: ``error: ...fresh`` + ``import time: ...``)."""
     import io
 
-    from flodl import app
+    from flodl.cli import app
 
     writes: list[str] = []
 

@@ -11,7 +11,7 @@ import psutil
 import pytest
 import torch.distributed as dist
 
-from flodl.runtime.store import serve_store
+from flodl.runtime.wire.store import serve_store
 
 
 def _listening(port: int) -> set[str]:
@@ -43,7 +43,7 @@ def test_a_busy_port_is_an_os_error_not_a_pybind_message():
 
 
 def _signed(secret: bytes = b"s" * 32, timeout_s: float = 2.0):
-    from flodl.runtime.signed_store import SignedStore
+    from flodl.runtime.wire.signed_store import SignedStore
 
     inner = dist.HashStore()
     return inner, SignedStore(inner, secret, timeout_s)

@@ -1,4 +1,4 @@
-"""cpu_* snapshots summed while they arrive (flodl/runtime/sums.py): the mean equals the
+"""cpu_* snapshots summed while they arrive (flodl/runtime/controller/sums.py): the mean equals the
 weighted mean of whole snapshots, nothing is allocated per rank, and a cut-off snapshot taints
 its window instead of corrupting the average."""
 
@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from flodl.elche import averaging_weights, buffer_weights
-from flodl.runtime import channel as channel_module
-from flodl.runtime import streaming, sums
-from flodl.runtime.averaging import weighted_mean
-from flodl.runtime.channel import Channel
-from flodl.runtime.messages import Report
-from flodl.runtime.sums import SnapshotSums
+from flodl.runtime.controller import sums
+from flodl.runtime.controller.sums import SnapshotSums
+from flodl.runtime.sync.averaging import weighted_mean
+from flodl.runtime.wire import channel as channel_module
+from flodl.runtime.wire import streaming
+from flodl.runtime.wire.channel import Channel
+from flodl.runtime.wire.messages import Report
 
 N, N_PARAMS = 10_000, 9_000
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-import flodl.sys as fsys
-from flodl.sys import GpuInfo, apply_visibility, detect_gpus
+import flodl.placement.gpus as fsys
+from flodl.placement.gpus import GpuInfo, apply_visibility, detect_gpus
 
 UUID_A = "GPU-aaaaaaaa-1111-2222-3333-444444444444"
 UUID_B = "GPU-bbbbbbbb-5555-6666-7777-888888888888"
@@ -240,7 +240,7 @@ def test_amd_visibility_masks(kfd: Path, monkeypatch: pytest.MonkeyPatch) -> Non
 
 def test_importing_flodl_sys_does_not_import_torch() -> None:
     code = (
-        "import sys, flodl.sys, flodl.monitor; flodl.sys.detect_gpus(); "
+        "import sys, flodl.placement.gpus, flodl.monitor; flodl.placement.gpus.detect_gpus(); "
         "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

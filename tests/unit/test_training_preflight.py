@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from flodl.config import ClusterConfig, ConfigError, TrainerConfig, WorkerConfig
+from flodl.placement.topology import resolve_topology
 from flodl.preflight import check_config, rank_batch_sizes
-from flodl.topology import resolve_topology
 
 
 def _sizes(**cluster) -> list:
@@ -49,7 +49,7 @@ def test_16_mixed_is_refused_for_cpu_ranks_and_bf16_is_not():
 def test_auto_batch_search_finds_the_largest_fitting_size_in_few_probes(monkeypatch):
     from types import SimpleNamespace
 
-    from flodl.runtime import memory
+    from flodl.runtime.rank import memory
 
     probes: list[int] = []
 

@@ -1,0 +1,1 @@
+"""The command line: the Hydra job (``app``), sweeps, ``probe`` and ``gpu-check``."""

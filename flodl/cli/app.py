@@ -1,0 +1,335 @@
+"""The Hydra job: a composed config in, a trained model and its summary out.
+
+``run.py`` stays tiny; this module turns the validated :class:`RunConfig` into the Python API's
+call (factories built from ``_target_`` references) and maps failures to exit codes: 2 for a
+configuration error (nothing started), 1 when a job failed.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from flodl import config as schema
+from flodl.config import ConfigError, RunConfig, TrainerConfig, resolve_dotted
+from flodl.config.factories import (  # module-level: they pickle by reference to the ranks
+    build_dataset,
+    build_metric,
+    build_model,
+    build_optimizer,
+    build_scheduler,
+)
+
+log = logging.getLogger("flodl")
+
+
+class Objective(float):
+    """A job's objective (what an optimizing sweeper sees) carrying the job's summary row (what
+    the flodl launcher's A/B report reads): the task's return value, no module state."""
+
+    row: dict[str, Any]
+
+    def __new__(cls, value: float, row: dict[str, Any]) -> Objective:
+        made = super().__new__(cls, value)
+        made.row = row
+        return made
+
+    def __reduce__(self) -> Any:  # other launchers pickle the return value
+        return (Objective, (float(self), self.row))
+
+
+class JobsFailed(SystemExit):
+    """Raised after a sweep whose jobs failed (counted from their summaries): exit code 1."""
+
+    def __init__(self, failed: int) -> None:
+        super().__init__(1)
+        self.failed = failed
+
+
+class LaunchFailed(SystemExit):
+    """The launcher itself failed after composition succeeded: exit code 1, not 2."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+
+
+# -- the job -----------------------------------------------------------------------------------
+def say_error(text: str) -> None:
+    """``error: text`` on stderr in one write. ``print`` writes the text and its newline
+    separately, and where stderr is unbuffered (PYTHONUNBUFFERED, as in most containers)
+    another thread's output, such as the metric import's, could land between them."""
+    sys.stderr.write(f"error: {text}\n")
+    sys.stderr.flush()
+
+
+def plain_config(cfg: Any) -> dict[str, Any]:
+    """The resolved config as plain data, without Hydra's own node."""
+    from omegaconf import OmegaConf, open_dict
+
+    cfg = cfg.copy()
+    with open_dict(cfg):
+        cfg.pop("hydra", None)  # Hydra's own node may hold values only a running job has
+    data = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(data, dict)
+    return {str(k): v for k, v in data.items()}
+
+
+@dataclass(frozen=True)
+class CheckedJob:
+    """A composed job, validated once: its schema, the knobs that need no topology, its
+    factories' dry build and its task's targets (:func:`flodl.cli.sweep.check_job`). The flodl
+    launcher checks every job of a sweep before any starts, then hands each its own, so
+    nothing is validated twice."""
+
+    run: RunConfig
+    config: TrainerConfig  # run.trainer_config(): the Python API's config bag
+    signature: str | None  # the model's architecture, from the factories' dry build
+    data: dict[str, Any]  # the resolved job config that was validated (plain_config)
+
+
+def train(cfg: Any, checked: CheckedJob | None = None) -> Objective:
+    """Run one job; return its objective (for optimizing sweepers: Optuna, Nevergrad, Ax)
+    carrying its summary row (for the A/B report). ``checked``: the job as the flodl launcher
+    already validated it (another launcher calls ``run.py``'s ``main``, which validates here).
+
+    A failed job is a failed row and a NaN objective, never an aborted sweep. A configuration
+    error exits with code 2 before any rank starts.
+    """
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    data = plain_config(cfg)
+    if checked is not None and checked.data != data:
+        checked = None  # it resolves differently inside the job (a ${hydra:...} value): recheck
+    run_cfg = checked.run if checked is not None else schema.validate_run_config(data)
+    logging.getLogger("flodl").setLevel(run_cfg.logger.level)
+    hydra_cfg = HydraConfig.get()
+    job_dir = Path(hydra_cfg.runtime.output_dir)
+    run_info: dict[str, Any] = {
+        "job": str(hydra_cfg.job.num),
+        "overrides": list(hydra_cfg.overrides.task),
+        "config_yaml": OmegaConf.to_yaml(OmegaConf.create(data)),
+    }
+    try:
+        handle = _start(run_cfg, job_dir, run_info, checked)
+    except ConfigError as exc:
+        where = (
+            f" (job {run_info['job']}: {' '.join(run_info['overrides'])})"
+            if hydra_cfg.job.num
+            else ""
+        )
+        say_error(f"{exc}{where}")
+        sys.exit(2)
+    try:
+        handle.join()
+    except Exception as exc:
+        log.error("job %s failed: %s (outputs in %s)", run_info["job"], exc, job_dir)
+        if os.environ.get("FLODL_FULL_ERROR"):
+            log.exception("full traceback")
+    summary = handle.summary
+    written = summary.to_dict() if summary is not None else _NO_SUMMARY
+    row = written | {"job": run_info["job"]}
+    return Objective(objective(row, run_cfg.task), row)
+
+
+_NO_SUMMARY: dict[str, Any] = {"status": "failed", "error": "no summary written"}
+
+
+def _start(
+    run_cfg: RunConfig, job_dir: Path, run_info: dict[str, Any], checked: CheckedJob | None
+) -> Any:
+    """Check what the launcher did not yet (:mod:`flodl.preflight`), then start the run."""
+    from flodl import preflight
+    from flodl.trainer import Trainer
+
+    task = run_cfg.task
+    has_eval = task.has_eval
+    if checked is None:
+        run_info["model_signature"] = preflight.check_factories(run_cfg)
+        preflight.check_task_targets(task)  # last: its metrics need torchmetrics
+        config = run_cfg.trainer_config()
+    else:
+        run_info["model_signature"], config = checked.signature, checked.config
+    return Trainer.run(
+        partial(build_model, run_cfg.model),
+        partial(build_optimizer, run_cfg.optimizer),
+        resolve_dotted(task.train_step),
+        config,
+        dataset=partial(build_dataset, run_cfg.dataset, "train"),
+        eval_dataset=partial(build_dataset, run_cfg.dataset, "test") if has_eval else None,
+        **evaluation_kwargs(task),
+        scheduler_factory=(
+            partial(build_scheduler, run_cfg.scheduler) if run_cfg.scheduler is not None else None
+        ),
+        scheduler_interval=run_cfg.scheduler.interval if run_cfg.scheduler else "epoch",
+        metrics_fn=_optional(task.metrics_fn),
+        eval_result_fn=_optional(task.eval_result_fn),
+        epoch_fn=_optional(task.epoch_fn),
+        job_dir=job_dir,
+        eval_metric=task.eval_metric,
+        run_info=run_info,
+    )
+
+
+def evaluation_kwargs(task: schema.TaskConfig) -> dict[str, Any]:
+    """What ``Trainer.run`` evaluates with, from the task section: the legacy ``eval_fn``, the
+    torchmetrics ``metrics``, ``eval_loss`` and ``eval_step`` (also
+    ``flodl.step.evaluation.EvalSpec``'s
+    fields, which is how bench/ddp_worker.py evaluates its torch DDP baseline alike)."""
+    return {
+        "eval_fn": _optional(task.eval_fn),
+        "metrics": {name: partial(build_metric, t) for name, t in task.metrics.items()},
+        "eval_loss": _optional(task.eval_loss),
+        "eval_step": _optional(task.eval_step),
+    }
+
+
+def objective(row: dict[str, Any], task: schema.TaskConfig) -> float:
+    """The number an optimizing sweeper sees: ``task.objective`` of the summary (``auto``: the
+    final eval value, else the final loss); NaN for a failed job (Optuna records a failed trial).
+    """
+    key = objective_key(task, has_eval=task.has_eval)
+    value: Any = row
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    if row.get("status") != "ok" or not isinstance(value, (int, float)):
+        return float("nan")
+    return float(value)
+
+
+def objective_key(task: schema.TaskConfig, has_eval: bool) -> str:
+    if task.objective == "auto":
+        return "eval_value" if has_eval else "final_loss"
+    return {"eval": "eval_value", "loss": "final_loss"}.get(task.objective, task.objective)
+
+
+def objective_maximized(task: schema.TaskConfig) -> bool:
+    """Whether a larger objective is better (``task.objective_direction``; auto: the eval
+    metric's direction when the objective is the eval value, else minimize)."""
+    if task.objective_direction != "auto":
+        return task.objective_direction == "maximize"
+    key = objective_key(task, has_eval=task.has_eval)
+    return key == "eval_value" and task.eval_higher_is_better
+
+
+def _optional(path: str | None) -> Any:
+    return resolve_dotted(path) if path is not None else None
+
+
+# -- command line --------------------------------------------------------------------------------
+_SECTIONS: dict[str, type[BaseModel]] = {
+    "trainer": schema.TrainerKnobs,
+    "elche": schema.ElCheConfig,
+    "cluster": schema.ClusterConfig,
+    "logger": schema.LoggerConfig,
+    "task": schema.TaskConfig,
+}
+
+
+def check_override_keys(args: list[str]) -> None:
+    """Reject a misspelt key (``trainer.nmu_epochs=3``) before Hydra or any rank starts."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    overrides = [a for a in args if not a.startswith("-")]
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception:
+        return  # Hydra reports syntax errors itself
+    for override in parsed:
+        if override.is_add() or override.is_delete() or override.is_force_add():
+            continue
+        _check_key(override.key_or_group)
+
+
+def _check_key(key: str) -> None:
+    section, _, rest = key.partition(".")
+    model = _SECTIONS.get(section)
+    path = section
+    for part in rest.split(".") if rest else []:
+        if model is None:
+            return
+        fields = model.model_fields
+        if part not in fields:
+            close = difflib.get_close_matches(part, list(fields), n=1)
+            hint = f" (did you mean {path}.{close[0]}?)" if close else ""
+            allowed = ", ".join(sorted(fields))
+            raise ConfigError(f"{path}.{part}: unknown key{hint}; allowed: {allowed}")
+        path = f"{path}.{part}"
+        annotation = fields[part].annotation
+        model = (
+            annotation
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel)
+            else None
+        )
+
+
+def _sigterm_as_interrupt() -> Any:
+    from flodl.cli.signals import sigterm_as_interrupt
+
+    return sigterm_as_interrupt()
+
+
+def cli(main: Callable[[], Any]) -> None:
+    """Run the Hydra entry with flodl's exit codes (2: bad config, 1: a job failed)."""
+    try:
+        check_override_keys(sys.argv[1:])
+        _warm_early(sys.argv[1:])
+        with _sigterm_as_interrupt():
+            main()
+    except KeyboardInterrupt as exc:
+        if os.environ.get("FLODL_FULL_ERROR"):
+            import traceback
+
+            traceback.print_exc()
+        code = getattr(exc, "exit_code", 130)
+        say_error(f"interrupted (exit {code}); see summary.json for what was saved")
+        sys.exit(code)
+    except ConfigError as exc:
+        say_error(str(exc))
+        sys.exit(2)
+    except JobsFailed as exc:
+        say_error(f"{exc.failed} job(s) failed; see summary.json in their job directories")
+        sys.exit(1)
+    except LaunchFailed:
+        raise
+    except SystemExit as exc:
+        # Hydra exits 1 when composition fails (unknown group option, bad override syntax)
+        # before our launcher ran: that is a configuration error too.
+        if exc.code == 1:
+            sys.exit(2)
+        raise
+
+
+_INFO_FLAGS = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "--shell-completion")
+
+
+def _warm_early(args: list[str]) -> None:
+    """Start the fork server of local CPU ranks before Hydra composes the job, on speculation:
+    the default job is a CPU rig, and the server's imports (torch, the worker: ~2.5 s of CPU)
+    then overlap composition and the launcher's checks. A job that turns out not to fork its
+    ranks from it ends it (:func:`flodl.cli.sweep._warm_ranks`), as does a refusal (at exit: it is
+    killed, not waited for). Not when torchrun or srun placed this process, nor for Hydra's
+    informational flags (nothing trains)."""
+    from flodl.runtime.cohorts import fork_server
+    from flodl.runtime.rank.env import external_role
+
+    if any(arg.split("=", 1)[0] in _INFO_FLAGS for arg in args):
+        return
+    try:
+        placed = external_role() is not None
+    except RuntimeError:  # a broken placement: the launcher refuses it later, with its message
+        placed = True
+    if not placed:
+        fork_server.start()
+
+
+__all__ = ["RunConfig", "build_dataset", "build_model", "build_optimizer", "cli", "train"]

@@ -1,0 +1,301 @@
+"""What the Hydra launcher plugin does: validate every job, run each as a rank group, report.
+
+Every job's config is composed and validated before any rank starts, so a bad value in the
+third job of a sweep fails the sweep at once with exit code 2 rather than after two runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import open_dict
+
+from flodl.cli import app
+from flodl.config import ConfigError, validate_run_config
+from flodl.monitor.failures import describe
+
+log = logging.getLogger("flodl")
+
+
+def launch_sweep(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_idx: int):
+    from hydra.core.utils import configure_log, setup_globals
+
+    setup_globals()
+    config, ctx = launcher.config, launcher.hydra_context
+    configure_log(config.hydra.hydra_logging, config.hydra.verbose)  # as BasicLauncher does
+    sweep_dir = Path(str(config.hydra.sweep.dir))
+    jobs, loggers = [], []
+    several = initial_job_idx + len(job_overrides) > 1
+    for offset, overrides in enumerate(job_overrides):
+        idx = initial_job_idx + offset
+        job_cfg = ctx.config_loader.load_sweep_config(config, list(overrides))
+        with open_dict(job_cfg):
+            job_cfg.hydra.job.id = f"{idx}"
+            job_cfg.hydra.job.num = idx
+        _require_flodl_job(job_cfg)
+        try:  # every job of the batch, before any of them starts a rank
+            checked = check_job(job_cfg, warm=offset == 0)
+        except ConfigError as exc:
+            where = f" (job {idx}: {' '.join(overrides)})" if several else ""
+            app.say_error(f"{exc}{where}")
+            sys.exit(2)
+        jobs.append((idx, list(overrides), job_cfg, checked))
+        loggers.append(checked.run.logger)
+        if offset == 0 and initial_job_idx == 0:
+            _check_direction(config, checked.run.task)
+
+    try:
+        return _launch(launcher, ctx, jobs, sweep_dir, loggers[0])
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception:  # composition succeeded: this is no configuration error (exit 1, not 2)
+        log.exception("the flodl launcher failed")
+        raise app.LaunchFailed() from None
+
+
+def _launch(launcher: Any, ctx: Any, jobs: list, sweep_dir: Path, logger: Any) -> list:
+    from flodl.runtime.rank.env import external_role, is_follower
+
+    role = external_role()  # this process's placement, read once
+    if is_follower(role):
+        assert role is not None
+        return _follow_jobs(role, jobs)  # torchrun / srun placed us: rank 0 runs the sweep
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    if logger.serve is None:
+        return _run_jobs(launcher, ctx, jobs, sweep_dir)
+    dashboard = _serve(sweep_dir, logger)
+    jobs = [(idx, overrides, cfg, unserved(cfg, checked)) for idx, overrides, cfg, checked in jobs]
+    try:
+        return _run_jobs(launcher, ctx, jobs, sweep_dir)
+    finally:
+        _linger(dashboard, logger.keep_serving)
+
+
+def check_job(job_cfg: Any, warm: bool = False) -> app.CheckedJob:
+    """Validate one composed job, once and cheapest check first: a pure-config refusal exits
+    before torch is imported, and only a good job imports its metrics (torchmetrics, scipy).
+    ``warm``: once the pure-config checks passed, start the fork server of a CPU-rig job's ranks,
+    so their imports overlap the checks that need torch (:func:`_warm_ranks`)."""
+    from flodl.preflight import check_config, check_factories, check_task_targets
+
+    data = app.plain_config(job_cfg)
+    run_cfg = validate_run_config(data)
+    config = run_cfg.trainer_config()
+    check_config(config)
+    if warm:
+        _warm_ranks(run_cfg.cluster)
+    signature = check_factories(run_cfg)
+    check_task_targets(run_cfg.task)
+    return app.CheckedJob(run_cfg, config, signature, data)
+
+
+def _warm_ranks(cluster: Any) -> None:
+    """A local CPU rig: start the fork server its ranks fork from now (if :func:`flodl.cli.app.cli`
+    did not already), so its imports (torch, the worker) overlap the launcher's remaining checks
+    (torch, the dry build) instead of following them (:mod:`flodl.runtime.cohorts.fork_server`).
+    Any other job:
+    end the server ``cli`` started on speculation."""
+    from flodl.runtime.cohorts import fork_server
+    from flodl.runtime.rank.env import external_role
+
+    if fork_server.serves(cluster, placed=external_role() is not None):
+        fork_server.start()
+    else:
+        fork_server.close_idle()
+
+
+def _require_flodl_job(job_cfg: Any) -> None:
+    """This launcher trains flodl jobs; another app's task gets one line, not a schema error."""
+    if not any(key in job_cfg for key in ("model", "optimizer", "dataset", "task")):
+        app.say_error(
+            "hydra/launcher=flodl runs flodl training jobs (a config with model, optimizer, "
+            "dataset and task) and this app's config has none of them; use another launcher "
+            "for it (hydra/launcher=basic)"
+        )
+        sys.exit(2)
+
+
+def _check_direction(config: Any, task: Any) -> None:
+    """Warn when an optimizing sweeper would optimize the objective the wrong way round."""
+    from omegaconf import OmegaConf
+
+    sweeper = OmegaConf.to_container(config.hydra.sweeper, resolve=False)
+    assert isinstance(sweeper, dict)
+    if "direction" in sweeper:  # Optuna
+        setting, said = str(sweeper["direction"]).lower(), "hydra.sweeper.direction"
+        sweeper_max = "max" in setting
+    elif isinstance(sweeper.get("optim"), dict) and "maximize" in sweeper["optim"]:  # Nevergrad
+        sweeper_max, said = bool(sweeper["optim"]["maximize"]), "hydra.sweeper.optim.maximize"
+    else:
+        return
+    wanted = app.objective_maximized(task)
+    if sweeper_max != wanted:
+        key = app.objective_key(task, has_eval=task.has_eval)
+        fix = "maximize" if wanted else "minimize"
+        fix_line = f"{said}={fix}" if said.endswith("direction") else f"{said}={wanted}"
+        log.warning(
+            "%s asks to %s, but the objective (%s) is better when %s: add %s, or set "
+            "task.objective / task.objective_direction",
+            said,
+            "maximize" if sweeper_max else "minimize",
+            key,
+            "larger" if wanted else "smaller",
+            fix_line,
+        )
+
+
+def _follow_jobs(role: Any, jobs: list) -> list:
+    """Train every job of the sweep as a worker of rank 0 (which writes every output)."""
+    from flodl.runtime.cohorts.external import follow_job
+
+    codes = []
+    for idx, _, _, checked in jobs:
+        code = follow_job(role, checked.config)
+        log.info("job %d: rank %d finished with exit code %d", idx, role.rank, code)
+        codes.append(code)
+    if any(codes):
+        raise app.JobsFailed(sum(1 for c in codes if c))
+    return []
+
+
+def unserved(job_cfg: Any, checked: app.CheckedJob) -> app.CheckedJob:
+    """A job without its own dashboard (the sweep serves one over all jobs): the same change in
+    the composed config and in what was validated, so the job is not checked again."""
+    with open_dict(job_cfg):
+        job_cfg.logger.serve = None
+    logger = checked.run.logger.model_copy(update={"serve": None})
+    return dataclasses.replace(
+        checked,
+        run=checked.run.model_copy(update={"logger": logger}),
+        config=checked.config.model_copy(update={"logger": logger}),
+        data=app.plain_config(job_cfg),
+    )
+
+
+def _serve(sweep_dir: Path, logger: Any) -> Any:
+    from flodl.monitor.dashboard import Dashboard
+
+    try:
+        dashboard = Dashboard.start(sweep_dir, logger.serve, logger.host)
+    except OSError as exc:
+        app.say_error(str(exc))
+        sys.exit(1)
+    print(f"dashboard: {dashboard.url}", flush=True)
+    return dashboard
+
+
+def _linger(dashboard: Any, keep: bool) -> None:
+    if keep:
+        print(f"dashboard still serving at {dashboard.url} (Ctrl-C to stop)", flush=True)
+        try:
+            while dashboard.running:
+                time.sleep(1.0)
+        except KeyboardInterrupt:
+            pass
+    dashboard.stop()
+
+
+def _run_jobs(launcher: Any, ctx: Any, jobs: list, sweep_dir: Path) -> list:
+    from hydra.core.utils import JobReturn, JobStatus, run_job
+
+    returns = []
+    for idx, overrides, job_cfg, checked in jobs:
+        log.info("job %d: %s", idx, " ".join(overrides) or "(defaults)")
+        ret = run_job(  # the job itself, as validated above (not run.py's main again)
+            hydra_context=ctx,
+            task_function=partial(app.train, checked=checked),
+            config=job_cfg,
+            job_dir_key="hydra.sweep.dir",
+            job_subdir_key="hydra.sweep.subdir",
+        )
+        row = _row(ret, idx, overrides)
+        launcher.rows[idx] = row
+        if ret.status != JobStatus.COMPLETED:  # raised out of the task: leave its failed row
+            _write_failed(Path(str(ret.working_dir or sweep_dir / str(idx))), row)
+        # A failed job is a failed row (NaN objective), not an aborted sweep.
+        objective = ret._return_value if ret.status == JobStatus.COMPLETED else float("nan")
+        returns.append(
+            JobReturn(
+                overrides=ret.overrides,
+                cfg=ret.cfg,
+                hydra_cfg=ret.hydra_cfg,
+                working_dir=ret.working_dir,
+                task_name=ret.task_name,
+                status=JobStatus.COMPLETED,
+                _return_value=objective,
+            )
+        )
+    # Sweepers may launch a sweep in batches (max_batch_size, Optuna's n_jobs): the report covers
+    # every job so far and is rewritten after each batch, so the last one covers the sweep.
+    if len(launcher.rows) > 1 and launcher.report:
+        from flodl.monitor.report import write_ab_report
+
+        rows = [launcher.rows[i] for i in sorted(launcher.rows)]
+        paths = write_ab_report(sweep_dir, rows)
+        print(f"A/B report: {paths['md']} ({len(rows)} jobs)", flush=True)
+    return returns
+
+
+def _row(ret: Any, idx: int, overrides: list[str]) -> dict[str, Any]:
+    from hydra.core.utils import JobStatus
+
+    value = ret._return_value
+    if ret.status == JobStatus.COMPLETED and isinstance(value, app.Objective):
+        row = dict(value.row)
+    else:
+        error = describe(value) if isinstance(value, BaseException) else str(value)
+        row = {"status": "failed", "error": error}
+    row.setdefault("job", str(idx))
+    row.setdefault("overrides", overrides)
+    return row
+
+
+def _write_failed(job_dir: Path, row: dict[str, Any]) -> None:
+    """A job that raised before writing its summary: write the failed row as its summary, so
+    :class:`FailedJobs` counts it like any other failed job."""
+    import json
+
+    path = job_dir / "summary.json"
+    if not path.exists():
+        job_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(row, indent=2, default=str) + "\n", encoding="utf-8")
+
+
+class FailedJobs(Callback):
+    """Hydra callback (``hydra.callbacks`` in ``conf/config.yaml``): after a multirun, count the
+    jobs whose ``summary.json`` says failed, so the command exits 1 under any launcher, also
+    one that runs jobs in other processes or on other machines (joblib, submitit)."""
+
+    def __init__(self) -> None:
+        self._t0 = time.time()
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        self._t0 = time.time()
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        failed = count_failed(Path(str(config.hydra.sweep.dir)), since=self._t0)
+        if failed:
+            raise app.JobsFailed(failed)
+
+
+def count_failed(sweep_dir: Path, since: float) -> int:
+    """Jobs of this sweep (summaries written since ``since``) whose status is not ``ok``."""
+    import json
+
+    failed = 0
+    for path in sweep_dir.glob("**/summary.json"):
+        try:
+            if path.stat().st_mtime < since - 1.0:
+                continue  # an earlier sweep into the same directory
+            failed += json.loads(path.read_text()).get("status") != "ok"
+        except (OSError, ValueError):
+            continue
+    return failed
