@@ -303,7 +303,21 @@ class Job:
             best=self._best(result),
             stopped_early=result.stopped_early,
             telemetry=_telemetry(result),
+            rig=self._rig(result),
         )
+
+    def _rig(self, result: ControllerResult) -> dict[str, Any] | None:
+        if not self.spec.pace or result.calibrated_step_ms <= 0:
+            return None
+        margin = self.spec.config.cluster.pace_margin
+        overruns = [t["pace_overrun_fraction"] for t in _telemetry(result)]
+        return {
+            "calibrated_step_ms": result.calibrated_step_ms,
+            "pace_margin": margin,
+            "nominal_step_ms": result.calibrated_step_ms * margin,
+            "speeds": list(self.spec.speeds),
+            "overrun_fraction": max(overruns, default=0.0),
+        }
 
     def _best(self, result: ControllerResult) -> dict[str, Any] | None:
         if result.best is None:

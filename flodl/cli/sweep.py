@@ -236,11 +236,14 @@ def _run_jobs(launcher: Any, ctx: Any, jobs: list, sweep_dir: Path) -> list:
     # Sweepers may launch a sweep in batches (max_batch_size, Optuna's n_jobs): the report covers
     # every job so far and is rewritten after each batch, so the last one covers the sweep.
     if len(launcher.rows) > 1 and launcher.report:
-        from flodl.monitor.report import write_ab_report
+        from flodl.monitor.report import calibration_warning, write_ab_report
 
         rows = [launcher.rows[i] for i in sorted(launcher.rows)]
         paths = write_ab_report(sweep_dir, rows)
         print(f"A/B report: {paths['md']} ({len(rows)} jobs)", flush=True)
+        warning = calibration_warning(rows)
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
     return returns
 
 

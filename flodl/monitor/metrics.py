@@ -94,6 +94,11 @@ class RunSummary:
     best: dict[str, Any] | None = None  # save_best: monitor, mode, value, epoch, bundle stem
     stopped_early: dict[str, Any] | None = None  # early stop: reason and epoch
     telemetry: list[dict[str, Any]] = field(default_factory=list)  # per rank
+    #: CPU rig: ``calibrated_step_ms`` (the step the ranks agreed on), ``pace_margin``,
+    #: ``nominal_step_ms`` (their product: the speed-1.0 rank's paced step), ``speeds`` and the
+    #: largest per-rank ``overrun_fraction``. Two rig jobs compare fairly only at equal nominal
+    #: steps: the A/B report T-matches their throughput and warns when the steps differ.
+    rig: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -63,6 +63,58 @@ def speedup(row: Row, baseline: Row | None) -> float | None:
     return float(baseline["wall_s"]) / float(wall)
 
 
+#: Two rig jobs whose calibrated nominal steps differ by more than this ran on a machine whose
+#: load changed between them: raw samples/s then measures the machine, not the mode.
+CALIBRATION_SPREAD = 0.10
+
+
+def nominal_ms(row: Row) -> float | None:
+    """A CPU-rig job's nominal step (its speed-1.0 rank's paced step), None off the rig."""
+    rig = row.get("rig") or {}
+    value = rig.get("nominal_step_ms")
+    return float(value) if isinstance(value, (int, float)) and value > 0 else None
+
+
+def reference_nominal_ms(rows: Sequence[Row]) -> float | None:
+    """The nominal step every rig job's throughput is matched to: the baseline's, else the
+    median of the finished jobs'."""
+    baseline = find_baseline(rows)
+    if baseline is not None and nominal_ms(baseline) is not None:
+        return nominal_ms(baseline)
+    steps = sorted(s for r in rows if is_ok(r) for s in [nominal_ms(r)] if s is not None)
+    return steps[len(steps) // 2] if steps else None
+
+
+def t_matched_samples_per_s(row: Row, reference_ms: float | None) -> float | None:
+    """Throughput as if the job had been paced to the reference nominal step: a paced rank's
+    throughput scales as 1/T, so ``samples/s x T_job / T_ref``."""
+    own = nominal_ms(row)
+    rate = row.get("samples_per_s")
+    if own is None or reference_ms is None or not isinstance(rate, (int, float)):
+        return None
+    return float(rate) * own / reference_ms
+
+
+def calibration_warning(rows: Sequence[Row]) -> str | None:
+    """One line naming the jobs whose calibrated steps differ by more than CALIBRATION_SPREAD."""
+    steps = [(r, s) for r in rows if is_ok(r) for s in [nominal_ms(r)] if s is not None]
+    if len(steps) < 2:
+        return None
+    (low_row, low), (high_row, high) = (
+        min(steps, key=lambda x: x[1]),
+        max(steps, key=lambda x: x[1]),
+    )
+    if high <= low * (1 + CALIBRATION_SPREAD):
+        return None
+    return (
+        f"calibrated nominal steps differ {high / low:.2f}x: job {high_row.get('job')} "
+        f"({high_row.get('mode')}) {high:.1f} ms vs job {low_row.get('job')} "
+        f"({low_row.get('mode')}) {low:.1f} ms; the machine's load changed between jobs, so "
+        "raw samples/s compares the machine, not the modes: read the T-matched column "
+        "(samples/s @T), or rerun on an idle machine"
+    )
+
+
 def eval_metric_name(rows: Sequence[Row]) -> str:
     """The eval column's header: the sweep's metric when all jobs agree, else ``eval``."""
     names = {r["eval_metric"] for r in rows if r.get("eval_metric")}
@@ -122,9 +174,11 @@ def format_table(rows: Sequence[Row]) -> str:
         "mean sync ms",
         "idle",
         "samples/s",
+        "samples/s @T",
         "speedup",
         *metrics,
     ]
+    reference = reference_nominal_ms(rows)
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         gain = speedup(row, baseline)
@@ -140,6 +194,7 @@ def format_table(rows: Sequence[Row]) -> str:
             _num(row.get("mean_sync_ms"), ".1f"),
             _idle(row),
             _num(row.get("samples_per_s"), ".0f"),
+            _num(t_matched_samples_per_s(row, reference), ".0f"),
             _DASH if gain is None else f"{gain:.2f}x",
             *(_num((row.get("metrics") or {}).get(name), ".4f") for name in metrics),
         ]
@@ -155,7 +210,18 @@ def _markdown(rows: Sequence[Row], baseline: Row | None) -> str:
             f"Speedup = wall time of job {baseline.get('job')} ({baseline.get('mode')}) "
             "/ wall time of the job."
         )
-    parts = ["# A/B report", "", f"{len(rows)} jobs. {note}", "", format_table(rows)]
+    parts = ["# A/B report", "", f"{len(rows)} jobs. {note}", ""]
+    reference = reference_nominal_ms(rows)
+    if reference is not None:
+        parts += [
+            f"samples/s @T: CPU-rig throughput matched to one nominal step ({reference:.1f} ms): "
+            "samples/s x the job's nominal step / that step.",
+            "",
+        ]
+    warning = calibration_warning(rows)
+    if warning:
+        parts += [f"**Warning:** {warning}.", ""]
+    parts.append(format_table(rows))
     failed = [r for r in rows if not is_ok(r) and r.get("error")]
     if failed:
         parts += ["## Failed jobs", ""]
@@ -179,12 +245,22 @@ def _finite(value: Any) -> Any:
 def report_data(rows: Sequence[Row]) -> dict[str, Any]:
     """What ``ab_report.json`` holds: the baseline job and every row with its speedup."""
     baseline = find_baseline(rows)
+    reference = reference_nominal_ms(rows)
     return _finite(
         {
             "baseline": None if baseline is None else str(baseline.get("job")),
             "eval_metric": eval_metric_name(rows),
             "differing_overrides": differing_overrides(rows),
-            "rows": [{**row, "speedup": speedup(row, baseline)} for row in rows],
+            "reference_nominal_ms": reference,
+            "calibration_warning": calibration_warning(rows),
+            "rows": [
+                {
+                    **row,
+                    "speedup": speedup(row, baseline),
+                    "samples_per_s_t_matched": t_matched_samples_per_s(row, reference),
+                }
+                for row in rows
+            ],
         }
     )
 

@@ -272,6 +272,7 @@ def test_sweep_ab_report_matches_job_summaries(tmp_path: Path) -> None:
     assert rows["0"]["speedup"] == pytest.approx(1.0)
     assert rows["1"]["speedup"] == pytest.approx(rows["0"]["wall_s"] / rows["1"]["wall_s"])
 
+    summary_rig = {job: summaries[job]["rig"] for job in rows}
     md = (tmp_path / "ab_report.md").read_text()
     assert "| job | mode | overrides | status | final loss | accuracy | wall s |" in md
     table = _md_rows(md)
@@ -283,7 +284,14 @@ def test_sweep_ab_report_matches_job_summaries(tmp_path: Path) -> None:
         assert cells[5] == f"{row['eval_value']:.4f}"
         assert cells[7] == str(row["syncs"])
         assert cells[9] == "/".join(f"{f:.2f}" for f in row["idle_fraction"])
-        assert cells[11] == f"{row['speedup']:.2f}x"
+        # CPU rig: the throughput matched to the baseline's nominal step (the sweep's jobs
+        # each calibrated their own; the report compares them at one step).
+        assert row["rig"] == summary_rig[job] and row["rig"]["nominal_step_ms"] > 0
+        reference = rows["0"]["rig"]["nominal_step_ms"]
+        matched = row["samples_per_s"] * row["rig"]["nominal_step_ms"] / reference
+        assert row["samples_per_s_t_matched"] == pytest.approx(matched)
+        assert cells[11] == f"{matched:.0f}"
+        assert cells[12] == f"{row['speedup']:.2f}x"
 
     png = tmp_path / "ab_report.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

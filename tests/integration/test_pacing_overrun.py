@@ -9,8 +9,11 @@ waiting in a collective (nccl_sync's gradient all-reduce, inside the step) is no
 
 from __future__ import annotations
 
+import json
 import logging
 from functools import partial
+
+import pytest
 
 from flodl import ClusterConfig, ElCheConfig, LoggerConfig, Trainer
 from flodl.runtime.rank.pacing import Pacer
@@ -64,6 +67,12 @@ def test_overrunning_ranks_are_reported_and_warned_about(tmp_path, caplog):
         assert t["pace_overrun_fraction"] > 0.15
     assert [m.epoch for m in metrics] == [1, 2]
     assert all(s["pace_overrun_fraction"] > 0.15 for m in metrics for s in m.per_rank)
+    # The summary records what the ranks were paced to, so two jobs can be compared fairly.
+    rig = json.loads((tmp_path / "job" / "summary.json").read_text())["rig"]
+    assert rig == summary.rig and rig["speeds"] == [1.0, 0.5] and rig["pace_margin"] == 1.3
+    assert 0 < rig["calibrated_step_ms"] < 20  # the step, not the injected lateness
+    assert rig["nominal_step_ms"] == pytest.approx(rig["calibrated_step_ms"] * 1.3)
+    assert rig["overrun_fraction"] == max(t["pace_overrun_fraction"] for t in summary.telemetry)
     warned = [r.getMessage() for r in caplog.records if "past their deadlines" in r.getMessage()]
     assert (
         len(warned) == 1 and "rank 0 (speed 1.0)" in warned[0] and "rank 1 (speed 0.5)" in warned[0]
@@ -102,4 +111,6 @@ def test_only_a_paced_run_spends_steps_on_calibration(tmp_path):
             .join(timeout=120)
         )
         counts[paced] = len(STEPS)
+        summary = json.loads((tmp_path / str(paced) / "summary.json").read_text())
+        assert (summary["rig"] is not None) == paced  # nothing paced: no nominal step to record
     assert counts == {False: 2 * 10, True: 2 * 10 + 1 + 3}

@@ -10,7 +10,14 @@ import matplotlib.image
 import pytest
 
 from flodl.monitor.metrics import RunSummary
-from flodl.monitor.report import differing_overrides, format_table, report_data, write_ab_report
+from flodl.monitor.report import (
+    calibration_warning,
+    differing_overrides,
+    format_table,
+    reference_nominal_ms,
+    report_data,
+    write_ab_report,
+)
 
 COMMON = ["model=mlp", "trainer.num_epochs=3"]
 ERROR = "RuntimeError: rank 1 died: CUDA out of memory. Tried to allocate 2.00 GiB | " + "x" * 200
@@ -97,7 +104,8 @@ def test_json_round_trips_with_speedups_against_solo(
     assert data["baseline"] == "0"
     assert [r["speedup"] for r in data["rows"]] == [1.0, 1.5, 2.5, None]
     expected = json.loads(json.dumps(rows))  # tuples become lists, nothing else changes
-    assert [{k: v for k, v in r.items() if k != "speedup"} for r in data["rows"]] == expected
+    added = ("speedup", "samples_per_s_t_matched")
+    assert [{k: v for k, v in r.items() if k not in added} for r in data["rows"]] == expected
 
 
 def test_speedup_falls_back_to_nccl_sync_then_to_none(rows: list[dict[str, Any]]) -> None:
@@ -151,3 +159,53 @@ def test_every_eval_metric_gets_a_column_after_the_fixed_ones() -> None:
     assert header.endswith("| speedup | eval_loss | f1 |")  # accuracy is the eval column
     assert body[1].endswith("| 0.3100 | 0.8800 |") and body[2].endswith("| 0.2500 | — |")
     assert report_data(rows)["rows"][1]["metrics"]["f1"] == 0.88
+
+
+def _rig(nominal_ms: float) -> dict[str, Any]:
+    return {
+        "calibrated_step_ms": nominal_ms / 1.3,
+        "pace_margin": 1.3,
+        "nominal_step_ms": nominal_ms,
+    }
+
+
+def test_rig_jobs_are_t_matched_to_the_baselines_nominal_step() -> None:
+    """A job paced to a 2.6x longer nominal step (a busier machine when it calibrated) shows
+    2.6x its raw throughput at the baseline's step, and the report warns naming both jobs."""
+    rows = [
+        _row("0", "nccl_sync", 20.0, [], rig=_rig(10.0)),
+        _row("1", "nccl_cadence", 30.0, [], rig=_rig(26.0)),
+    ]
+    data = report_data(rows)
+    assert data["reference_nominal_ms"] == 10.0
+    matched = [r["samples_per_s_t_matched"] for r in data["rows"]]
+    assert matched == [pytest.approx(1500.0), pytest.approx(1500.0 * 2.6)]
+    warning = calibration_warning(rows)
+    assert warning is not None and "2.60x" in warning
+    assert "job 1 (nccl_cadence) 26.0 ms" in warning and "job 0 (nccl_sync) 10.0 ms" in warning
+    assert data["calibration_warning"] == warning
+    table = format_table(rows)
+    assert "samples/s @T" in table.splitlines()[0]
+    assert "| 3900 |" in table
+
+
+def test_steps_within_ten_percent_or_off_the_rig_raise_no_warning() -> None:
+    close = [
+        _row("0", "nccl_sync", 20.0, [], rig=_rig(10.0)),
+        _row("1", "nccl_cadence", 15.0, [], rig=_rig(10.9)),
+    ]
+    assert calibration_warning(close) is None
+    assert reference_nominal_ms(close) == 10.0
+    off_rig = [_row("0", "nccl_sync", 20.0, []), _row("1", "nccl_cadence", 15.0, [])]
+    assert calibration_warning(off_rig) is None and reference_nominal_ms(off_rig) is None
+    assert "| — | 1.33x |" in format_table(off_rig)  # no T-matched figure, speedup as before
+
+
+def test_markdown_carries_the_calibration_warning(tmp_path: Path) -> None:
+    rows = [
+        _row("0", "solo", 30.0, [], rig=_rig(12.0)),
+        _row("1", "nccl_cadence", 12.0, [], rig=_rig(20.0)),
+    ]
+    text = write_ab_report(tmp_path, rows)["md"].read_text()
+    assert "**Warning:** calibrated nominal steps differ 1.67x" in text
+    assert "matched to one nominal step (12.0 ms)" in text

@@ -416,6 +416,7 @@ class Controller:
             stopped_early=self.stopped_early,
             best=self.saves.best.to_dict() if self.saves.best is not None else None,
             devices=self.opening.devices(),
+            calibrated_step_ms=self.opening.calibrated_step_ms(),
             stopped=self.stop_reason,
             saved=self.saves.saved,
             lost_ranks=list(self.members.lost),

@@ -87,6 +87,11 @@ class Opening:
     def missing(self) -> list[int]:
         return sorted(set(self.members.members) - self.ready.keys())
 
+    def calibrated_step_ms(self) -> float:
+        """The step the ranks agreed on in calibration (the slowest rank's, before the pace
+        margin); 0.0 when nothing is paced."""
+        return max((r.step_ms for r in self.ready.values()), default=0.0)
+
     def devices(self) -> list[str]:
         return [self.ready[r].device for r in range(self.world) if r in self.ready]
 

@@ -227,3 +227,4 @@ class ControllerResult:
     lost_ranks: list[int] = field(default_factory=list)
     save_error: str | None = None  # a checkpoint that could not be written (the run stopped)
     extra: dict[str, Any] = field(default_factory=dict)
+    calibrated_step_ms: float = 0.0  # CPU rig: the agreed step before the pace margin
