@@ -31,8 +31,10 @@ def _worker(rank: int, cfg: dict[str, Any], rendezvous: str, out: str) -> None:
 
     from bench.common import ModelFactory, OptimFactory, dataset_factory, evaluate_state, step_fn
     from bench.startup import stamp_first_step
+    from flodl.config.cluster import LinkConfig
     from flodl.data.source import epoch_permutation
-    from flodl.runtime.rank.pacing import Pacer, measure_step_s
+    from flodl.rig import links
+    from flodl.rig.pacing import Pacer, measure_step_s
 
     torch.set_num_threads(1)
     speeds = cfg["speeds"]
@@ -76,6 +78,9 @@ def _worker(rank: int, cfg: dict[str, Any], rendezvous: str, out: str) -> None:
         pacer.set_nominal(nominal)
 
         ddp = DistributedDataParallel(model)
+        if cfg.get("link"):  # the same modelled wire flodl's ranks cross (flodl/rig/links.py)
+            links.install(links.model_for(LinkConfig.model_validate(cfg["link"])))
+            ddp.register_comm_hook(None, links.ddp_comm_hook(world))
         optimizer = make_optim(ddp.parameters())
 
         def train_batch(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -139,8 +144,11 @@ def run_ddp(
     seed: int = 42,
     pace_margin: float = 1.3,
     warmup_steps: int = 8,
+    link: str | dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Train with DDP on the paced rig; rank 0's numbers (samples/s over all ranks)."""
+    """Train with DDP on the paced rig; rank 0's numbers (samples/s over all ranks). ``link``:
+    a ``cluster.link`` value; every bucket's all-reduce then pays the modelled wire through a
+    DDP communication hook, as flodl's collectives do."""
     import torch.multiprocessing as mp
 
     from bench.common import WORKLOADS
@@ -154,6 +162,7 @@ def run_ddp(
         "seed": seed,
         "pace_margin": pace_margin,
         "warmup_steps": warmup_steps,
+        "link": {"profile": link} if isinstance(link, str) else link,
     }
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="flodl-bench-ddp-") as tmp:

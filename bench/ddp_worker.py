@@ -77,7 +77,7 @@ def worker(
     from flodl.cli.app import build_dataset, build_model, build_optimizer
     from flodl.config import resolve_dotted, validate_run_config
     from flodl.data.source import epoch_permutation
-    from flodl.runtime.rank.pacing import Pacer, measure_step_s
+    from flodl.rig.pacing import Pacer, measure_step_s
 
     run_cfg = validate_run_config(plain)
     torch.set_num_threads(run_cfg.cluster.threads_per_rank or 1)

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from flodl.elche.weights import averaging_weights
+from flodl.rig import links
 from flodl.runtime.sync.averaging import FlatState, collective_average
 from flodl.runtime.wire.store import rendezvous_store
 
@@ -175,6 +176,7 @@ class Ddp:
             return
         flat = _flatten(tensors, _wire_dtype(tensors), self._device)
         dist.broadcast(flat, src=src)
+        links.broadcast(links.tensor_bytes(flat), self._world_size)
         _load(flat, tensors)
 
     def all_reduce_gradients(self) -> None:
@@ -223,6 +225,7 @@ class Ddp:
                 pieces.append(torch.zeros(b.numel(), dtype=dtype, device=self._device))
         flat = torch.cat(pieces)
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        links.all_reduce(links.tensor_bytes(flat), self._world_size)
         _load(flat, buffers)
 
     def average_params(self, weight: float | None = None) -> float:
@@ -292,6 +295,7 @@ class Ddp:
         n = flat.numel() - len(params)
         flat[:n].mul_(scale)
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        links.all_reduce(links.tensor_bytes(flat), self._world_size)
         pos = 0
         for p, any_rank_had in zip(params, flat[n:].tolist(), strict=True):
             piece = flat[pos : pos + p.numel()].view_as(p)

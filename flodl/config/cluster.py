@@ -40,6 +40,36 @@ class SshConfig(_Schema):
 
 _LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
 
+#: The rig's link profiles (figures in flodl/rig/links.py); ``none``: loopback, nothing charged.
+LinkProfile = Literal["none", "nvlink", "pcie_no_p2p", "10gbe", "1gbe"]
+
+
+class LinkConfig(_Schema):
+    """What the rig charges for moving bytes: a named profile, its figures replaced by explicit
+    ones, and (host clusters) the link between hosts. ``cluster.link=1gbe`` is shorthand for
+    ``{profile: 1gbe}``."""
+
+    profile: LinkProfile = Field("none", description="the wire every collective crosses")
+    bandwidth_gbps: float | None = Field(
+        None, gt=0, le=1e5, allow_inf_nan=False, description="Gbit/s per direction (replaces)"
+    )
+    latency_ms: float | None = Field(
+        None, ge=0, le=1e4, allow_inf_nan=False, description="per message or ring hop (replaces)"
+    )
+    between_hosts: LinkProfile | None = Field(
+        None, description="hosts clusters: the wire between hosts (collectives then cross it)"
+    )
+
+    @model_validator(mode="after")
+    def _figures_need_a_wire(self) -> LinkConfig:
+        if self.profile == "none" and self.latency_ms is not None and self.bandwidth_gbps is None:
+            raise ValueError("link.latency_ms without a profile or bandwidth_gbps: set either")
+        return self
+
+    @property
+    def charged(self) -> bool:
+        return self.profile != "none" or self.bandwidth_gbps is not None or bool(self.between_hosts)
+
 
 class WorkerConfig(_Schema):
     """One host of a multi-host cluster and the ranks it runs (global ranks in worker order)."""
@@ -176,11 +206,20 @@ class ClusterConfig(_Schema):
     memory_fraction: float = Field(
         0.9, gt=0.05, le=1.0, description="batch_sizes=auto: peak memory a probe step may use"
     )
+    link: LinkConfig = Field(
+        default_factory=LinkConfig,
+        description="the rig's link model: none, nvlink, pcie_no_p2p, 10gbe, 1gbe (or a dict)",
+    )
     shared_memory: bool = Field(
         True,
         description="ranks on the launcher's host exchange bulk tensors (cpu_* averages, final "
         "weights, checkpoints relayed) through /dev/shm instead of loopback TCP",
     )
+
+    @field_validator("link", mode="before")
+    @classmethod
+    def _link_shorthand(cls, v: Any) -> Any:
+        return {"profile": v} if isinstance(v, str) else v
 
     @field_validator("speeds")
     @classmethod

@@ -16,7 +16,7 @@ from functools import partial
 import pytest
 
 from flodl import ClusterConfig, ElCheConfig, LoggerConfig, Trainer
-from flodl.runtime.rank.pacing import Pacer
+from flodl.rig.pacing import Pacer
 from tests.integration.helpers import data, late_step, model_factory, optim_factory
 
 

@@ -67,6 +67,7 @@ SURFACE = {
         "controller",
         "heartbeat_timeout_s",
         "kind",
+        "link",
         "memory_fraction",
         "pace_margin",
         "ranks",

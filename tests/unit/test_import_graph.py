@@ -239,8 +239,12 @@ FOLDER_RULES: dict[str, tuple[str, ...]] = {
     ),
     "flodl.recipes": ("flodl.runtime", "flodl.cli", "flodl.job", "flodl.trainer"),
 }
-# ElChe may import only itself and its config.
-ELCHE_MAY_IMPORT = ("flodl.elche", "flodl.config")
+# Folders that sit below everything: ElChe (pure) and the rig's models import only themselves
+# and the config.
+BOTTOM_FOLDERS: dict[str, tuple[str, ...]] = {
+    "flodl.elche": ("flodl.elche", "flodl.config"),
+    "flodl.rig": ("flodl.rig", "flodl.config"),
+}
 MAX_MODULES_PER_FOLDER = 15
 
 
@@ -255,9 +259,10 @@ def folder_violations(graph: dict[str, set[str]]) -> list[str]:
             if not _inside(source, folder):
                 continue
             bad += [f"{source} -> {t}" for t in sorted(targets) for b in banned if _inside(t, b)]
-        if _inside(source, "flodl.elche"):
-            others = [t for t in targets if not any(_inside(t, ok) for ok in ELCHE_MAY_IMPORT)]
-            bad += [f"{source} -> {t}" for t in sorted(others)]
+        for folder, allowed in BOTTOM_FOLDERS.items():
+            if _inside(source, folder):
+                others = [t for t in targets if not any(_inside(t, ok) for ok in allowed)]
+                bad += [f"{source} -> {t}" for t in sorted(others)]
     return bad
 
 
@@ -266,9 +271,11 @@ def test_folder_rules_catch_an_upward_import() -> None:
         "flodl.runtime.wire.channel": {"flodl.runtime.controller.sums"},
         "flodl.runtime.rank.worker": {"flodl.runtime.sync.averaging"},
         "flodl.elche.cadence": {"flodl.config", "flodl.runtime.sync.groups"},
+        "flodl.rig.links": {"flodl.config.cluster", "flodl.runtime.wire.links"},
     }
     assert folder_violations(graph) == [
         "flodl.elche.cadence -> flodl.runtime.sync.groups",
+        "flodl.rig.links -> flodl.runtime.wire.links",
         "flodl.runtime.wire.channel -> flodl.runtime.controller.sums",
     ]
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from flodl.runtime.rank.pacing import in_place_ok, probe_model
+from flodl.rig.pacing import in_place_ok, probe_model
 
 
 def _net() -> nn.Module:

@@ -29,8 +29,9 @@ from flodl.data.loader import collate_for, data_path, eval_batches
 from flodl.data.residency import place
 from flodl.data.source import BatchSource, batch_samples, count_batches, resolve_dataset
 from flodl.monitor.metrics import drain_scalars
+from flodl.rig import links
+from flodl.rig.pacing import Pacer, measure_step_s, probe_model
 from flodl.runtime.rank import chaos
-from flodl.runtime.rank.pacing import Pacer, measure_step_s, probe_model
 from flodl.runtime.rank.spec import JobSpec, state_signature
 from flodl.runtime.sync import groups
 from flodl.runtime.sync.averaging import FlatState, collective_average
@@ -115,6 +116,7 @@ class Worker:
         self.mode = self.cfg.elche.mode
         self.distributed = spec.world_size > 1 and dist.is_available() and dist.is_initialized()
         self.pacer = Pacer(spec.speeds[rank] if spec.pace else 1.0)
+        links.install(links.model_for_rank(self.cfg.cluster, rank))  # cluster.link: the wire
         self._last_sync_ms: float | None = None
         self._last_divergence: float | None = None
         self._sync_started: float | None = None
@@ -353,6 +355,8 @@ class Worker:
                 groups.wait(work, self._doomed)
             else:  # NCCL: the control reader aborts the communicator on a new membership
                 work.wait()
+            charge = links.broadcast if broadcast else links.all_reduce
+            charge(links.tensor_bytes(t), dist.get_world_size())
         except groups.Abandoned as exc:
             failure, abandoned = str(exc), not exc.settled
         except (RuntimeError, dist.DistBackendError) as exc:

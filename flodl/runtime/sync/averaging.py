@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flodl.rig import links
 from flodl.runtime.sync import groups
 
 _SPAN = 1 << 22  # elements per step of a chunked pass over the flat state (16 MiB of float32)
@@ -121,6 +122,7 @@ def collective_average(
         )
     else:
         dist.all_reduce(scaled, op=dist.ReduceOp.SUM, group=group)
+    links.all_reduce(links.tensor_bytes(scaled), dist.get_world_size(group))
     divergence = state.divergence(state.current(), scaled) if measure else None
     state.load(scaled)
     return divergence
@@ -174,4 +176,5 @@ def broadcast_from(state: FlatState, src: int = 0, group: dist.ProcessGroup | No
     """Make every rank start from ``src``'s weights."""
     flat = state.flatten().to(state.params[0].device if state.params else "cpu")
     dist.broadcast(flat, src=src, group=group)
+    links.broadcast(links.tensor_bytes(flat), dist.get_world_size(group))
     state.load(flat)

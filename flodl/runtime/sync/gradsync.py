@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flodl.rig import links
 from flodl.runtime.sync import groups
 from flodl.runtime.sync.averaging import load_into, weighted_buffers
 
@@ -84,6 +85,7 @@ class GradSync:
         self._left = [len(ix) for ix in self.buckets]
         self._next = 0
         self._works: list[tuple[int, torch.Tensor, Any]] = []
+        self._link_s = 0.0  # unpaced: the buckets' modelled time (cluster.link), paid at the end
 
     def _ready(self, param: torch.Tensor) -> None:
         if not self.armed:
@@ -102,6 +104,19 @@ class GradSync:
             grads.append(g.detach().reshape(-1))
         flat = self._flat(b, grads).mul_(self.weight)  # a copy: the local gradients stay intact
         self._works.append((b, flat, dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)))
+        self._charge(flat)
+
+    def _charge(self, flat: torch.Tensor) -> None:
+        """The bucket crosses the modelled link (queued behind the ones before it); inside a
+        paced step it is placed on the simulated step's timeline when the step settles."""
+        link = links.installed()
+        if link is not None:
+            nbytes = links.tensor_bytes(flat)
+            seconds = link.wire.all_reduce_s(nbytes, dist.get_world_size())
+            if link.in_step():
+                link.reserve(seconds, nbytes)
+            else:
+                self._link_s += seconds
 
     def _flat(self, b: int, grads: list[torch.Tensor]) -> torch.Tensor:
         """``grads`` concatenated into bucket ``b``'s kept buffer (a new one when the bucket's
@@ -129,11 +144,15 @@ class GradSync:
             if self.buffers:
                 buffers = weighted_buffers(self.buffers, self.buffer_weight)
                 works.append(dist.all_reduce(buffers, async_op=True))
+                self._charge(buffers)
             for work in works:
                 if self._doomed is not None and dist.get_backend() == "gloo":
                     groups.wait(work, self._doomed)
                 else:
                     work.wait()
+            link = links.installed()
+            if link is not None and self._link_s:  # unpaced: after the real reductions
+                link.charge(self._link_s)
             for b, flat, _ in self._works:
                 self._write_back(b, flat)
             if self.buffers:  # landed only once every collective of the step succeeded

@@ -15,8 +15,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from flodl.rig import links as rig_links
 from flodl.runtime.wire.channel import Channel
-from flodl.runtime.wire.messages import Abort, Regroup, own_part
+from flodl.runtime.wire.messages import Abort, Average, Regroup, own_part
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +28,16 @@ def beat_interval_s(heartbeat_timeout_s: float) -> float:
     """How often a rank beats: every second, and well inside the timeout (a beat every 1 s
     against ``heartbeat_timeout_s=1`` dropped a rank whenever its thread ran a little late)."""
     return min(1.0, heartbeat_timeout_s / 4)
+
+
+def _charge_round_trip(msg: Average) -> None:
+    """cluster.link: an average is not here before its snapshot went up to the controller and
+    it came back down the modelled wire; the reader holds it (and what follows it on the
+    channel) until then, so a rank training on meanwhile (cpu_async) really trains on."""
+    link = rig_links.installed()
+    nbytes = rig_links.tensor_bytes(msg.flat) if hasattr(msg.flat, "element_size") else 0
+    if link is not None and nbytes:
+        rig_links.sleep_until(link.reserve(link.round_trip_s(nbytes, nbytes), 2 * nbytes, True))
 
 
 class _InboxLink:
@@ -207,6 +218,8 @@ class SocketLink(_InboxLink):
             msg = own_part(msg, self.rank)  # a CohortPlan: this rank's Plan of it
             if msg is None:
                 continue
+            if isinstance(msg, Average):
+                _charge_round_trip(msg)
             if isinstance(msg, Regroup) and msg.generation > self.announced_generation:
                 self.announced_generation = msg.generation
                 if self._on_regroup is not None:

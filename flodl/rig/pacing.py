@@ -19,6 +19,8 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from flodl.rig import links
+
 T = TypeVar("T")
 
 
@@ -44,16 +46,28 @@ class Pacer:
         self.nominal_s = nominal_s
 
     def run(self, step: Callable[[], T]) -> T:
-        if self.nominal_s is None:  # not paced (no CPU rig, or before calibration)
-            return step()
+        """Run one step and pad it to its deadline; with a modelled link (``cluster.link``) the
+        step also ends no sooner than its transfers do (placed on the simulated timeline)."""
+        link = links.installed()
+        if link is not None:
+            link.open_step()
         start = time.perf_counter()
         self._exempt_s = 0.0
-        out = step()
-        delay = start + self.nominal_s / self.speed - time.perf_counter()
-        if delay > 0:
-            time.sleep(delay)
-        else:
-            self.overrun_s += max(0.0, -delay - self._exempt_s)
+        try:
+            out = step()
+        except BaseException:
+            if link is not None:
+                link.settle_step(0.0, None)  # closed: the next step starts its own
+            raise
+        real_s = time.perf_counter() - start
+        if self.nominal_s is not None:  # paced (else: no CPU rig, or before calibration)
+            delay = start + self.nominal_s / self.speed - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            else:
+                self.overrun_s += max(0.0, -delay - self._exempt_s)
+        if link is not None:
+            links.sleep_until(link.settle_step(real_s, self.step_s))
         return out
 
     def exempt(self, seconds: float) -> None:
