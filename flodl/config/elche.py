@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -81,6 +81,11 @@ class ElCheConfig(_Schema):
     outer: Outer = Field(Outer.AVERAGE, description="outer optimizer on the averaged update")
     outer_lr: float = Field(0.7, gt=0, description="outer learning rate (outer=nesterov)")
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="outer momentum (outer=nesterov)")
+    compress: Literal["none", "bf16", "fp16", "int8"] = Field(
+        "none",
+        description="nccl_cadence: send each average's change in bf16/fp16 (half the bytes) or "
+        "int8 with error feedback (a quarter on 2 ranks); fp32 weights stay exact",
+    )
 
     @field_validator("partition_ratios")
     @classmethod
@@ -96,6 +101,12 @@ class ElCheConfig(_Schema):
             raise ValueError(f"min_anchor={lo} exceeds max_anchor={self.max_anchor}")
         if self.anchor > self.max_anchor:
             raise ValueError(f"anchor={self.anchor} exceeds max_anchor={self.max_anchor}")
+        if self.compress != "none" and self.mode is not Mode.NCCL_CADENCE:
+            raise ValueError(
+                f"compress={self.compress} applies to mode=nccl_cadence (mode={self.mode.value}: "
+                "nccl_sync reduces gradients; the cpu_* modes average on the controller, "
+                "uncompressed)"
+            )
         return self
 
     @property

@@ -65,6 +65,13 @@ class Wire:
         k = 2.0 if self.staged else 1.0
         return steps / world * nbytes * k / self._bytes_per_s + steps * self.latency_ms / 1e3
 
+    def all_gather_s(self, nbytes: int, world: int) -> float:
+        """Ring all-gather of ``nbytes`` from each rank: each receives the others' ``N-1``."""
+        if world <= 1 or nbytes <= 0:
+            return 0.0
+        k = 2.0 if self.staged else 1.0
+        return (world - 1) * (nbytes * k / self._bytes_per_s + self.latency_ms / 1e3)
+
     def broadcast_s(self, nbytes: int, world: int) -> float:
         """Pipelined broadcast down a chain of ranks."""
         if world <= 1 or nbytes <= 0:

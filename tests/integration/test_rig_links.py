@@ -9,6 +9,7 @@ from functools import partial
 from typing import Any
 
 import pytest
+import torch
 
 from flodl import ClusterConfig, ElCheConfig, LoggerConfig, Trainer, TrainerConfig
 from flodl.config.cluster import LinkConfig
@@ -86,16 +87,17 @@ def test_nccl_sync_pays_each_steps_gradient_all_reduce(tmp_path):
     assert per_step_s >= 0.7 * 0.020
 
 
-def test_a_rank_lost_on_a_slow_link_is_survived(tmp_path, monkeypatch):
-    """A slow link x a lost rank x checkpoints, 3 ranks: the survivors regroup and finish with
-    exact coverage."""
+def test_a_rank_lost_on_a_slow_link_with_compression_is_survived(tmp_path, monkeypatch):
+    """A slow link x int8 averages x a lost rank x checkpoints, 3 ranks: the survivors regroup
+    (their next average goes whole: they may not share the last one) and finish with exact
+    coverage and finite weights."""
     monkeypatch.setenv("FLODL_CHAOS", "2:report:2")
     handle = (
         Trainer.builder(model_factory, optim_factory, classification_step)
         .dataset(partial(data, "train", 1536))
         .batch_size(32)
         .num_epochs(2)
-        .elche(ElCheConfig(mode="nccl_cadence"))
+        .elche(ElCheConfig(mode="nccl_cadence", compress="int8"))
         .cluster(
             ClusterConfig(
                 kind="cpu_rig", ranks=3, speeds=[1.0, 0.5, 0.5], warmup_steps=3, link=SLOW
@@ -111,3 +113,26 @@ def test_a_rank_lost_on_a_slow_link_is_survived(tmp_path, monkeypatch):
     assert result.summary.status == "ok"
     assert result.summary.lost_ranks == [2]
     assert result.coverage_exact
+    assert all(bool(torch.isfinite(p).all()) for p in result.state.params.values())
+
+
+def test_compressed_averages_train_like_whole_ones(tmp_path):
+    """nccl_cadence on the slow wire at a fixed cadence (fixed anchor and shares: the same
+    windows whatever the timing), each average's change sent whole, in bf16 and in int8: only
+    the rounding of the changes differs: the final weights stay within 0.5 % of the whole
+    run's (bf16; measured 0.07 %) and 1.5 % (int8; 0.24 %), the loss within 2 % (0.3 %)."""
+    fixed = {"anchor": 8, "min_anchor": 8, "max_anchor": 8, "partition_ratios": [0.5, 0.5]}
+    runs = {
+        c: _run(tmp_path / c, "nccl_cadence", SLOW, compress=c, meta_controller=False, **fixed)
+        for c in ("none", "bf16", "int8")
+    }
+    base = runs["none"]
+    flat = torch.cat([p.reshape(-1) for p in base.state.params.values()])
+    for kind, bound in (("bf16", 0.005), ("int8", 0.015)):
+        got = runs[kind]
+        assert got.summary.status == "ok" and got.coverage_exact
+        assert got.summary.syncs == base.summary.syncs  # the same windows
+        other = torch.cat([p.reshape(-1) for p in got.state.params.values()])
+        drift = float((other - flat).norm() / flat.norm())
+        assert 0 < drift < bound, (kind, drift)
+        assert got.summary.final_loss == pytest.approx(base.summary.final_loss, rel=0.02)

@@ -45,6 +45,7 @@ SURFACE = {
     ],
     "ElCheConfig": [
         "anchor",
+        "compress",
         "divergence_threshold",
         "easgd_alpha",
         "gamma",

@@ -195,7 +195,11 @@ def test_a_collective_of_known_size_takes_its_modelled_time() -> None:
         rendezvous = f"file://{Path(tmp) / 'rdv'}"
         cmd = [sys.executable, "-m", "tests.unit.test_rig_links", rendezvous, str(out)]
         ranks = [subprocess.Popen([*cmd, str(r)]) for r in (0, 1)]
-        assert [p.wait(timeout=120) for p in ranks] == [0, 0]
+        try:
+            assert [p.wait(timeout=120) for p in ranks] == [0, 0]
+        finally:
+            for p in ranks:
+                p.kill()
         result = json.loads(out.read_text())
     expected = links.model_for(SLOW).wire.all_reduce_s(4 * N_FLOATS, 2)  # 320.2 ms
     flodl, ddp = result["flodl"], result["ddp"]

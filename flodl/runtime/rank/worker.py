@@ -35,6 +35,7 @@ from flodl.runtime.rank import chaos
 from flodl.runtime.rank.spec import JobSpec, state_signature
 from flodl.runtime.sync import groups
 from flodl.runtime.sync.averaging import FlatState, collective_average
+from flodl.runtime.sync.compress import Compressor
 from flodl.runtime.sync.gradsync import GradSync
 from flodl.runtime.sync.outer import make_outer
 from flodl.runtime.wire.messages import (
@@ -129,6 +130,7 @@ class Worker:
         self._unaveraged = -1  # a window whose averaging failed, until the controller knows
         self._step = 0  # this rank's optimizer steps so far (per-step logging)
         self.grad_sync: GradSync | None = None  # nccl_sync's gradient all-reduce (built later)
+        self.compressor: Compressor | None = None  # elche.compress (built later)
         self._grad_window = False  # this window's gradients are all-reduced in backward
         self._grad_failed = False  # ...and that all-reduce failed (a peer is gone)
 
@@ -154,6 +156,8 @@ class Worker:
             self.grad_sync = GradSync(self.model, doomed=self._doomed, buffers=self.state.buffers)
         self._scale_lr()
         self.outer = make_outer(self.cfg.elche, self.state.n_params)
+        compress = self.cfg.elche.compress
+        self.compressor = Compressor(compress) if compress != "none" else None
         dataset = resolve_dataset(self.spec.dataset)
         self.batch_size = self._own_batch_size(dataset)
         if self.batch_size > len(dataset):
@@ -507,6 +511,8 @@ class Worker:
         model = load_shard(msg.model) if isinstance(msg.model, str) else msg.model
         state = load_shard(msg.state) if isinstance(msg.state, str) else msg.state
         self.model.load_state_dict({**model["params"], **model["buffers"]})
+        if self.compressor is not None:
+            self.compressor.invalidate()
         if self.outer is not None:
             self.outer.reset(self.state.current())  # reset copies
             saved = model.get("outer") or {}
@@ -770,6 +776,8 @@ class Worker:
                 return False
             if self.outer is not None:
                 self._outer_step()
+                if self.compressor is not None:  # the same step on every rank: still shared
+                    self.compressor.reset(self.state.current())
             if before is not None:
                 self._last_divergence = self.state.divergence(before, self.state.current())
             return True
@@ -805,12 +813,20 @@ class Worker:
 
         def average() -> None:
             divergence = collective_average(
-                self.state, weight, buffer_weight, doomed=self._doomed, measure=measure
+                self.state,
+                weight,
+                buffer_weight,
+                doomed=self._doomed,
+                measure=measure,
+                compressor=self.compressor,
             )
             if divergence is not None:
                 self._last_divergence = divergence
 
-        return self._collective(average, "averaging")
+        averaged = self._collective(average, "averaging")
+        if not averaged and self.compressor is not None:
+            self.compressor.invalidate()  # the survivors may not share the last average now
+        return averaged
 
     def _collective(self, run: Callable[[], Any], what: str) -> bool:
         """Run one of the step's collectives; False when a peer is gone (the group released)."""
@@ -861,6 +877,8 @@ class Worker:
             return
         chaos.point("regroup", self.rank)
         self.generation = msg.generation
+        if self.compressor is not None:  # the survivors' next average goes whole
+            self.compressor.invalidate()
         self._void_after = msg.last_window
         self._outstanding = [w for w in self._outstanding if w <= msg.last_window]
         self._whole.intersection_update(self._outstanding)

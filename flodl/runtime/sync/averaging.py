@@ -16,6 +16,7 @@ from torch import nn
 
 from flodl.rig import links
 from flodl.runtime.sync import groups
+from flodl.runtime.sync.compress import Compressor
 
 _SPAN = 1 << 22  # elements per step of a chunked pass over the flat state (16 MiB of float32)
 
@@ -105,13 +106,26 @@ def collective_average(
     group: dist.ProcessGroup | None = None,
     doomed: Callable[[], bool] | None = None,
     measure: bool = False,
+    compressor: Compressor | None = None,
 ) -> float | None:
     """Weighted all-reduce of the flat state: one collective whatever the model. The reduction
     runs on a scaled copy and lands only when it succeeded: a collective that fails half way
     (a peer died) leaves the rank's weights as they were, not scaled or partly summed. With
     ``doomed``, a gloo collective is given up (:class:`groups.Abandoned`) once it says so.
     ``measure``: return the divergence of the rank's weights from the average, taken before the
-    average lands (so no pre-average copy of the weights is needed for the guard)."""
+    average lands (so no pre-average copy of the weights is needed for the guard).
+    ``compressor`` (``elche.compress``): only the weighted change since the last average travels,
+    in fewer bytes; the first average (and the first after the ranks may disagree on the last
+    one) goes uncompressed and sets the reference."""
+    if compressor is not None and compressor.ref is not None:
+        flat = state.flatten()
+        averaged = compressor.average(
+            flat, weight, buffer_weight, state.n_params, group=group, doomed=doomed
+        )
+        divergence = state.divergence(state.current(), averaged) if measure else None
+        state.load(averaged)
+        compressor.reset(averaged)
+        return divergence
     with torch.no_grad():
         scaled = state.flatten()
         scaled[: state.n_params] *= weight
@@ -125,6 +139,8 @@ def collective_average(
     links.all_reduce(links.tensor_bytes(scaled), dist.get_world_size(group))
     divergence = state.divergence(state.current(), scaled) if measure else None
     state.load(scaled)
+    if compressor is not None:
+        compressor.reset(scaled)
     return divergence
 
 
