@@ -145,11 +145,32 @@ def evaluate_state(name: str, state_dict: dict[str, Any], **dataset_overrides: A
     return float(eval_fn(name)(model, inputs, target))
 
 
-def elche_preset(mode: str) -> Any:
-    """``conf/elche/<mode>.yaml`` as an ``ElCheConfig`` (what ``run.py elche=<mode>`` gets)."""
+def elche_preset(mode: str, **knobs: Any) -> Any:
+    """``conf/elche/<mode>.yaml`` as an ``ElCheConfig`` (what ``run.py elche=<mode>`` gets),
+    ``knobs`` on top."""
     from flodl.config import ElCheConfig
 
-    return ElCheConfig.preset(mode)  # the YAML states only what it changes from the schema
+    return ElCheConfig.preset(mode, **knobs)  # the YAML states only what it changes
+
+
+#: Baselines that are flodl configurations, not flodl's modes: what a variant name means.
+#: ``diloco``: a fixed number of inner steps on every rank (the slow one sets the pace), then
+#: an outer Nesterov step on the averaged update (DiLoCo's outer optimizer), ElChe off.
+#: ``fixed_cadence``: local steps in proportion to the known speeds at a fixed cadence (the
+#: "perfect ElChe without control", DyLU-style). ``nccl_cadence_<c>``: compressed averages.
+def variant_elche(variant: str, speeds: Sequence[float] | None, anchor: int = 20) -> Any:
+    fixed = {"anchor": anchor, "min_anchor": anchor, "max_anchor": anchor, "meta_controller": False}
+    n = len(speeds) if speeds else 1
+    if variant == "diloco":
+        return elche_preset(
+            "nccl_cadence", **fixed, partition_ratios=[1.0] * n, outer="nesterov", guard="none"
+        )
+    if variant == "fixed_cadence":
+        ratios = list(speeds) if speeds else [1.0]
+        return elche_preset("nccl_cadence", **fixed, partition_ratios=ratios, guard="none")
+    if variant.startswith("nccl_cadence_"):
+        return elche_preset("nccl_cadence", compress=variant.removeprefix("nccl_cadence_"))
+    return elche_preset(variant)
 
 
 # --- one flodl run --------------------------------------------------------------------------------
@@ -202,6 +223,8 @@ def run_flodl(
     eval_every: int | None = None,
     dataset_overrides: dict[str, Any] | None = None,
     with_eval: bool = True,
+    link: Any = None,
+    fixed_anchor: int = 20,
 ) -> dict[str, Any]:
     """Train ``name`` once with the flodl Trainer and return what the benchmarks tabulate.
 
@@ -215,7 +238,11 @@ def run_flodl(
     if cluster_kind == "cpu_rig":
         assert speeds is not None
         cluster = ClusterConfig(
-            kind="cpu_rig", ranks=len(speeds), speeds=list(speeds), pace_margin=pace_margin
+            kind="cpu_rig",
+            ranks=len(speeds),
+            speeds=list(speeds),
+            pace_margin=pace_margin,
+            link=link or "none",
         )
     else:
         cluster = ClusterConfig(kind="auto")
@@ -243,7 +270,7 @@ def run_flodl(
             builder.batch_size(batch_size)
             .num_epochs(epochs)
             .seed(seed)
-            .elche(elche_preset(mode))
+            .elche(variant_elche(mode, speeds, fixed_anchor))
             .cluster(cluster)
             .logger(LoggerConfig(progress="off", tensorboard=False, level="WARNING"))
             .metrics_fn(on_epoch)

@@ -42,7 +42,9 @@ WORKLOAD = "lenet"
 BATCH = 64
 PACE_MARGIN = 1.3
 SEED = 42
-VARIANTS = ("solo_fast", "solo_slow", "ddp", *MODES)
+#: flodl configurations measured beside the modes (bench.common.variant_elche says what each is)
+BASELINES = ("nccl_cadence_bf16", "nccl_cadence_int8", "diloco", "fixed_cadence")
+VARIANTS = ("solo_fast", "solo_slow", "ddp", *MODES, *BASELINES)
 
 
 def run_one(payload: dict[str, Any]) -> dict[str, Any]:
@@ -59,6 +61,7 @@ def run_one(payload: dict[str, Any]) -> dict[str, Any]:
             batch_size=batch,
             seed=SEED,
             pace_margin=PACE_MARGIN,
+            link=payload.get("link"),
         )
     from bench.common import run_flodl
 
@@ -70,6 +73,8 @@ def run_one(payload: dict[str, Any]) -> dict[str, Any]:
         speeds=speeds,
         pace_margin=PACE_MARGIN,
         seed=SEED,
+        link=payload.get("link"),
+        fixed_anchor=payload.get("fixed_anchor", 20),
     )
 
 
@@ -229,7 +234,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workload", default=WORKLOAD, help="a bench.common workload")
     parser.add_argument("--batch-size", type=int, default=BATCH, help="per rank")
     parser.add_argument(
-        "--variants", nargs="+", default=None, help="only these modes (and ddp, solo)"
+        "--variants",
+        nargs="+",
+        default=None,
+        help=f"only these modes (and ddp, solo); baselines: {', '.join(BASELINES)}",
+    )
+    parser.add_argument(
+        "--link", default=None, help="cluster.link profile every 2-rank run (and DDP) crosses"
+    )
+    parser.add_argument(
+        "--fixed-anchor", type=int, default=20, help="diloco / fixed_cadence: batches per window"
     )
     args = parser.parse_args(argv)
     if args.quick:
@@ -255,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
                 "epochs": args.epochs,
                 "workload": args.workload,
                 "batch_size": args.batch_size,
+                "link": args.link,
+                "fixed_anchor": args.fixed_anchor,
             }
             quiet = wait_quiet(args.quiet_cores, args.max_wait)
             t0 = time.perf_counter()
@@ -290,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
                 "repeats": len(repeats),
                 "repeats_requested": args.repeats,
                 "rigs": rigs,
+                "link": args.link or "none",
+                "fixed_anchor": args.fixed_anchor,
                 "quick": args.quick,
                 "quiet_cores": args.quiet_cores,
                 "max_wait_s": args.max_wait,

@@ -54,7 +54,7 @@ def one_row(ranks: int, scenario: str, args: argparse.Namespace) -> dict[str, An
             epochs=args.epochs,
             batches_per_rank=args.batches_per_rank,
             work=Workload(),
-            comm=RingAllReduce(),
+            comm=RingAllReduce(link=getattr(args, "link", None)),
             seed=args.seed,
         )
         result = sim.run()
@@ -129,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="short epochs; write nothing")
     parser.add_argument(
+        "--link", default=None, help="a cluster.link profile for the all-reduce (rig's model)"
+    )
+    parser.add_argument(
         "--real", nargs="*", default=["hetero"], help="bench.hetero result stems to check against"
     )
     args = parser.parse_args(argv)
@@ -160,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             "timing_repeats": args.timing_repeats,
             "seed": args.seed,
             "workload": Workload().to_dict(),
-            "allreduce": RingAllReduce().to_dict(),
+            "allreduce": RingAllReduce(link=args.link).to_dict(),
             "latency_ms": 0.2,
             "reference_iterations": REFERENCE_ITERATIONS,
             "bench_wall_s": round(time.perf_counter() - t0, 1),
@@ -169,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "real_check": checks,
     }
-    log(f"wrote {write_result('scale_sim', data)}")
+    stem = f"scale_sim_{args.link}" if args.link else "scale_sim"
+    log(f"wrote {write_result(stem, data)}")
     return 0
 
 

@@ -11,23 +11,35 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
+
+from flodl.rig.links import wire_for
 
 
 @dataclass(frozen=True)
 class RingAllReduce:
-    """Ring all-reduce of ``n_bytes`` over ``n`` ranks: ``alpha + 2(n-1)/n * bytes/beta``."""
+    """Ring all-reduce of ``n_bytes`` over ``n`` ranks: ``alpha + 2(n-1)/n * bytes/beta``, or,
+    with ``link`` (a ``cluster.link`` profile), the rig's own link model (flodl/rig/links.py:
+    ``2(n-1)/n * bytes * k / bw + 2(n-1) * latency``), so simulated and rig runs pay alike."""
 
     alpha_ms: float = 0.05  # fixed latency of one collective
     beta_gb_s: float = 12.5  # bus bandwidth, GB/s (100 Gb/s links)
     n_bytes: int = 4 * 25_000_000  # 25 M fp32 parameters
+    link: str | None = None
 
     def ms(self, n: int) -> float:
         if n < 2:
             return 0.0
+        if self.link is not None:
+            wire = wire_for(self.link)
+            return 0.0 if wire is None else wire.all_reduce_s(self.n_bytes, n) * 1e3
         return self.alpha_ms + 2.0 * (n - 1) / n * self.n_bytes / (self.beta_gb_s * 1e9) * 1e3
 
-    def to_dict(self) -> dict[str, float]:
-        return {"alpha_ms": self.alpha_ms, "beta_gb_s": self.beta_gb_s, "n_bytes": self.n_bytes}
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"n_bytes": self.n_bytes}
+        if self.link is not None:
+            return out | {"link": self.link}
+        return out | {"alpha_ms": self.alpha_ms, "beta_gb_s": self.beta_gb_s}
 
 
 SpeedFn = Callable[[int, float], float]  # (rank, virtual ms) -> relative speed

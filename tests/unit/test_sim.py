@@ -86,3 +86,14 @@ def test_ring_allreduce_cost_and_the_yardsticks():
     free = RingAllReduce(alpha_ms=0.0, n_bytes=0)
     # Lock-step: 2 batches per 25 ms (the slow rank's pace).
     assert lockstep_ms(1400, flat, 2, work, free, math.inf) == pytest.approx(70 * 25.0)
+
+
+def test_the_simulator_takes_the_rigs_link_model():
+    """``RingAllReduce(link=...)`` costs a collective as the rig charges it (flodl/rig/links.py),
+    so a simulated 10 GbE cluster and a rig run on ``cluster.link=10gbe`` pay alike."""
+    from flodl.rig.links import wire_for
+
+    comm = RingAllReduce(n_bytes=10**8, link="10gbe")
+    assert comm.ms(32) == pytest.approx(wire_for("10gbe").all_reduce_s(10**8, 32) * 1e3)
+    assert comm.ms(1) == 0.0 and RingAllReduce(n_bytes=10**8, link="none").ms(8) == 0.0
+    assert comm.to_dict() == {"n_bytes": 10**8, "link": "10gbe"}
