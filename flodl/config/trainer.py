@@ -87,7 +87,13 @@ class TrainerKnobs(_Schema):
         None, description="ranks that may be lost (count or 'N%') before save-and-stop; null: any"
     )
     max_nonfinite: int = Field(
-        10, ge=0, description="NaN/inf losses skipped (with a warning) before the run stops"
+        10,
+        ge=0,
+        description="steps with NaN/inf loss or gradients skipped (warned) before the run stops",
+    )
+    on_rank_error: Literal["fail", "drop"] = Field(
+        "fail",
+        description="an exception of the user's code on a rank: fail the job, or drop the rank",
     )
     precision: Literal["32", "bf16-mixed", "16-mixed"] = Field(
         "32", description="32 (fp32), bf16-mixed (autocast) or 16-mixed (fp16 + GradScaler, CUDA)"
