@@ -49,7 +49,7 @@ class TrainerKnobs(_Schema):
         return _check_max_failure(v)
 
     @model_validator(mode="after")
-    def _best_needs_path(self) -> TrainerKnobs:
+    def _saves_need_a_path(self) -> TrainerKnobs:
         return _check_save_best(self)
 
     lr_scale_ratio: float = Field(
@@ -110,6 +110,11 @@ class TrainerKnobs(_Schema):
 
 
 def _check_save_best(knobs: TrainerKnobs) -> TrainerKnobs:
+    if knobs.checkpoint_every is not None and knobs.save_path is None:
+        raise ValueError(
+            f"checkpoint_every={knobs.checkpoint_every} needs trainer.save_path (nothing would "
+            "be saved): set trainer.save_path to a bundle stem, or trainer.checkpoint_every=null"
+        )
     if knobs.save_best is not None and knobs.save_path is None:
         raise ValueError(
             "save_best needs trainer.save_path: the best bundle is written beside it as "
