@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import logging
 import math
 import os
 import threading
@@ -21,6 +22,8 @@ from typing import Any, Protocol
 
 from flodl.config import LoggerConfig, MlflowConfig, WandbConfig
 from flodl.monitor.metrics import EpochMetrics
+
+log = logging.getLogger(__name__)
 
 _RANK_STATS = (
     "loss",
@@ -178,7 +181,12 @@ class Loggers:
     def build(cls, cfg: LoggerConfig, job_dir: Path, params: Mapping[str, Any]) -> Loggers:
         loggers: list[ScalarLogger] = []
         if cfg.csv:
-            loggers.append(CsvLogger(job_dir / "metrics.csv"))
+            try:
+                loggers.append(CsvLogger(job_dir / "metrics.csv"))
+            except OSError as exc:  # a full disk at the start: the run goes on without it
+                from flodl.monitor.failures import write_failure
+
+                log.warning("%s; csv logging is off", write_failure(exc, job_dir / "metrics.csv"))
         if cfg.wandb is not None:
             loggers.append(WandbLogger(cfg.wandb, job_dir, params))
         if cfg.mlflow is not None:
@@ -194,11 +202,30 @@ class Loggers:
 
     def _log(self, scalars: Mapping[str, float], step: int, kind: str) -> None:
         with self._lock:
-            for logger in self.loggers:
-                logger.log(scalars, step, kind)
+            for logger in list(self.loggers):
+                try:
+                    logger.log(scalars, step, kind)
+                except Exception as exc:  # a full disk, a lost server: never stops training
+                    self.loggers.remove(logger)
+                    _degrade(logger, exc)
 
     def close(self) -> None:
         with self._lock:
             loggers, self.loggers = self.loggers, []
         for logger in loggers:
-            logger.close()
+            try:
+                logger.close()
+            except Exception as exc:
+                _degrade(logger, exc)
+
+
+def _degrade(logger: ScalarLogger, exc: Exception) -> None:
+    """One warning for a logger whose write failed; it is off for the rest of the run."""
+    from flodl.monitor.failures import write_failure
+
+    where = getattr(logger, "path", None) or type(logger).__name__
+    log.warning("%s; %s is off for the rest of the run", write_failure(exc, where), _name(logger))
+
+
+def _name(logger: ScalarLogger) -> str:
+    return type(logger).__name__.removesuffix("Logger").lower() + " logging"
