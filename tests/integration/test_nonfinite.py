@@ -68,6 +68,7 @@ def _finite(tensors) -> bool:
         ("nccl_sync", {}),
         ("cpu_async", {}),
         ("nccl_cadence", {"max_grad_norm": 1.0}),  # clipping used to spread the NaN as well
+        ("nccl_cadence", {"precision": "bf16-mixed"}),
     ],
 )
 def test_a_nan_gradient_on_one_rank_is_skipped_and_never_spreads(tmp_path, mode, trainer):

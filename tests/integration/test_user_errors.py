@@ -116,3 +116,31 @@ def test_on_rank_error_drop_loses_only_the_failing_rank(tmp_path):
     assert summary["status"] == "ok" and summary["lost_ranks"] == [1]
     assert handle.result.coverage_exact
     assert "ValueError: rank 1's own bad batch" in (handle.job_dir / "rank_1.log").read_text()
+
+
+def failing_metrics_fn(metrics) -> None:
+    raise RuntimeError("my callback broke")
+
+
+def test_a_callback_exception_fails_the_job(tmp_path):
+    """metrics_fn runs on the launcher: its exception fails the job, status failed."""
+    builder = (
+        Trainer.builder(model_factory, optim_factory, classification_step)
+        .batch_size(32)
+        .num_epochs(2)
+        .cluster(ClusterConfig(kind="cpu_rig", ranks=2, speeds=[1.0, 0.5], warmup_steps=3))
+        .logger(LoggerConfig(progress="off", tensorboard=False))
+    )
+    handle = Trainer.run(
+        model_factory,
+        optim_factory,
+        classification_step,
+        builder.build_config(),
+        dataset=partial(data, "train", 768),
+        metrics_fn=failing_metrics_fn,
+        job_dir=tmp_path / "job",
+    )
+    with pytest.raises(RuntimeError, match="my callback broke"):
+        handle.join(timeout=120)
+    summary = _summary(handle)
+    assert summary["status"] == "failed" and "my callback broke" in summary["error"]

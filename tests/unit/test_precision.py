@@ -185,3 +185,15 @@ def test_resuming_from_a_non_finite_bundle_is_refused(tmp_path):
     bad = _bundle_with(tmp_path / "bad", torch.tensor([[1.0, float("nan"), 0.0, 0.0]]))
     with pytest.raises(CheckpointError, match=r"weights are NaN/inf \(weight, epoch 1\); refused"):
         ResumePoint.load(bad)
+
+
+def test_the_launcher_refuses_a_non_finite_resume_bundle_with_exit_2(tmp_path):
+    """The preflight every launch runs (before any rank): a ConfigError naming the key."""
+    from flodl.config import ConfigError, TrainerConfig
+    from flodl.preflight import check_run
+
+    bad = _bundle_with(tmp_path, torch.tensor([[float("inf"), 0.0, 0.0, 0.0]]))
+    with pytest.raises(ConfigError) as info:
+        check_run(TrainerConfig(resume_from=bad, num_epochs=3), world_size=2)
+    assert str(info.value).startswith(f"trainer.resume_from={bad}: the bundle's weights are")
+    assert info.value.exit_code == 2
