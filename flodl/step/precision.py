@@ -73,7 +73,7 @@ class StepRunner:
         self.pending = 0
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
-        finite = self._finite_and_clipped(model)
+        finite = self.check_gradients(model)
         if self.scaler is not None:
             if finite:  # the scaler found no inf either: it steps (its own check agrees)
                 self.scaler.step(optimizer)
@@ -83,7 +83,7 @@ class StepRunner:
         optimizer.zero_grad(set_to_none=True)
         return finite
 
-    def _finite_and_clipped(self, model: nn.Module) -> bool:
+    def check_gradients(self, model: nn.Module) -> bool:
         """One fused norm over every gradient: False when it is NaN/inf (nothing is clipped
         then); else clip to ``max_grad_norm`` with that norm. A non-finite gradient must never
         reach the optimizer: one NaN step poisons the weights and, through the next average,

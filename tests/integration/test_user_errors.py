@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import time
 from functools import partial
 
@@ -88,7 +89,7 @@ def test_a_train_step_exception_fails_the_job_with_its_cause(tmp_path, mode):
     message = str(failed.value)
     where = r"\(at tests/integration/test_user_errors\.py:\d+ in buggy_step\)"
     pattern = rf"^rank [01] failed: ValueError: logits and targets disagree: .* {where}$"
-    assert __import__("re").match(pattern, message), message
+    assert re.match(pattern, message), message
     summary = _summary(handle)
     assert summary["status"] == "failed" and summary["error"] == message
     assert summary["lost_ranks"] == []
@@ -144,3 +145,49 @@ def test_a_callback_exception_fails_the_job(tmp_path):
         handle.join(timeout=120)
     summary = _summary(handle)
     assert summary["status"] == "failed" and "my callback broke" in summary["error"]
+
+
+class CorruptSample(torch.utils.data.Dataset):
+    """A user's dataset whose sample 700 cannot be read (on whichever rank draws it)."""
+
+    def __init__(self) -> None:
+        self.x, self.y = data("train", 768).tensors
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int):
+        if i == 700:
+            raise ValueError("sample 700: truncated record")
+        return self.x[i], self.y[i]
+
+
+def corrupt_dataset() -> CorruptSample:
+    return CorruptSample()
+
+
+def test_a_dataset_exception_fails_the_job(tmp_path):
+    builder = (
+        Trainer.builder(model_factory, optim_factory, classification_step)
+        .batch_size(32)
+        .num_epochs(1)
+        .cluster(ClusterConfig(kind="cpu_rig", ranks=2, speeds=[1.0, 0.5], warmup_steps=3))
+        .logger(LoggerConfig(progress="off", tensorboard=False))
+    )
+    handle = Trainer.run(
+        model_factory,
+        optim_factory,
+        classification_step,
+        builder.build_config(),
+        dataset=corrupt_dataset,
+        job_dir=tmp_path / "job",
+    )
+    with pytest.raises(RunFailed) as failed:
+        handle.join(timeout=120)
+    message = str(failed.value)
+    assert re.match(
+        r"^rank [01] failed: ValueError: .*sample 700.*"
+        r"\(at tests/integration/test_user_errors\.py:\d+ in __getitem__\)$",
+        message,
+    ), message
+    assert _summary(handle)["status"] == "failed" and _summary(handle)["lost_ranks"] == []

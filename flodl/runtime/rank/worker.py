@@ -275,6 +275,7 @@ class Worker:
             with blame.user_code("train_step"), self.runner.autocast():
                 loss = self.spec.train_step(probe, next(batches))
             loss.backward()
+            self.runner.check_gradients(probe)  # every step pays it: timed too (verdict unused)
             optimizer.step()
 
         # Measure together: a rank still importing or loading data would otherwise steal the
