@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import io
 import logging
 import math
 import os
@@ -68,20 +69,32 @@ class ScalarLogger(Protocol):
 
 
 class CsvLogger:
-    """``<job>/metrics.csv`` in long form: ``kind,step,name,value`` (kind: epoch or step)."""
+    """``<job>/metrics.csv`` in long form: ``kind,step,name,value`` (kind: epoch or step).
+
+    The file is always a whole CSV: it is rewritten atomically (temp + rename) after every
+    epoch and at the end, with step rows held in between, so a full disk leaves the last
+    complete file rather than a cut line (issue 41)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._file = open(path, "w", newline="", encoding="utf-8")  # noqa: SIM115
-        self._writer = csv.writer(self._file)
+        self._rows = io.StringIO()
+        self._writer = csv.writer(self._rows)
         self._writer.writerow(["kind", "step", "name", "value"])
+        self._publish()  # the header now: a directory without room says so at the start
 
     def log(self, scalars: Mapping[str, float], step: int, kind: str) -> None:
         self._writer.writerows([kind, step, name, repr(v)] for name, v in scalars.items())
-        self._file.flush()
+        if kind == "epoch":
+            self._publish()
+
+    def _publish(self) -> None:
+        from flodl.checkpoint.store import write_atomic
+
+        data = self._rows.getvalue().encode("utf-8")
+        write_atomic(self.path, lambda f: f.write(data))
 
     def close(self) -> None:
-        self._file.close()
+        self._publish()
 
 
 def _missing(package: str, key: str) -> ImportError:

@@ -5,6 +5,7 @@ failed-job count counts a summary it cannot read. A fault-injection seam everywh
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -116,3 +117,23 @@ def test_the_failed_job_count_counts_unreadable_and_missing_summaries(tmp_path):
     _job(tmp_path, "3", None)  # could not be written at all
     _job(tmp_path, "4", json.dumps({"status": "failed"}).encode())
     assert count_failed(tmp_path, since) == 4
+
+
+def test_metrics_csv_stays_whole_when_the_disk_fills(tiny_tmpfs, caplog):
+    """metrics.csv is rewritten atomically each epoch: a full disk keeps the last whole file."""
+    import csv
+
+    disk = tiny_tmpfs("64k")
+    loggers = Loggers([CsvLogger(disk / "metrics.csv")])
+    loggers.epoch(_metrics(1))
+    before = (disk / "metrics.csv").read_text()
+    with contextlib.suppress(OSError):  # fill what is left
+        (disk / "ballast").write_bytes(b"\0" * 128 * 1024)
+    with caplog.at_level(logging.WARNING):
+        loggers.steps(0, tuple((s, 0.5, 0.1) for s in range(2000)))
+        loggers.epoch(_metrics(2))
+        loggers.close()
+    assert (disk / "metrics.csv").read_text() == before
+    rows = list(csv.DictReader(before.splitlines()))
+    assert rows and {r["step"] for r in rows} == {"1"}
+    assert sum("csv logging is off" in r.getMessage() for r in caplog.records) == 1
