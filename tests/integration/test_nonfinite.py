@@ -134,3 +134,29 @@ def test_non_finite_weights_fail_the_job_naming_the_rank_and_keep_the_good_bundl
     assert 1 <= point.meta.epoch < 4
     model = load_shard(point.restore_for(0).model)
     assert _finite([*model["params"].values(), *model["buffers"].values()])
+
+
+def test_on_rank_error_drop_drops_the_rank_whose_weights_went_non_finite(tmp_path):
+    """The other design, opted into: the NaN rank is dropped, never averaged in; the others
+    go on from their own average and end finite."""
+    builder = (
+        Trainer.builder(model_factory, optim_factory, nan_weights_in_epoch_two)
+        .batch_size(32)
+        .num_epochs(3)
+        .elche(ElCheConfig(mode="nccl_cadence"))
+        .cluster(ClusterConfig(kind="cpu_rig", ranks=2, speeds=[1.0, 0.5], warmup_steps=3))
+        .logger(LoggerConfig(progress="off", tensorboard=False))
+    )
+    cfg = builder.build_config().with_(on_rank_error="drop", max_nonfinite=1000)
+    handle = Trainer.run(
+        model_factory,
+        optim_factory,
+        nan_weights_in_epoch_two,
+        cfg,
+        dataset=partial(data, "train", 768),
+        job_dir=tmp_path / "job",
+    )
+    state = handle.join(timeout=240)
+    summary = json.loads((handle.job_dir / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["lost_ranks"] == [1]
+    assert _finite(state.state_dict().values())
