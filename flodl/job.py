@@ -7,6 +7,7 @@ Outputs per job directory: ``summary.json``, ``model.pt`` (the :class:`TrainedSt
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -23,6 +24,8 @@ from typing import Any
 import torch
 
 from flodl.checkpoint.results import RunResult, TrainedState
+from flodl.checkpoint.store import write_atomic
+from flodl.monitor.failures import write_failure
 from flodl.monitor.metrics import EpochMetrics, RunSummary, SyncEvent
 from flodl.placement.topology import Topology, resolve_topology
 from flodl.preflight import (
@@ -95,6 +98,7 @@ class Job:
         self._local_worker: queue.Queue[Any] = queue.Queue()
         self._done = threading.Event()
         self._result_state: TrainedState | None = None
+        self._trace: Any = None  # elche_trace.jsonl, once open (None: off)
         self.summary: RunSummary | None = None  # once written: ok, interrupted or failed
         self._curve: list[tuple[float, float]] = []
         self._t0 = time.perf_counter()
@@ -123,7 +127,10 @@ class Job:
             run = self._finish(self._train(controller, gate))
         except BaseException as exc:
             self.summary = self._failed_summary(exc)
-            self._write_summary(self.summary)
+            try:
+                self._write_summary(self.summary)
+            except OSError as unwritten:  # a full disk: say so; the run's own error goes on
+                log.error("%s (the run failed: %s)", unwritten.strerror, self.summary.error)
             raise
         finally:
             self._done.set()
@@ -167,13 +174,20 @@ class Job:
         if "config_yaml" in self.run_info:
             self.tb.config_text(self.run_info.pop("config_yaml"))
         self.progress = Progress(cfg.num_epochs, mode=cfg.logger.progress)
-        self._trace = open(self.job_dir / "elche_trace.jsonl", "w", encoding="utf-8")  # noqa: SIM115
+        trace = self.job_dir / "elche_trace.jsonl"
+        try:
+            self._trace = open(trace, "w", encoding="utf-8")  # noqa: SIM115
+        except OSError as exc:
+            log.warning("%s; the ElChe trace is off", write_failure(exc, trace))
 
     def _close_outputs(self) -> None:
         for name in ("progress", "_trace", "tb", "loggers"):
             output = getattr(self, name, None)
             if output is not None:
-                output.close()
+                try:
+                    output.close()
+                except OSError as exc:  # a full disk at the end: the run's outcome stands
+                    log.warning("closing %s: %s", name.strip("_"), write_failure(exc, self.job_dir))
 
     def _serve(self) -> Any:
         logger = self.spec.config.logger
@@ -213,8 +227,16 @@ class Job:
         self.loggers.steps(rank, steps)
 
     def _on_sync(self, event: SyncEvent) -> None:
-        self._trace.write(json.dumps(event.to_dict()) + "\n")
-        self._trace.flush()  # per event: a killed launcher still leaves the trace so far
+        if self._trace is not None:
+            try:
+                self._trace.write(json.dumps(event.to_dict()) + "\n")
+                self._trace.flush()  # per event: a killed launcher still leaves the trace so far
+            except OSError as exc:  # a full disk: the trace stops, training does not
+                why = write_failure(exc, self.job_dir / "elche_trace.jsonl")
+                log.warning("%s; the ElChe trace is off for the rest of the run", why)
+                with contextlib.suppress(OSError):
+                    self._trace.close()
+                self._trace = None
         self.tb.sync_event(event)
 
     def _on_progress(self, epoch: int, done: int, total: int, loss: float | None, shares) -> None:
@@ -248,7 +270,7 @@ class Job:
             raise RuntimeError("the run ended without a final state")
         state = TrainedState(params=result.final.params, buffers=result.final.buffers)
         self._result_state = state
-        state.save(self.job_dir / "model.pt")
+        write_atomic(self.job_dir / "model.pt", state.save)
         summary = self._summary(result)
         if self.spec.pace and summary.telemetry:
             _warn_overruns(summary.telemetry, list(self.spec.speeds))
@@ -344,8 +366,8 @@ class Job:
     def _write_summary(self, summary: RunSummary) -> None:
         self.job_dir.mkdir(parents=True, exist_ok=True)
         data = summary.to_dict() | {"job_dir": str(self.job_dir), **self.run_info}
-        path = self.job_dir / "summary.json"
-        path.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
+        text = json.dumps(data, indent=2, default=str) + "\n"
+        write_atomic(self.job_dir / "summary.json", lambda f: f.write(text.encode("utf-8")))
 
     def _hparams(self) -> dict[str, Any]:
         elche = self.spec.config.elche

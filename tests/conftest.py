@@ -174,3 +174,34 @@ def _alive(p: psutil.Process) -> bool:
         return p.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    """``tiny_tmpfs(size)``: a real filesystem that fills up (a tmpfs of ``size``, e.g. "64k"),
+    unmounted after the test; the test is skipped, with the reason, when not root or when
+    mounting fails."""
+    import subprocess
+
+    mounted: list[Path] = []
+
+    def mount(size: str = "64k") -> Path:
+        if os.geteuid() != 0:
+            pytest.skip("mounting a tmpfs needs root")
+        path = tmp_path / f"disk{len(mounted)}"
+        path.mkdir()
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+        mounted.append(path)
+        return path
+
+    try:
+        yield mount
+    finally:
+        for path in mounted:
+            subprocess.run(["umount", "-l", str(path)], check=False)

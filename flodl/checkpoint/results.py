@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 from torch import nn
@@ -26,7 +27,7 @@ class TrainedState:
         model.load_state_dict(self.state_dict(), strict=strict)
         return model
 
-    def save(self, path: str | Path) -> None:
+    def save(self, path: str | Path | BinaryIO) -> None:
         torch.save({"params": self.params, "buffers": self.buffers}, path)
 
     @classmethod

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from flodl.checkpoint.meta import BundleMeta, CheckpointError, check_payload, installed_version
-from flodl.checkpoint.store import BundleStore, normalize_stem
+from flodl.checkpoint.store import BundleStore, no_room, normalize_stem
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +169,14 @@ def write_shard(stem: str, tag: str, name: str, payload: dict[str, Any]) -> Shar
                 out = _Hashing(f)
                 _save(payload, out)
     except Exception as exc:
+        from flodl.monitor.failures import disk_full
+
         store.remove(file)
+        if disk_full(exc) or (store.local and no_room(store.dir)):  # torch says "unexpected pos"
+            raise CheckpointError(
+                f"no space left on {store.shown(file)}; the previous bundle is untouched; free "
+                "space or point trainer.save_path elsewhere"
+            ) from exc
         raise CheckpointError(
             f"cannot write checkpoint shard {store.shown(file)}: {exc}; the previous bundle is "
             "untouched; check the location and free space"

@@ -4,10 +4,14 @@ temporary), written atomically.
 
 from __future__ import annotations
 
+import errno
 import os
 import posixpath
 import re
+import uuid
 from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -153,6 +157,40 @@ class BundleStore:
             pass
         finally:
             os.close(fd)
+
+
+def write_atomic(path: str | Path, write: Callable[[BinaryIO], object]) -> None:
+    """Write a local file all at once: ``write`` fills a temporary beside it (fsync'd), which
+    then replaces ``path`` (and the directory entry is synced). A failure leaves the previous
+    file, or none, never a truncated one, and says "no space left on <path>" for a full disk
+    (torch.save reports one as "unexpected pos ..."): :class:`OSError`."""
+    from flodl.monitor.failures import disk_full, write_failure
+
+    target = Path(path)
+    store = BundleStore(str(target))
+    tmp = f"{target.name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        with open(store.full(tmp), "xb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        store.move(tmp, target.name)
+    except Exception as exc:
+        store.remove(tmp)
+        full = disk_full(exc) or no_room(store.dir)
+        code = errno.ENOSPC if full else getattr(exc, "errno", None) or errno.EIO
+        message = f"no space left on {target}" if full else write_failure(exc, target)
+        raise OSError(code, message) from exc
+    store.sync_dir()
+
+
+def no_room(directory: str) -> bool:
+    """The filesystem holding ``directory`` has (almost) no free blocks left."""
+    try:
+        st = os.statvfs(directory or ".")
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < 64 * 1024
 
 
 def _step(name: str) -> None:

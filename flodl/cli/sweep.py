@@ -20,7 +20,7 @@ from omegaconf import open_dict
 
 from flodl.cli import app
 from flodl.config import ConfigError, validate_run_config
-from flodl.monitor.failures import describe
+from flodl.monitor.failures import describe, write_failure
 
 log = logging.getLogger("flodl")
 
@@ -268,8 +268,11 @@ def _write_failed(job_dir: Path, row: dict[str, Any]) -> None:
 
     path = job_dir / "summary.json"
     if not path.exists():
-        job_dir.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(row, indent=2, default=str) + "\n", encoding="utf-8")
+        try:
+            job_dir.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(row, indent=2, default=str) + "\n", encoding="utf-8")
+        except OSError as exc:  # a full disk: FailedJobs counts the missing summary as failed
+            log.error("job %s: %s", row.get("job"), write_failure(exc, path))
 
 
 class FailedJobs(Callback):
@@ -290,15 +293,25 @@ class FailedJobs(Callback):
 
 
 def count_failed(sweep_dir: Path, since: float) -> int:
-    """Jobs of this sweep (summaries written since ``since``) whose status is not ``ok``."""
+    """Jobs of this sweep (written since ``since``) that did not end ``ok``: a summary that says
+    so, one that cannot be read (a full disk left it empty or cut), and a job directory Hydra
+    made (``.hydra/``) with no summary at all (it could not be written). Exit codes never lie."""
+    jobs = {p.parent for p in sweep_dir.glob("**/summary.json")}
+    jobs |= {p.parent for p in sweep_dir.glob("**/.hydra") if p.is_dir()}
+    return sum(_job_failed(job, since) for job in jobs)
+
+
+def _job_failed(job: Path, since: float) -> bool:
     import json
 
-    failed = 0
-    for path in sweep_dir.glob("**/summary.json"):
-        try:
-            if path.stat().st_mtime < since - 1.0:
-                continue  # an earlier sweep into the same directory
-            failed += json.loads(path.read_text()).get("status") != "ok"
-        except (OSError, ValueError):
-            continue
-    return failed
+    summary = job / "summary.json"
+    try:
+        stamp = (summary if summary.exists() else job / ".hydra").stat().st_mtime
+    except OSError:
+        return True
+    if stamp < since - 1.0:
+        return False  # an earlier sweep into the same directory
+    try:
+        return bool(json.loads(summary.read_text()).get("status") != "ok")
+    except (OSError, ValueError, AttributeError):
+        return True  # missing, unreadable or not a summary: the job did not end ok

@@ -12,4 +12,8 @@ class ConfigError(ValueError):
 
 
 class _Schema(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+    # allow_inf_nan=False: no knob means anything at NaN or inf (issue 41: start_timeout_s=inf
+    # crashed every rank, elche.gamma=nan was reported as "should be <= 4").
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", validate_default=True, allow_inf_nan=False
+    )

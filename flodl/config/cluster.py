@@ -194,9 +194,14 @@ class ClusterConfig(_Schema):
         default_factory=list, description="hosts: the worker hosts, in global rank order"
     )
     slurm: SlurmConfig | None = Field(None, description="slurm: the allocation")
-    start_timeout_s: float = Field(120.0, gt=0, description="seconds for every rank to join")
+    start_timeout_s: float = Field(
+        120.0, ge=1.0, le=86400.0, description="seconds for every rank to join, in [1, 86400]"
+    )
     heartbeat_timeout_s: float = Field(
-        30.0, gt=0, description="a rank silent this long is dropped as lost"
+        30.0,
+        ge=0.1,
+        le=3600.0,
+        description="a rank silent this long is dropped as lost, in [0.1, 3600] s",
     )
     batch_sizes: list[int] | Literal["auto"] | None = Field(
         None,

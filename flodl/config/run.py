@@ -92,6 +92,8 @@ def explain(exc: ValidationError, data: Any, prefix: str = "") -> ConfigError:
     if err["type"] == "missing":
         return ConfigError(f"{key}: required key is missing")
     value = _lookup(data, loc)
+    if err["type"] == "finite_number":
+        msg = "must be finite (a number, not NaN or inf)"
     if err["type"] == "value_error" and (isinstance(value, Mapping) or not key):
         # A check across a section's keys: its message names the key; no dump of the section.
         named = re.match(r"[A-Za-z_][\w.]*=", msg) is not None

@@ -49,7 +49,7 @@ class TrainerKnobs(_Schema):
         return _check_max_failure(v)
 
     @model_validator(mode="after")
-    def _best_needs_path(self) -> TrainerKnobs:
+    def _saves_need_a_path(self) -> TrainerKnobs:
         return _check_save_best(self)
 
     lr_scale_ratio: float = Field(
@@ -87,7 +87,13 @@ class TrainerKnobs(_Schema):
         None, description="ranks that may be lost (count or 'N%') before save-and-stop; null: any"
     )
     max_nonfinite: int = Field(
-        10, ge=0, description="NaN/inf losses skipped (with a warning) before the run stops"
+        10,
+        ge=0,
+        description="steps with NaN/inf loss or gradients skipped (warned) before the run stops",
+    )
+    on_rank_error: Literal["fail", "drop"] = Field(
+        "fail",
+        description="an exception of the user's code on a rank: fail the job, or drop the rank",
     )
     precision: Literal["32", "bf16-mixed", "16-mixed"] = Field(
         "32", description="32 (fp32), bf16-mixed (autocast) or 16-mixed (fp16 + GradScaler, CUDA)"
@@ -104,6 +110,11 @@ class TrainerKnobs(_Schema):
 
 
 def _check_save_best(knobs: TrainerKnobs) -> TrainerKnobs:
+    if knobs.checkpoint_every is not None and knobs.save_path is None:
+        raise ValueError(
+            f"checkpoint_every={knobs.checkpoint_every} needs trainer.save_path (nothing would "
+            "be saved): set trainer.save_path to a bundle stem, or trainer.checkpoint_every=null"
+        )
     if knobs.save_best is not None and knobs.save_path is None:
         raise ValueError(
             "save_best needs trainer.save_path: the best bundle is written beside it as "

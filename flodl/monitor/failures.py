@@ -8,6 +8,8 @@ the rank's log.
 
 from __future__ import annotations
 
+import errno
+
 
 def root_cause(exc: BaseException) -> BaseException:
     """The innermost exception of ``exc``'s explicit chain (``raise Wrapper(...) from cause``).
@@ -27,3 +29,26 @@ def describe(exc: BaseException) -> str:
     root = root_cause(exc)
     lines = [line.strip() for line in str(root).splitlines() if line.strip()]
     return f"{type(root).__name__}: {lines[0]}" if lines else type(root).__name__
+
+
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full(exc: BaseException) -> bool:
+    """``exc`` (or its chain) is a write that found no space: ENOSPC or a quota."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in _FULL:
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def write_failure(exc: BaseException, path: object) -> str:
+    """One line for a failed write of ``path``: "no space left on <path>" for a full disk or
+    quota, else the error itself with the path."""
+    if disk_full(exc):
+        return f"no space left on {path}"
+    return f"writing {path} failed: {describe(exc)}"

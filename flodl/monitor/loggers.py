@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import io
+import logging
 import math
 import os
 import threading
@@ -21,6 +23,8 @@ from typing import Any, Protocol
 
 from flodl.config import LoggerConfig, MlflowConfig, WandbConfig
 from flodl.monitor.metrics import EpochMetrics
+
+log = logging.getLogger(__name__)
 
 _RANK_STATS = (
     "loss",
@@ -65,20 +69,32 @@ class ScalarLogger(Protocol):
 
 
 class CsvLogger:
-    """``<job>/metrics.csv`` in long form: ``kind,step,name,value`` (kind: epoch or step)."""
+    """``<job>/metrics.csv`` in long form: ``kind,step,name,value`` (kind: epoch or step).
+
+    The file is always a whole CSV: it is rewritten atomically (temp + rename) after every
+    epoch and at the end, with step rows held in between, so a full disk leaves the last
+    complete file rather than a cut line (issue 41)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._file = open(path, "w", newline="", encoding="utf-8")  # noqa: SIM115
-        self._writer = csv.writer(self._file)
+        self._rows = io.StringIO()
+        self._writer = csv.writer(self._rows)
         self._writer.writerow(["kind", "step", "name", "value"])
+        self._publish()  # the header now: a directory without room says so at the start
 
     def log(self, scalars: Mapping[str, float], step: int, kind: str) -> None:
         self._writer.writerows([kind, step, name, repr(v)] for name, v in scalars.items())
-        self._file.flush()
+        if kind == "epoch":
+            self._publish()
+
+    def _publish(self) -> None:
+        from flodl.checkpoint.store import write_atomic
+
+        data = self._rows.getvalue().encode("utf-8")
+        write_atomic(self.path, lambda f: f.write(data))
 
     def close(self) -> None:
-        self._file.close()
+        self._publish()
 
 
 def _missing(package: str, key: str) -> ImportError:
@@ -178,7 +194,12 @@ class Loggers:
     def build(cls, cfg: LoggerConfig, job_dir: Path, params: Mapping[str, Any]) -> Loggers:
         loggers: list[ScalarLogger] = []
         if cfg.csv:
-            loggers.append(CsvLogger(job_dir / "metrics.csv"))
+            try:
+                loggers.append(CsvLogger(job_dir / "metrics.csv"))
+            except OSError as exc:  # a full disk at the start: the run goes on without it
+                from flodl.monitor.failures import write_failure
+
+                log.warning("%s; csv logging is off", write_failure(exc, job_dir / "metrics.csv"))
         if cfg.wandb is not None:
             loggers.append(WandbLogger(cfg.wandb, job_dir, params))
         if cfg.mlflow is not None:
@@ -194,11 +215,30 @@ class Loggers:
 
     def _log(self, scalars: Mapping[str, float], step: int, kind: str) -> None:
         with self._lock:
-            for logger in self.loggers:
-                logger.log(scalars, step, kind)
+            for logger in list(self.loggers):
+                try:
+                    logger.log(scalars, step, kind)
+                except Exception as exc:  # a full disk, a lost server: never stops training
+                    self.loggers.remove(logger)
+                    _degrade(logger, exc)
 
     def close(self) -> None:
         with self._lock:
             loggers, self.loggers = self.loggers, []
         for logger in loggers:
-            logger.close()
+            try:
+                logger.close()
+            except Exception as exc:
+                _degrade(logger, exc)
+
+
+def _degrade(logger: ScalarLogger, exc: Exception) -> None:
+    """One warning for a logger whose write failed; it is off for the rest of the run."""
+    from flodl.monitor.failures import write_failure
+
+    where = getattr(logger, "path", None) or type(logger).__name__
+    log.warning("%s; %s is off for the rest of the run", write_failure(exc, where), _name(logger))
+
+
+def _name(logger: ScalarLogger) -> str:
+    return type(logger).__name__.removesuffix("Logger").lower() + " logging"

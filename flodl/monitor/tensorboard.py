@@ -11,10 +11,13 @@ stays cheap and a disabled logger never touches torch.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from flodl.monitor.metrics import EpochMetrics, SyncEvent
 
@@ -22,6 +25,23 @@ if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
 
 HParamValue = str | int | float | bool | None
+log = logging.getLogger(__name__)
+_Method = TypeVar("_Method", bound=Callable[..., None])
+
+
+def _guarded(method: _Method) -> _Method:
+    """A logging method that never raises: a failed write turns TensorBoard off, once."""
+
+    @functools.wraps(method)
+    def run(self: RunLogger, *args: Any, **kwargs: Any) -> None:
+        if self._closed:
+            return
+        try:
+            method(self, *args, **kwargs)
+        except Exception as exc:
+            self._degrade(exc)
+
+    return run  # type: ignore[return-value]
 
 
 class RunLogger:
@@ -38,7 +58,11 @@ class RunLogger:
         self._closed = not enabled
         self._lock = threading.Lock()
         self._writers: dict[int | None, SummaryWriter] = {}
-        self._writer(None)  # the aggregate directory exists from the start (when enabled)
+        self._open()  # the aggregate directory exists from the start (when enabled)
+
+    @_guarded
+    def _open(self) -> None:
+        self._writer(None)
 
     def rank_dir(self, rank: int) -> Path:
         """Directory of rank ``rank``'s event file."""
@@ -60,6 +84,23 @@ class RunLogger:
                 self._writers[rank] = writer
             return writer
 
+    def _degrade(self, exc: Exception) -> None:
+        """A write failed (a full disk): one warning, and TensorBoard logging is off for the
+        rest of the run; training goes on (issue 41: a writer error aborted it)."""
+        from flodl.monitor.failures import write_failure
+
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            writers, self._writers = list(self._writers.values()), {}
+        log.warning(
+            "%s; tensorboard logging is off for the rest of the run", write_failure(exc, self.root)
+        )
+        for writer in writers:
+            with contextlib.suppress(Exception):
+                writer.close()
+
     def _scalar(self, rank: int | None, tag: str, value: float | None, step: int) -> None:
         if value is None:
             return
@@ -67,6 +108,7 @@ class RunLogger:
         if writer is not None:
             writer.add_scalar(tag, float(value), global_step=step)
 
+    @_guarded
     def sync_event(self, ev: SyncEvent) -> None:
         """One averaging event: anchor, overhead, sync time, divergence; batches per rank."""
         if self._closed:
@@ -79,6 +121,7 @@ class RunLogger:
         for rank, batches in enumerate(ev.batches):
             self._scalar(rank, "elche/batches", batches, step)
 
+    @_guarded
     def epoch(self, m: EpochMetrics) -> None:
         """One epoch's aggregates in ``tb/`` and each rank's loss, throughput and share."""
         if self._closed:
@@ -110,12 +153,14 @@ class RunLogger:
         for rank, share in enumerate(m.per_rank_batch_share):
             self._scalar(rank, "share/batch", share, step)
 
+    @_guarded
     def steps(self, rank: int, steps: tuple[tuple[int, float, float], ...]) -> None:
         """Every ``logger.log_every_n_steps``-th training step of a rank: loss and LR."""
         for step, loss, lr in steps:
             self._scalar(rank, "step/loss", loss, step)
             self._scalar(rank, "step/lr", lr, step)
 
+    @_guarded
     def hparams(
         self, hparams: Mapping[str, HParamValue], metrics: Mapping[str, float | None]
     ) -> None:
@@ -141,12 +186,14 @@ class RunLogger:
         for tag, value in clean_m.items():
             writer.add_scalar(tag, value, global_step=0)
 
+    @_guarded
     def config_text(self, text: str) -> None:
         """The resolved config, shown in TensorBoard's Text tab under the tag ``config``."""
         writer = self._writer(None)
         if writer is not None:
             writer.add_text("config", f"```yaml\n{text.rstrip()}\n```", global_step=0)
 
+    @_guarded
     def flush(self) -> None:
         """Push buffered events to disk (TensorBoard reads only what is flushed)."""
         with self._lock:
@@ -160,7 +207,12 @@ class RunLogger:
             self._closed = True
             writers, self._writers = list(self._writers.values()), {}
         for writer in writers:
-            writer.close()
+            try:
+                writer.close()
+            except Exception as exc:  # flushing onto a full disk: warned, never raised
+                from flodl.monitor.failures import write_failure
+
+                log.warning("closing tensorboard: %s", write_failure(exc, self.root))
 
     def __enter__(self) -> RunLogger:
         return self

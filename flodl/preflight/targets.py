@@ -16,6 +16,7 @@ import difflib
 import inspect
 import json
 import logging
+import re
 import sys
 import threading
 import typing
@@ -231,8 +232,17 @@ def _check_batch_size(dataset: TargetConfig, batch_size: int) -> None:
         return
     try:
         n = int(length(split="train", **dataset.kwargs()))
+    except ValueError as exc:  # the length names the argument: blame it, not the batch size
+        named = re.match(r"[A-Za-z_]\w*=", str(exc)) is not None
+        message = f"dataset.{exc}" if named else f"dataset ({dataset.target}): {exc}"
+        raise ConfigError(message) from None
     except Exception:
         return  # the dataset factory will say what is wrong, on the ranks
+    if n < 1:
+        raise ConfigError(
+            f"dataset ({dataset.target}, {_shown(dataset.kwargs())}): no training samples; "
+            "give it at least one"
+        )
     if batch_size > n:
         raise ConfigError(
             f"trainer.batch_size={batch_size}: larger than the dataset ({n} training samples "

@@ -493,6 +493,8 @@ def cifar10(
 
 def _holdout_length(total: int, default_test: int) -> Callable[..., int]:
     def num_samples(split: str = "train", test_size: int = default_test, **_: Any) -> int:
+        if not 1 <= int(test_size) < total:
+            raise ValueError(f"test_size={test_size}: must be in [1, {total - 1}]")
         return int(test_size) if split == "test" else total - int(test_size)
 
     return num_samples
@@ -508,7 +510,10 @@ def _fixed_length(train: int, test: int) -> Callable[..., int]:
 def _synthetic_length(
     split: str = "train", n_train: int = 2048, n_test: int = 512, **_: Any
 ) -> int:
-    return int(n_train if split == "train" else n_test)
+    key, size = ("n_train", n_train) if split == "train" else ("n_test", n_test)
+    if int(size) < 1:
+        raise ValueError(f"{key}={size}: must be >= 1 (samples to generate)")
+    return int(size)
 
 
 mnist5k.num_samples = _holdout_length(5000, 1000)  # type: ignore[attr-defined]

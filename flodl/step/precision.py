@@ -61,8 +61,9 @@ class StepRunner:
         return self.pending >= self.accumulate
 
     def step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
-        """Take the optimizer step over the pending gradients; False when the scaler skipped it
-        (inf/NaN gradients under 16-mixed). Gradients are cleared either way."""
+        """Take the optimizer step over the pending gradients; False when they were not finite
+        (the step is skipped in every precision; under 16-mixed the scaler lowers its scale).
+        Gradients are cleared either way."""
         if self.pending == 0:
             return True
         if self.pending > 1:
@@ -70,22 +71,32 @@ class StepRunner:
                 if p.grad is not None:
                     p.grad.div_(self.pending)
         self.pending = 0
-        if self.scaler is None:
-            self._clip(model)
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+        finite = self.check_gradients(model)
+        if self.scaler is not None:
+            if finite:  # the scaler found no inf either: it steps (its own check agrees)
+                self.scaler.step(optimizer)
+            self.scaler.update()  # lowers the scale after a non-finite step
+        elif finite:
             optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            return True
-        self.scaler.unscale_(optimizer)
-        self._clip(model)
-        before = self.scaler.get_scale()
-        self.scaler.step(optimizer)
-        self.scaler.update()
         optimizer.zero_grad(set_to_none=True)
-        return self.scaler.get_scale() >= before
+        return finite
 
-    def _clip(self, model: nn.Module) -> None:
+    def check_gradients(self, model: nn.Module) -> bool:
+        """One fused norm over every gradient: False when it is NaN/inf (nothing is clipped
+        then); else clip to ``max_grad_norm`` with that norm. A non-finite gradient must never
+        reach the optimizer: one NaN step poisons the weights and, through the next average,
+        every rank (issue 41)."""
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if not grads:
+            return True
+        norm = nn.utils.get_total_norm(grads)
+        if not bool(torch.isfinite(norm)):  # the step's one host sync of the check
+            return False
         if self.max_grad_norm is not None:
-            nn.utils.clip_grad_norm_(model.parameters(), self.max_grad_norm)
+            nn.utils.clip_grads_with_norm_(model.parameters(), self.max_grad_norm, norm)
+        return True
 
     def state_dict(self) -> dict[str, Any] | None:
         return self.scaler.state_dict() if self.scaler is not None else None

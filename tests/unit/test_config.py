@@ -36,6 +36,7 @@ SURFACE = {
         "max_grad_norm",
         "max_nonfinite",
         "num_epochs",
+        "on_rank_error",
         "precision",
         "resume_fallback",
         "resume_from",

@@ -95,3 +95,105 @@ def test_scaler_skips_a_non_finite_step_and_its_state_survives_a_bundle(tmp_path
     restore = ResumePoint.load(str(tmp_path / "b")).restore_for(0)
     restored.load_state_dict(load_shard(restore.state)["scaler"])
     assert restored.scaler is not None and restored.scaler.get_scale() == 2.0**15
+
+
+def _nan_gradients(model: torch.nn.Module) -> torch.Tensor:
+    """A finite loss whose gradient is NaN (as one bad batch through a sqrt at 0 gives)."""
+    out = model(torch.ones(2, 4))
+    out.register_hook(lambda g: torch.full_like(g, float("nan")))
+    return out.sum()
+
+
+@pytest.mark.parametrize("max_grad_norm", [None, 1.0])
+def test_fp32_skips_a_step_whose_gradients_are_not_finite(max_grad_norm):
+    """Issue 41: fp32 never checked gradients; one NaN step wrote NaN into the weights."""
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    runner = StepRunner("32", CPU, max_grad_norm=max_grad_norm)
+    before = model.weight.detach().clone()
+    loss = _nan_gradients(model)
+    assert torch.isfinite(loss)
+    runner.backward(loss)
+    assert runner.step(model, opt) is False
+    assert torch.equal(model.weight, before) and model.weight.grad is None
+    assert opt.state_dict()["state"] == {}  # Adam's moments never saw the NaN
+    runner.backward(model(torch.ones(2, 4)).sum())
+    assert runner.step(model, opt) is True
+    assert torch.isfinite(model.weight).all() and not torch.equal(model.weight, before)
+
+
+def test_clipping_still_clips_finite_gradients():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    runner = StepRunner("32", CPU, max_grad_norm=0.5)
+    before = model.weight.detach().clone()
+    runner.backward(model(torch.full((1, 4), 100.0)).sum())
+    assert runner.step(model, opt) is True
+    step = torch.linalg.vector_norm(model.weight.detach() - before)
+    assert step == pytest.approx(0.5, rel=1e-4)
+
+
+def test_bf16_skips_a_step_whose_gradients_are_not_finite():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    runner = StepRunner("bf16-mixed", CPU)
+    before = model.weight.detach().clone()
+    with runner.autocast():
+        loss = _nan_gradients(model)
+    runner.backward(loss.float())
+    assert runner.step(model, opt) is False
+    assert torch.equal(model.weight, before)
+
+
+def test_flat_state_tells_non_finite_weights():
+    from flodl.runtime.sync.averaging import FlatState
+
+    for share in (True, False):
+        model = _model()
+        state = FlatState(model, share_storage=share)
+        assert state.finite()
+        with torch.no_grad():
+            model.weight[0, 2] = float("inf")
+        assert not state.finite()
+
+
+def _bundle_with(tmp_path, weight: torch.Tensor) -> str:
+    saver = Checkpointer(str(tmp_path / "b"), None, "hash", 1, signature="sig")
+    save = saver.open(-1, "final", 1, [0], writer=0)
+    mine = {"optimizer": {}, "scheduler": None, "rng": torch.get_rng_state()}
+    shards = {"rank0": mine, "model": {"params": {"weight": weight}, "buffers": {}}}
+    done = saver.collect(RankState(0, -1, save.tag, shards))
+    assert done is not None
+    saver.commit(
+        done,
+        extra={},
+        epoch=1,
+        global_step=2,
+        sync_round=0,
+        elche_state=None,
+        coverage={"epoch": 1, "n_samples": 4, "uncovered": []},
+    )
+    return str(tmp_path / "b")
+
+
+def test_resuming_from_a_non_finite_bundle_is_refused(tmp_path):
+    """Issue 41: a bundle of NaN weights was accepted; now refused before any rank starts."""
+    from flodl.checkpoint.bundle import CheckpointError
+
+    good = _bundle_with(tmp_path / "good", torch.ones(1, 4))
+    assert ResumePoint.load(good).meta.epoch == 1
+    bad = _bundle_with(tmp_path / "bad", torch.tensor([[1.0, float("nan"), 0.0, 0.0]]))
+    with pytest.raises(CheckpointError, match=r"weights are NaN/inf \(weight, epoch 1\); refused"):
+        ResumePoint.load(bad)
+
+
+def test_the_launcher_refuses_a_non_finite_resume_bundle_with_exit_2(tmp_path):
+    """The preflight every launch runs (before any rank): a ConfigError naming the key."""
+    from flodl.config import ConfigError, TrainerConfig
+    from flodl.preflight import check_run
+
+    bad = _bundle_with(tmp_path, torch.tensor([[float("inf"), 0.0, 0.0, 0.0]]))
+    with pytest.raises(ConfigError) as info:
+        check_run(TrainerConfig(resume_from=bad, num_epochs=3), world_size=2)
+    assert str(info.value).startswith(f"trainer.resume_from={bad}: the bundle's weights are")
+    assert info.value.exit_code == 2

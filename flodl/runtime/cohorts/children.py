@@ -17,6 +17,7 @@ as its lifeline: closing it (teardown) or losing the ssh link makes the remote r
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -75,16 +76,42 @@ class RankProcess:
         self.forwarder.start()
 
     def _forward(self) -> None:
+        """Copy the rank's output to its log and the console. The rank's pipe is drained to the
+        end whatever happens to the log: a full disk stops the log (one warning), never the
+        rank (a pipe left unread would block it on its next print)."""
         assert self.popen.stdout is not None
-        with open(self.log_path, "a", encoding="utf-8", errors="replace") as sink:
-            for raw in self.popen.stdout:
-                line = raw.decode("utf-8", errors="replace").rstrip("\n")
-                sink.write(line + "\n")
-                sink.flush()
-                self.tail.append(line)
-                if not line.startswith(QUIET_PREFIXES):
-                    self.echo(f"[{self.label}] {line}")
+        sink = self._open_log()
+        for raw in self.popen.stdout:
+            line = raw.decode("utf-8", errors="replace").rstrip("\n")
+            if sink is not None:
+                try:
+                    sink.write(line + "\n")
+                    sink.flush()
+                except OSError as exc:
+                    self._log_failed(sink, exc)
+                    sink = None
+            self.tail.append(line)
+            if not line.startswith(QUIET_PREFIXES):
+                self.echo(f"[{self.label}] {line}")
+        if sink is not None:
+            with contextlib.suppress(OSError):
+                sink.close()
         self.popen.stdout.close()
+
+    def _open_log(self) -> Any:
+        try:
+            return open(self.log_path, "a", encoding="utf-8", errors="replace")
+        except OSError as exc:
+            self._log_failed(None, exc)
+            return None
+
+    def _log_failed(self, sink: Any, exc: OSError) -> None:
+        from flodl.monitor.failures import write_failure
+
+        self.echo(f"WARNING {write_failure(exc, self.log_path)}; {self.label}'s log file is off")
+        if sink is not None:
+            with contextlib.suppress(OSError):
+                sink.close()
 
     def last_error_line(self) -> str:
         for line in reversed(self.tail):

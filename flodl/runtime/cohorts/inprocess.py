@@ -74,11 +74,12 @@ class InProcessCohort:
         try:
             Worker(self.spec, rank_end, 0, device).run()
         except BaseException as exc:
-            from flodl.monitor.failures import describe
+            from flodl.runtime.rank.process import failure_message
             from flodl.runtime.wire.messages import RankError
 
             self._failure.append(exc)
-            self.controller.post(0, RankError(0, describe(exc), ""))
+            message, blame = failure_message(exc)
+            self.controller.post(0, RankError(0, message, "", blame))
 
     def join(self, stop_requested: Callable[[], bool]) -> ControllerResult:
         try:

@@ -211,12 +211,21 @@ class Controller:
         elif isinstance(msg, Regrouped):
             self.elastic.on_regrouped(msg)
         elif isinstance(msg, RankError):
-            message = f"rank {msg.rank} failed: {msg.message}"
-            self.elastic.on_failure(msg.rank, message, immediate=True)
+            self._on_rank_error(msg)
         elif isinstance(msg, Exited):
             self._on_exit(rank, msg)
         elif isinstance(msg, Disconnected) and not self._stop_sent:
             self.elastic.on_failure(rank, f"rank {rank} lost its control channel ({msg.reason})")
+
+    def _on_rank_error(self, msg: RankError) -> None:
+        """A rank's own exception. The user's code (or the non-finite policy) failing is the
+        job's failure, at once and by the first rank to report it: it would happen on every
+        rank in turn, and regrouping around it only hides it. ``trainer.on_rank_error=drop``
+        loses the rank instead, as does any other exception (a device's)."""
+        message = f"rank {msg.rank} failed: {msg.message}"
+        if msg.blame and self.cfg.on_rank_error == "fail":
+            raise RunFailed(message)
+        self.elastic.on_failure(msg.rank, message, immediate=True)
 
     def _on_exit(self, rank: int, msg: Exited) -> None:
         # After Stop, a clean exit is the normal end (rank 0 only once its state arrived).

@@ -193,7 +193,26 @@ class ResumePoint:
     def load(cls, stem: str, fallback: bool = False) -> ResumePoint:
         """Verify every shard's size and sha256 (streamed: nothing is loaded into memory)."""
         payload, meta = _open(stem, fallback)
-        return cls(stem, meta, payload)
+        point = cls(stem, meta, payload)
+        point.check_finite()
+        return point
+
+    def check_finite(self) -> None:
+        """Refuse a bundle whose weights hold NaN/inf before any rank starts: resuming would
+        train on (and average in) nothing but NaN. Loads the weights shard once, here."""
+        import torch
+
+        model = self.payload if self.payload is not None else None
+        if model is None:
+            model = shards.load_shard(self._location(shards.MODEL))
+        for group in ("params", "buffers"):
+            for name, tensor in (model.get(group) or {}).items():
+                floating = torch.is_tensor(tensor) and tensor.is_floating_point()
+                if floating and not bool(torch.isfinite(tensor).all()):
+                    raise CheckpointError(
+                        f"the bundle's weights are NaN/inf ({name}, epoch "
+                        f"{self.meta.epoch}); refused. Resume from an earlier bundle"
+                    )
 
     @property
     def ranks(self) -> list[int]:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any, NoReturn
 
+from flodl.runtime.rank import blame
 from flodl.runtime.rank import env as rank_env
 from flodl.runtime.sync import groups
 from flodl.runtime.wire.channel import Channel, connect
@@ -85,18 +86,25 @@ def _hello(role: rank_env.RankEnv, secret: bytes) -> Channel:
 
 
 def report_failure(channel: Channel, rank: int, exc: BaseException) -> None:
-    """One line to the controller (the chain's innermost cause); the traceback to this rank's
-    log only."""
-    from flodl.monitor.failures import describe
-
-    message = describe(exc)
+    """One line to the controller (the chain's innermost cause, and where in the user's code it
+    was raised); the traceback to this rank's log only."""
+    message, blame_ = failure_message(exc)
     trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     for line in trace.splitlines():  # first: once the controller knows, teardown may be quick
         print(f"DEBUG traceback| {line}", flush=True)
     try:
-        channel.send(RankError(rank, message, trace))
+        channel.send(RankError(rank, message, trace, blame_))
     except OSError:
         pass
+
+
+def failure_message(exc: BaseException) -> tuple[str, str]:
+    """``(one line, blame)`` of a rank's exception (:mod:`flodl.runtime.rank.blame`)."""
+    from flodl.monitor.failures import describe
+
+    kind, where = blame.classify(exc)
+    message = describe(exc)
+    return (f"{message} (at {where})" if where else message), kind
 
 
 def join(

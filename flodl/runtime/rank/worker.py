@@ -31,7 +31,7 @@ from flodl.data.source import BatchSource, batch_samples, count_batches, resolve
 from flodl.monitor.metrics import drain_scalars
 from flodl.rig import links
 from flodl.rig.pacing import Pacer, measure_step_s, probe_model
-from flodl.runtime.rank import chaos
+from flodl.runtime.rank import blame, chaos
 from flodl.runtime.rank.spec import JobSpec, state_signature
 from flodl.runtime.sync import groups
 from flodl.runtime.sync.averaging import FlatState, collective_average
@@ -278,9 +278,10 @@ class Worker:
 
         def step() -> None:
             optimizer.zero_grad(set_to_none=True)
-            with self.runner.autocast():
+            with blame.user_code("train_step"), self.runner.autocast():
                 loss = self.spec.train_step(probe, next(batches))
             loss.backward()
+            self.runner.check_gradients(probe)  # every step pays it: timed too (verdict unused)
             optimizer.step()
 
         # Measure together: a rank still importing or loading data would otherwise steal the
@@ -424,6 +425,7 @@ class Worker:
                 saved = msg.save_tag
             if msg.send_state:
                 chaos.point("final", self.rank)
+                self.check_weights("at the end of the run")
                 params, buffers = self.weights()
                 self.link.send(Final(rank=self.rank, params=params, buffers=buffers))
             if not msg.hold:
@@ -454,10 +456,12 @@ class Worker:
         stem = self.cfg.save_path
         assert stem is not None
         relay = process_local(stem)  # the launcher's own store: stream the payloads there
-        payloads = {rank_shard(self.rank): self.rank_payload()} if own else {}
-        if write_weights:
-            payloads[MODEL] = self.model_payload(copy=relay)
         try:
+            if write_weights:  # never a bundle of non-finite weights over a good one
+                self.check_weights("at a checkpoint")
+            payloads = {rank_shard(self.rank): self.rank_payload()} if own else {}
+            if write_weights:
+                payloads[MODEL] = self.model_payload(copy=relay)
             shards: dict[str, Any] = (
                 payloads
                 if relay
@@ -610,7 +614,8 @@ class Worker:
         tally.blend_ms += (time.perf_counter() - t0) * 1000.0
 
     def _fetch_train(self, batches: Any, last: bool) -> tuple[float, Any]:
-        batch = next(batches)
+        with blame.user_code("dataset"):
+            batch = next(batches)
         return self.train_batch(batch, last), batch
 
     def timed(self, batches: Any, tally: WindowTally) -> Any:
@@ -655,6 +660,7 @@ class Worker:
         """Report the window (before averaging, so planning overlaps it), average, evaluate."""
         # time spent blending in averages is averaging time, not compute: it goes to the sync
         compute_ms = (time.perf_counter() - tally.start) * 1000.0 - tally.blend_ms
+        self.check_weights(f"after window {window.index}")
         loss_sum, loss_count, batches = tally.loss_sum, tally.loss_count, tally.batches
         self._sync_started = time.perf_counter() - tally.blend_ms / 1000.0
         snapshot = self._snapshot() if self.mode.via_controller else None
@@ -708,11 +714,11 @@ class Worker:
         ``accumulate_grad_batches`` micro-batches are in (or ``last``: the window ends)."""
         if self._grad_window and self.grad_sync is not None:  # the step's last micro-batch
             self.grad_sync.armed = last or self.runner.pending + 1 >= self.runner.accumulate
-        with self.runner.autocast():
+        with blame.user_code("train_step"), self.runner.autocast():
             loss = self.spec.train_step(self.train_model, batch)
         value = float(loss.detach())
         if not math.isfinite(value):
-            value = self._skip_nonfinite(f"non-finite loss ({value})")
+            value = self._skip_nonfinite("loss", f"non-finite loss ({value})")
         else:
             self.runner.backward(loss)
         if self.runner.due or last:
@@ -720,18 +726,20 @@ class Worker:
         return value
 
     def optimizer_step(self) -> None:
-        """Step over the pending micro-batches; a GradScaler skip counts as a non-finite step."""
+        """Step over the pending micro-batches; one whose gradients are not finite (checked in
+        every precision, after the gradient all-reduce of nccl_sync) is skipped and counted."""
         if self._grad_window and self.grad_sync is not None and not self._grad_failed:
             t0 = time.perf_counter()
             self._grad_failed = not self._collective(self.grad_sync.finish, "gradient all-reduce")
             self.pacer.exempt(time.perf_counter() - t0)
         if not self.runner.step(self.model, self.optimizer):
-            self._skip_nonfinite(
-                "non-finite gradients (16-mixed: the GradScaler lowered its scale)"
-            )
+            scaler = " (16-mixed: the GradScaler lowered its scale)" if self.runner.scaler else ""
+            self._skip_nonfinite("gradients", f"non-finite gradients{scaler}")
 
-    def _skip_nonfinite(self, what: str) -> float:
-        """NaN/inf: skip the step (no backward, no update) with a warning, up to a limit."""
+    def _skip_nonfinite(self, kind: str, what: str) -> float:
+        """NaN/inf loss or gradients: skip the step (no update; its gradients are dropped) with
+        a warning; past ``trainer.max_nonfinite`` such steps the job fails, naming this rank
+        and the kind (``loss`` or ``gradients``)."""
         self._nonfinite += 1
         limit = self.cfg.max_nonfinite
         log.warning(
@@ -743,12 +751,33 @@ class Worker:
             limit,
         )
         if self._nonfinite > limit:
-            raise FloatingPointError(
-                f"loss was NaN/inf {self._nonfinite} times (trainer.max_nonfinite={limit}); "
-                "stopping. Lower the learning rate or set trainer.max_grad_norm; bundles saved "
-                "earlier are untouched"
+            verb = "was" if kind == "loss" else "were"
+            advice = (
+                "Lower the learning rate or set trainer.max_grad_norm"
+                if self.cfg.max_grad_norm is None
+                else f"Lower the learning rate (trainer.max_grad_norm={self.cfg.max_grad_norm} "
+                "is set: clipping cannot mend NaN/inf)"
+            )
+            raise blame.NonFiniteError(
+                f"{kind} {verb} NaN/inf {self._nonfinite} times (trainer.max_nonfinite={limit}) "
+                f"on rank {self.rank}; stopping. {advice}; bundles saved earlier are untouched"
             )
         return math.nan
+
+    def check_weights(self, when: str) -> None:
+        """Non-finite weights never leave this rank: not into an average, a checkpoint or the
+        final model. Design (issue 41): such a rank fails the job, named with the kind
+        ``weights`` (``trainer.on_rank_error=drop`` drops it instead, and the others go on
+        from their own average); it is never averaged in, and no bundle is written over the
+        last good one. Skipped non-finite steps make this rare: what is left is an update
+        that overflowed, or a step that wrote into the weights itself."""
+        if self.state.finite():
+            return
+        raise blame.NonFiniteError(
+            f"the weights of rank {self.rank} are NaN/inf {when} (epoch {self._epoch + 1}); "
+            "they are not averaged in nor saved, bundles saved earlier are untouched. Resume "
+            "from the last one with a lower learning rate or trainer.max_grad_norm"
+        )
 
     # -- averaging -----------------------------------------------------------------------------
     def average(self, window: Window) -> bool:
@@ -939,12 +968,13 @@ class Worker:
         t0 = time.perf_counter()
         shard, shards = window.eval_shard
         start, stop = evaluation.shard_range(len(self.eval_source), shard, shards)
-        parts = evaluation.evaluate(
-            self.model,
-            eval_batches(self.eval_source, self.loader_cfg, start, stop),
-            self.spec.evaluation,
-            self.device,
-        )
+        with blame.user_code("evaluation"):  # the eval step, metrics and eval dataset
+            parts = evaluation.evaluate(
+                self.model,
+                eval_batches(self.eval_source, self.loader_cfg, start, stop),
+                self.spec.evaluation,
+                self.device,
+            )
         drain_scalars()  # an eval step that records scalars must not leak them into training
         ms = (time.perf_counter() - t0) * 1000.0
         self._eval_ms += ms

@@ -71,6 +71,18 @@ class FlatState:
             return torch.zeros(0)
         return torch.cat([t.to(torch.float32) for t in tensors])
 
+    @torch.no_grad()
+    def finite(self) -> bool:
+        """Every parameter and float buffer finite (checked span by span: no full-size mask)."""
+        storage = self.shared()
+        tensors = [storage] if storage is not None else [*self.params, *self.buffers]
+        for t in tensors:
+            flat = t.detach().reshape(-1)
+            for lo in range(0, flat.numel(), _SPAN):
+                if not bool(torch.isfinite(flat[lo : lo + _SPAN]).all()):
+                    return False
+        return True
+
     def current(self) -> torch.Tensor:
         """The state as one vector to read: the shared storage itself, else a copy."""
         storage = self.shared()

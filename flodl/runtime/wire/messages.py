@@ -228,6 +228,7 @@ class RankError:
     rank: int
     message: str
     traceback: str
+    blame: str = ""  # "user" / "nonfinite": fails the job (trainer.on_rank_error); "": a loss
 
 
 @dataclass(frozen=True)
