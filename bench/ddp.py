@@ -34,6 +34,7 @@ def _worker(rank: int, cfg: dict[str, Any], rendezvous: str, out: str) -> None:
     from flodl.config.cluster import LinkConfig
     from flodl.data.source import epoch_permutation
     from flodl.rig import links
+    from flodl.rig.memory import DeviceMemory, MiB, training_state
     from flodl.rig.pacing import Pacer, measure_step_s
 
     torch.set_num_threads(1)
@@ -82,6 +83,11 @@ def _worker(rank: int, cfg: dict[str, Any], rendezvous: str, out: str) -> None:
             links.install(links.model_for(LinkConfig.model_validate(cfg["link"])))
             ddp.register_comm_hook(None, links.ddp_comm_hook(world))
         optimizer = make_optim(ddp.parameters())
+        budgets = cfg.get("memory_mb")
+        if budgets:  # the rig's simulated device memory, as flodl's ranks get (flodl/rig/memory.py)
+            memory = DeviceMemory(int(budgets[rank] * MiB), name=f"ddp rank {rank}")
+            memory.adopt(training_state(ddp.module, optimizer))
+            memory.__enter__()
 
         def train_batch(x: torch.Tensor, y: torch.Tensor) -> float:
             optimizer.zero_grad(set_to_none=True)
@@ -145,6 +151,7 @@ def run_ddp(
     pace_margin: float = 1.3,
     warmup_steps: int = 8,
     link: str | dict[str, Any] | None = None,
+    memory_mb: list[float] | None = None,
 ) -> dict[str, Any]:
     """Train with DDP on the paced rig; rank 0's numbers (samples/s over all ranks). ``link``:
     a ``cluster.link`` value; every bucket's all-reduce then pays the modelled wire through a
@@ -163,6 +170,7 @@ def run_ddp(
         "pace_margin": pace_margin,
         "warmup_steps": warmup_steps,
         "link": {"profile": link} if isinstance(link, str) else link,
+        "memory_mb": list(memory_mb) if memory_mb else None,
     }
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="flodl-bench-ddp-") as tmp:

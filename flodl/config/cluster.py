@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -211,6 +212,11 @@ class ClusterConfig(_Schema):
     memory_fraction: float = Field(
         0.9, gt=0.05, le=1.0, description="batch_sizes=auto: peak memory a probe step may use"
     )
+    memory_mb: float | list[float] | None = Field(
+        None,
+        description="cpu_rig: each rank's simulated device memory in MB (one value, or one per "
+        "rank); a rank over it fails with torch.OutOfMemoryError, as a GPU does",
+    )
     link: LinkConfig = Field(
         default_factory=LinkConfig,
         description="the rig's link model: none, nvlink, pcie_no_p2p, 10gbe, 1gbe (or a dict)",
@@ -231,6 +237,22 @@ class ClusterConfig(_Schema):
     def _speeds_valid(cls, v: list[float] | None) -> list[float] | None:
         return _check_speeds(v)
 
+    @field_validator("memory_mb")
+    @classmethod
+    def _memory_valid(cls, v: float | list[float] | None) -> float | list[float] | None:
+        values = v if isinstance(v, list) else [] if v is None else [v]
+        if isinstance(v, list) and not v:
+            raise ValueError("must be a number of MB, one per rank, or null")
+        if any(not math.isfinite(m) or m <= 0 for m in values):
+            raise ValueError("must be finite numbers of MB > 0")
+        return v
+
+    def rank_memory_mb(self, rank: int) -> float | None:
+        """``rank``'s simulated device memory (cpu_rig), None when unlimited."""
+        if isinstance(self.memory_mb, list):
+            return self.memory_mb[rank] if rank < len(self.memory_mb) else None
+        return self.memory_mb
+
     @field_validator("batch_sizes")
     @classmethod
     def _batch_sizes_valid(cls, v: list[int] | str | None) -> list[int] | str | None:
@@ -242,6 +264,13 @@ class ClusterConfig(_Schema):
     def _consistent(self) -> ClusterConfig:
         if self.speeds is not None and len(self.speeds) != self.ranks:
             raise ValueError(f"speeds has {len(self.speeds)} entries but ranks={self.ranks}")
+        if self.memory_mb is not None and self.kind != "cpu_rig":
+            raise ValueError(
+                f"memory_mb simulates device memory on the CPU rig (kind={self.kind}: a real "
+                "device has its own)"
+            )
+        if isinstance(self.memory_mb, list) and len(self.memory_mb) != self.ranks:
+            raise ValueError(f"memory_mb has {len(self.memory_mb)} entries but ranks={self.ranks}")
         sizes = self.batch_sizes
         if isinstance(sizes, list) and self.kind == "cpu_rig" and len(sizes) != self.ranks:
             raise ValueError(f"batch_sizes has {len(sizes)} entries but ranks={self.ranks}")

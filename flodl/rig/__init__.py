@@ -1,2 +1,3 @@
 """The CPU rig's models of what makes consumer rigs unequal: speed (``pacing``: deadline-paced
-steps) and links (``links``: what moving bytes costs on PCIe without P2P or Ethernet)."""
+steps), memory (``memory``: a simulated device that runs out as a GPU does) and links
+(``links``: what moving bytes costs on PCIe without P2P or Ethernet)."""

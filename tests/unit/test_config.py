@@ -71,6 +71,7 @@ SURFACE = {
         "kind",
         "link",
         "memory_fraction",
+        "memory_mb",
         "pace_margin",
         "ranks",
         "shared_memory",

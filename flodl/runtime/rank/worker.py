@@ -30,6 +30,7 @@ from flodl.data.residency import place
 from flodl.data.source import BatchSource, batch_samples, count_batches, resolve_dataset
 from flodl.monitor.metrics import drain_scalars
 from flodl.rig import links
+from flodl.rig.memory import DeviceMemory, MiB, training_state
 from flodl.rig.pacing import Pacer, measure_step_s, probe_model
 from flodl.runtime.rank import blame, chaos
 from flodl.runtime.rank.spec import JobSpec, state_signature
@@ -131,6 +132,7 @@ class Worker:
         self._step = 0  # this rank's optimizer steps so far (per-step logging)
         self.grad_sync: GradSync | None = None  # nccl_sync's gradient all-reduce (built later)
         self.compressor: Compressor | None = None  # elche.compress (built later)
+        self.memory: DeviceMemory | None = None  # cluster.memory_mb on the rig (built later)
         self._grad_window = False  # this window's gradients are all-reduced in backward
         self._grad_failed = False  # ...and that all-reduce failed (a peer is gone)
 
@@ -152,6 +154,7 @@ class Worker:
             self.cfg.max_grad_norm,
         )
         self.optimizer = self.spec.optim_factory(self.model.parameters())
+        self._simulate_memory()
         if self.mode is Mode.NCCL_SYNC and self.spec.world_size > 1:
             self.grad_sync = GradSync(self.model, doomed=self._doomed, buffers=self.state.buffers)
         self._scale_lr()
@@ -296,6 +299,7 @@ class Worker:
             self.start()
             self._loop()
         finally:
+            self.close_memory()
             data = getattr(self, "data", None)
             if data is not None:
                 data.close()  # the loader's worker processes end with the rank
@@ -364,6 +368,8 @@ class Worker:
             charge(links.tensor_bytes(t), dist.get_world_size())
         except groups.Abandoned as exc:
             failure, abandoned = str(exc), not exc.settled
+        except torch.OutOfMemoryError:
+            raise  # the device's memory, not a peer: handled as any out-of-memory is
         except (RuntimeError, dist.DistBackendError) as exc:
             failure = str(exc)
         if failure is not None:  # raised outside the except block: its traceback pins the group
@@ -703,8 +709,26 @@ class Worker:
             return self.state.current().cpu()
         return self.state.flatten().cpu()
 
+    def _simulate_memory(self) -> None:
+        """CPU rig with ``cluster.memory_mb``: from here on the rank's allocations count against
+        its simulated device (flodl/rig/memory.py); past it, torch.OutOfMemoryError."""
+        budget = self.cfg.cluster.rank_memory_mb(self.rank) if self.spec.pace else None
+        if budget is None or self.device.type != "cpu":
+            return
+        self.memory = DeviceMemory(int(budget * MiB), name=f"rank {self.rank}")
+        self.memory.adopt(training_state(self.model, self.optimizer))
+        self.memory.__enter__()
+
+    def close_memory(self) -> None:
+        if self.memory is not None:
+            self.memory.__exit__(None, None, None)
+            self.memory = None
+
     def peak_memory(self) -> int:
-        """Peak device memory in bytes: CUDA's max allocated, else this process's peak RSS."""
+        """Peak device memory in bytes: CUDA's max allocated, the rig's simulated device's,
+        else this process's peak RSS."""
+        if self.memory is not None:
+            return self.memory.peak
         if self.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device))
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
@@ -864,6 +888,8 @@ class Worker:
             run()
         except groups.Abandoned as exc:
             failure, abandoned = str(exc), not exc.settled
+        except torch.OutOfMemoryError:
+            raise  # the device's memory, not a peer: handled as any out-of-memory is
         except (RuntimeError, dist.DistBackendError) as exc:  # a peer is gone
             failure = str(exc)
         if failure is None:
