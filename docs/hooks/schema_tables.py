@@ -3,7 +3,8 @@
 A page writes ``<!-- schema: ClassName prefix -->`` (a class importable from ``flodl.config``
 and the dotted key its fields live under, ``-`` for the top level); the hook replaces the
 marker with a table of that model's fields: key, type, default and the field's own
-``description``. Nested models get a table of their own, after the parent's. The tables are
+``description``. Nested models get a table of their own, after the parent's, unless the marker
+ends in ``flat``. The tables are
 generated from the code on every build, so the reference cannot drift from the schema.
 """
 
@@ -20,7 +21,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-MARKER = re.compile(r"<!-- schema: (\w+) (\S+) -->")
+MARKER = re.compile(r"<!-- schema: (\w+) (\S+)( flat)? -->")
 
 
 def _type_name(tp: Any) -> str:
@@ -47,7 +48,7 @@ def _default(field: FieldInfo) -> str:
         except TypeError:
             return "(computed)"
         if isinstance(value, BaseModel):
-            return "(see below)"
+            return "(its own table)"
         return f"`{value!r}`"
     if field.default is PydanticUndefined:
         return "**required**"
@@ -71,7 +72,9 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def model_tables(model: type[BaseModel], prefix: str, seen: set[str] | None = None) -> str:
+def model_tables(
+    model: type[BaseModel], prefix: str, seen: set[str] | None = None, flat: bool = False
+) -> str:
     """Markdown tables for ``model``'s fields under the dotted ``prefix`` (``-``: top level)."""
     seen = set() if seen is None else seen
     lead = "" if prefix == "-" else prefix + "."
@@ -83,9 +86,9 @@ def model_tables(model: type[BaseModel], prefix: str, seen: set[str] | None = No
             f"| `{lead}{key}` | {_cell(_type_name(field.annotation))} | {_cell(_default(field))}"
             f" | {_cell(field.description or '')} |"
         )
-        for sub in _nested(field.annotation):
+        for sub in [] if flat else _nested(field.annotation):
             later.append((sub, f"{lead}{key}" + ("[]" if "list" in str(field.annotation) else "")))
-    doc = (model.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
+    doc = " ".join((model.__doc__ or "").strip().split("\n\n")[0].split()).replace("``", "`")
     out = [f"`{model.__name__}`: {doc}" if doc else f"`{model.__name__}`", "", *rows]
     for sub, where in later:
         if where in seen:
@@ -100,7 +103,7 @@ def render(markdown: str) -> str:
 
     def table(match: re.Match[str]) -> str:
         model = getattr(config, match.group(1))
-        return model_tables(model, match.group(2))
+        return model_tables(model, match.group(2), flat=bool(match.group(3)))
 
     return MARKER.sub(table, markdown)
 

@@ -31,7 +31,7 @@ TIMEOUT_S = 120
 # snippets' PYTHONPATH, so rank processes get it too). Once `flodl.recipes` imports, the alias
 # is not installed; delete _SHIM and its use then.
 _HAS_FLODL_RECIPES = importlib.util.find_spec("flodl.recipes") is not None
-_SHIM = '''
+_SHIM = """
 import importlib, importlib.abc, importlib.util, sys
 
 class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -47,7 +47,7 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 sys.meta_path.insert(0, _Alias())
-'''
+"""
 
 # Config groups a `group=NAME` yaml block is validated against (the whole group's node).
 _GROUPS = {
