@@ -15,6 +15,7 @@ import shlex
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -79,11 +80,13 @@ def _env(tmp: Path) -> dict[str, str]:
     return env
 
 
-def _run(args: list[str], cwd: Path, what: Snippet) -> subprocess.CompletedProcess[str]:
+def _run(
+    args: list[str], cwd: Path, what: Snippet, **extra_env: str
+) -> subprocess.CompletedProcess[str]:
     out = subprocess.run(
         args,
         cwd=cwd,
-        env=_env(cwd),
+        env={**_env(cwd), **extra_env},
         capture_output=True,
         text=True,
         timeout=int(what.opts.get("timeout", TIMEOUT_S)),
@@ -151,14 +154,21 @@ def _matches(expected: list[str], got: list[str]) -> bool:
 
 
 def run_console(s: Snippet, cwd: Path) -> None:
+    """Run each `$ command` (side by side: they are independent) and compare its output."""
     commands: list[tuple[str, list[str]]] = []
     for line in s.code.splitlines():
         if line.startswith("$ "):
             commands.append((line[2:], []))
         elif commands and line.strip():
             commands[-1][1].append(line)
-    for command, expected in commands:
-        out = _run(["bash", "-c", _in_repo(command)], cwd, s)
+
+    # Refusals start no rank: no speculative fork server (its torch import would only cost CPU).
+    def one(command: str) -> subprocess.CompletedProcess[str]:
+        return _run(["bash", "-c", _in_repo(command)], cwd, s, FLODL_FORK_SERVER="0")
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        outs = list(pool.map(one, [command for command, _ in commands]))
+    for (command, expected), out in zip(commands, outs, strict=True):
         _check_rc(out, s)
         got = (out.stdout + out.stderr).splitlines()
         assert _matches(expected, got), (
