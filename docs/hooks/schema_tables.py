@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-MARKER = re.compile(r"<!-- schema: (\w+) (\S+)( flat)? -->")
+MARKER = re.compile(r"^<!-- schema: (\w+) (\S+)( flat)? -->$", re.MULTILINE)  # a line of its own
 
 
 def _type_name(tp: Any) -> str:
