@@ -75,11 +75,6 @@ _GROUPS = {
 }
 
 
-def _param(s: Snippet) -> object:
-    marks = [pytest.mark.slow] if "slow" in s.opts and not s.skip else []
-    return pytest.param(s, id=s.id, marks=marks)
-
-
 def _env(tmp: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLODL_")}
     paths = [str(ROOT)]
@@ -233,34 +228,68 @@ def test_block_parses_and_validates(s: Snippet) -> None:
     check_static(s)
 
 
+# The runnable blocks and sessions run two at a time (a process tree each, in its own scratch
+# directory: they share nothing), so they take about half their serial time on two cores. They
+# run inside one test per kind, because tests/conftest.py rightly fails a test that leaves child
+# processes behind, and jobs of other tests still running would be exactly that. A failure names
+# every failing block (page:line) with its output.
 _SOLO = [s for s in SNIPPETS if not s.skip and "session" not in s.opts and s.lang in RUNNERS]
 
 
-@pytest.mark.parametrize("s", [_param(s) for s in _SOLO])
-def test_block_runs(s: Snippet, tmp_path: Path) -> None:
-    run_one(s, tmp_path)
-
-
-def _sessions() -> list[object]:
-    groups: dict[tuple[Path, str], list[Snippet]] = {}
+def _jobs() -> dict[str, list[Snippet]]:
+    jobs: dict[str, list[Snippet]] = {s.id: [s] for s in _SOLO}
+    sessions: dict[tuple[Path, str], list[Snippet]] = {}
     for s in SNIPPETS:
         if "session" in s.opts and not s.skip:
-            groups.setdefault((s.path, s.opts["session"]), []).append(s)
-    params = []
-    for (_, name), blocks in groups.items():
-        slow = any("slow" in b.opts for b in blocks)
-        params.append(
-            pytest.param(
-                blocks,
-                id=f"{blocks[0].id}[{name}]",
-                marks=[pytest.mark.slow] if slow else [],
-            )
-        )
-    return params
+            sessions.setdefault((s.path, s.opts["session"]), []).append(s)
+    for (_, name), blocks in sessions.items():
+        jobs[f"{blocks[0].id}[session={name}]"] = blocks
+    return jobs
 
 
-@pytest.mark.parametrize("blocks", _sessions())
-def test_session_runs(blocks: list[Snippet], tmp_path: Path) -> None:
-    """Blocks sharing `session=NAME` on one page run in order in one scratch directory."""
-    for s in blocks:
-        run_one(s, tmp_path)
+JOBS = _jobs()
+SLOW = {key for key, blocks in JOBS.items() if any("slow" in b.opts for b in blocks)}
+
+
+def _run_blocks(blocks: list[Snippet], cwd: Path) -> str | None:
+    """None when every block passed; else why (a skip says so and counts as passed)."""
+    cwd.mkdir()
+    try:
+        for s in blocks:
+            run_one(s, cwd)
+    except pytest.skip.Exception as why:
+        return f"skipped: {why}"
+    except Exception as exc:  # a block's assertion, a timeout: reported with the block's id
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def run_jobs(keys: list[str], scratch: Path) -> None:
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {
+            key: pool.submit(_run_blocks, JOBS[key], scratch / f"job{i}")
+            for i, key in enumerate(keys)
+        }
+        results = {key: future.result() for key, future in futures.items()}
+    skipped = {k: r for k, r in results.items() if r and r.startswith("skipped: ")}
+    failed = {k: r for k, r in results.items() if r and k not in skipped}
+    for key, why in skipped.items():
+        print(f"{key}: {why}")  # shown with -rA / -s: a block waiting for a pending module
+    assert not failed, "\n\n".join(f"--- {key}\n{why}" for key, why in failed.items())
+
+
+def test_the_blocks_that_run_in_one_process(tmp_path: Path) -> None:
+    """Python blocks that train in-process, refusals, small scripts."""
+    run_jobs([key for key in JOBS if key not in SLOW], tmp_path)
+
+
+@pytest.mark.slow
+def test_the_blocks_that_start_ranks(tmp_path: Path) -> None:
+    """Blocks marked slow: 2-rank CPU rigs, sweeps, the tutorials' sessions."""
+    run_jobs([key for key in JOBS if key in SLOW], tmp_path)
+
+
+@pytest.mark.light
+def test_runnable_blocks_are_found() -> None:
+    """The collector sees the runnable blocks (a broken fence would silently drop them)."""
+    assert len(JOBS) >= 15 and SLOW, sorted(JOBS)
