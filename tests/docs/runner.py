@@ -13,6 +13,7 @@ import shlex
 import subprocess
 import sys
 import textwrap
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -234,6 +235,7 @@ SLOW = {key for key, blocks in JOBS.items() if any("slow" in b.opts for b in blo
 def _run_blocks(blocks: list[Snippet], cwd: Path) -> str | None:
     """None when every block passed; else why (a skip says so and counts as passed)."""
     cwd.mkdir()
+    started = time.monotonic()
     try:
         for s in blocks:
             run_one(s, cwd)
@@ -241,6 +243,8 @@ def _run_blocks(blocks: list[Snippet], cwd: Path) -> str | None:
         return f"skipped: {why}"
     except Exception as exc:  # a block's assertion, a timeout: reported with the block's id
         return f"{type(exc).__name__}: {exc}"
+    finally:  # with -s (or on failure): what each block costs
+        print(f"{blocks[0].id}: {time.monotonic() - started:.1f} s")
     return None
 
 
