@@ -43,3 +43,21 @@ def test_the_blocks_that_run_in_one_process(tmp_path: Path) -> None:
 def test_runnable_blocks_are_found() -> None:
     """The collector sees the runnable blocks (a broken fence would silently drop them)."""
     assert len(JOBS) >= 15 and SLOW, sorted(JOBS)
+
+
+@pytest.mark.light
+def test_the_config_reference_names_every_option_on_disk() -> None:
+    """The groups table of docs/reference/config.md is prose, so it is checked against conf/:
+    every option a user can pick (conf/<group>/<option>.yaml) is named there."""
+    from tests.docs.snippets import ROOT
+
+    conf = next(p for p in (ROOT / "flodl" / "conf", ROOT / "conf") if p.is_dir())
+    page = (ROOT / "docs" / "reference" / "config.md").read_text(encoding="utf-8")
+    table = page[page.index("## Groups and options") : page.index("## Every key")]
+    missing = [
+        f"{group.name}={option.stem}"
+        for group in sorted(p for p in conf.iterdir() if p.is_dir())
+        for option in sorted(group.glob("*.yaml"))
+        if not option.stem.startswith("_") and f"`{option.stem}`" not in table
+    ]
+    assert not missing, f"name these in the groups table of docs/reference/config.md: {missing}"
