@@ -186,11 +186,15 @@ def run_console(s: Snippet, cwd: Path) -> None:
 
 
 def _module_exists(name: str) -> bool:
-    """`needs=flodl.data.streams`: the block imports a module that a layout move brings."""
-    try:
-        return importlib.util.find_spec(name) is not None
-    except ImportError:  # a parent that is a module, not a package
-        return False
+    """`needs=flodl.data.streams`: the block imports a module that a layout move brings. Asked
+    without importing it (nor its parent: `flodl.data` is a module, not a package, before the
+    move)."""
+    parent, _, _ = name.rpartition(".")
+    if parent:
+        spec = importlib.util.find_spec(parent)
+        if spec is None or spec.submodule_search_locations is None:
+            return False
+    return importlib.util.find_spec(name) is not None
 
 
 RUNNERS = {"python": run_python, "bash": run_bash, "console": run_console}
