@@ -36,6 +36,7 @@ class Page(HTMLParser):
 
     def __init__(self) -> None:
         super().__init__()
+        self.images: list[str] = []
         self.headings: dict[str, list[str]] = {"h1": [], "h2": [], "h3": []}
         self.nav: list[str] = []
         self.cells: list[str] = []
@@ -45,6 +46,8 @@ class Page(HTMLParser):
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         if tag == "nav":
             self._navs.append("md-nav" in (dict(attrs).get("class") or ""))
+        if tag == "img":
+            self.images.append(dict(attrs).get("src") or "")
         if tag in self.CAPTURED:
             self._open.append((tag, []))
 
@@ -119,3 +122,13 @@ def test_the_api_pages_carry_the_docstrings(site: Path) -> None:
     api = read(site, "reference/api/trainer")
     names = " ".join(api.headings["h2"] + api.headings["h3"])
     assert "Trainer" in names and "TrainerBuilder" in names and "RunHandle" in names
+
+
+def test_the_benchmark_page_shows_its_tables_and_plots(site: Path) -> None:
+    bench = read(site, "benchmarks")
+    assert bench.headings["h1"] == ["Benchmarks"]
+    assert "nccl_cadence" in " ".join(bench.cells)
+    pngs = [src for src in bench.images if src.endswith(".png")]
+    assert pngs, "no plot on the benchmarks page"
+    for src in pngs:  # served from bench/results by the bench_assets hook
+        assert (site / "benchmarks" / src).is_file(), src
