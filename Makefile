@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: run test lint format install clean gpu-check
+.PHONY: run test lint format install clean gpu-check docs docs-serve
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -25,8 +25,16 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-test: lint
+test: lint docs
 	$(BIN)/python -m pytest -q -ra --durations=15 -n 2 --dist loadgroup $(PYTEST_ARGS)
+
+# The documentation site (docs/, mkdocs.yml): warnings are errors, so a broken link or
+# reference fails the build. Builds offline.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
+docs-serve: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --strict
 
 # On a CUDA machine: the CUDA paths in <= 5 min, a table, non-zero on failure (0 without CUDA).
 gpu-check: $(STAMP)
@@ -37,4 +45,4 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) outputs multirun .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) outputs multirun site .pytest_cache .mypy_cache .ruff_cache

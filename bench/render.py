@@ -1,4 +1,5 @@
-"""Regenerate the result tables of bench/README.md from bench/results/*.json.
+"""Regenerate the result tables of the benchmarks page (docs/benchmarks/index.md) from
+bench/results/*.json, and the summary block of the root README.
 
     .venv/bin/python -m bench.render            # rewrites the blocks between the markers
     .venv/bin/python -m bench.render --stdout   # prints them instead
@@ -21,7 +22,8 @@ from typing import Any
 
 from bench.common import RESULTS
 
-README = Path(__file__).resolve().parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "docs" / "benchmarks" / "index.md"  # the docs site's page; plots: bench_assets
 
 
 # --- formatting -------------------------------------------------------------------------------
@@ -525,7 +527,7 @@ def scale_sim_block(data: dict[str, Any]) -> str:
 def replace_block(text: str, name: str, body: str) -> str:
     pattern = re.compile(rf"(<!-- {name}:begin -->\n).*?(\n<!-- {name}:end -->)", re.DOTALL)
     if not pattern.search(text):
-        raise SystemExit(f"bench/README.md has no <!-- {name}:begin --> / end markers")
+        raise SystemExit(f"no <!-- {name}:begin --> / end markers for the {name} block")
     return pattern.sub(lambda m: m.group(1) + body + m.group(2), text)
 
 
@@ -640,7 +642,7 @@ def main(argv: list[str] | None = None) -> int:
         text = replace_block(text, name, body)
     README.write_text(text, encoding="utf-8")
     print(f"updated {README}", file=sys.stderr)
-    root = README.parent.parent / "README.md"  # the project's README: its summary block
+    root = ROOT / "README.md"  # the project's README: its summary block
     summary = readme_summary_block(_load("hetero"), _load("overhead"))
     root.write_text(
         replace_block(root.read_text(encoding="utf-8"), "bench_summary", summary),
