@@ -1,4 +1,4 @@
-"""bench/README.md blocks for bench/bulk.py (memory, speed, disk at 120 M parameters) and
+"""docs/benchmarks/index.md blocks for bench/bulk.py (memory, speed, disk at 120 M parameters) and
 bench/big.py (a 120 M model trained, checkpointed and resumed end to end); used by render.py."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The ddp-bench grid (flodl-facts §9): seven workloads x solo, the five modes and torch DDP.
+"""The ddp-bench grid (docs/design/ddp-bench.md): seven workloads x solo, the five modes and
+torch DDP.
 
     .venv/bin/python -m bench.ddp_bench                         # the whole grid (hours here)
     .venv/bin/python -m bench.ddp_bench --workloads char_rnn gpt_nano
@@ -17,7 +18,8 @@ end of calibration gives the val-loss-against-wall-time curves. ``--quick`` shri
 and epochs (``QUICK``) and writes ``ddp_bench_quick.json``: a proof that the grid runs end to
 end, not a measurement. ``--anchor`` trains gpt_nano at nanoGPT's baby-GPT settings for its
 tokens (``ANCHOR``) into ``ddp_bench_anchor.json``. ``python -m bench.render`` turns the JSON
-into bench/README.md tables and one PNG per language model (bench/results/<stem>_<workload>.png).
+into docs/benchmarks/index.md tables and one PNG per language model
+(bench/results/<stem>_<workload>.png).
 """
 
 from __future__ import annotations

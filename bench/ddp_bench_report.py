@@ -1,4 +1,5 @@
-"""The ddp-bench block of bench/README.md and its loss-against-time plots (bench/render.py).
+"""The ddp-bench block of docs/benchmarks/index.md and its loss-against-time plots
+(bench/render.py).
 
 Reads ``bench/results/ddp_bench.json`` (else ``ddp_bench_quick.json``): the table in the
 original's format (loss / eval / s / syncs per workload and variant), the scaling each workload

@@ -175,7 +175,7 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
 
 
 def startup_block(data: dict[str, Any], machine_line: str) -> str:
-    """The bench/README table (bench/render.py): one row per variant, torchrun + DDP first."""
+    """The docs/benchmarks table (bench/render.py): one row per variant, torchrun + DDP first."""
     s = data["settings"]
     lines = [
         machine_line,

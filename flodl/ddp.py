@@ -1,4 +1,4 @@
-"""The bypass tier (DESIGN §6): one replica per rank, synced exactly when the caller says.
+"""The bypass tier (docs/design/data.md): one replica per rank, synced exactly when the caller says.
 
 For training patterns that need explicit per-step replica control (a GAN's discriminator vs
 generator step, RL actor vs critic, progressive growing) ``Ddp`` is the low-level per-rank

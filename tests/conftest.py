@@ -53,6 +53,14 @@ _COST_S = {  # the whole run of r4-suite-time at load ~6 (1178 s), over 1.97 (90
     "test_evaluation.py": 8,
     "test_observability.py": 5,
     "test_netns_hosts.py": 4,
+    "test_snippet_ranks.py": 60,
+    "test_snippets.py": 40,
+    "test_site.py": 10,
+    "test_user_errors.py": 45,
+    "test_nonfinite.py": 24,
+    "test_rig_links.py": 30,
+    "test_rig_memory.py": 20,
+    "test_full_disk.py": 11,
     "test_training_features.py": 4,
 }
 _DEFAULT_S = 10

@@ -11,7 +11,8 @@ from flodl.config.base import _Schema
 
 
 class Mode(str, Enum):
-    """Averaging mode (DESIGN §4); ``nccl`` = the collective backend (NCCL on CUDA, else gloo)."""
+    """Averaging mode (docs/design/modes.md); ``nccl`` = the collective backend (NCCL on CUDA,
+    else gloo)."""
 
     NCCL_SYNC = "nccl_sync"
     NCCL_CADENCE = "nccl_cadence"
@@ -46,7 +47,8 @@ class Outer(str, Enum):
 
 
 class ElCheConfig(_Schema):
-    """ElChe, the heterogeneous cadence balancer (DESIGN §5). Defaults follow the original."""
+    """ElChe, the heterogeneous cadence balancer (docs/design/elche.md). Defaults follow the
+    original."""
 
     mode: Mode = Field(Mode.NCCL_CADENCE, description="averaging mode")
     anchor: int = Field(10, ge=1, description="initial batches of the slow rank per window")
@@ -165,7 +167,8 @@ ELCHE_PRESETS: dict[Mode, dict[str, Any]] = {
     Mode.NCCL_CADENCE: {},
     Mode.CPU_SYNC: {"anchor": 1},
     Mode.CPU_CADENCE: {},
-    # cpu_async windows as nccl_cadence (DESIGN §4; the original's preset keeps anchor 10): at
+    # cpu_async windows as nccl_cadence (docs/design/modes.md; the original's preset keeps anchor
+    # 10): at
     # anchor 1 its overlapped averaging never measures an overhead to grow the anchor from, so
     # it averaged every slow-rank batch, each arrival an EASGD pull toward a stale centre
     Mode.CPU_ASYNC: {},

@@ -3,7 +3,8 @@
 The slow rank (the *anchor rank*) does ``anchor`` batches per averaging window; every other rank
 does proportionally more, so all of them finish the window at about the same wall time. The
 anchor auto-tunes so that sync costs about ``overhead_target`` of compute, a convergence guard
-may veto growth, and a meta-controller cuts the anchor when the regime changes (DESIGN §5).
+may veto growth, and a meta-controller cuts the anchor when the regime changes
+(docs/design/elche.md).
 
 This module is pure: it sees numbers (fake timings in tests, real ones in the runtime) and
 returns numbers. No clocks, no I/O, no randomness, so a resumed controller fed the same reports

@@ -1,6 +1,7 @@
 """Which GPUs this process may use, found without importing torch or touching CUDA.
 
-The launcher must never create a CUDA context before ranks exist (DESIGN §3): a parent holding a
+The launcher must never create a CUDA context before ranks exist (docs/design/process-model.md): a
+parent holding a
 context breaks heterogeneous rigs and forked children. So detection asks the driver's tools
 instead: ``nvidia-smi`` for NVIDIA, the KFD topology in sysfs for AMD. Both honour the
 ``*_VISIBLE_DEVICES`` masks the way the CUDA/ROCm runtimes do, so ``len(detect_gpus())`` is the

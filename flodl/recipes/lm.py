@@ -1,4 +1,5 @@
-"""Character language models of the ddp-bench table (flodl-facts §9): char-rnn and gpt-nano.
+"""Character language models of the ddp-bench table (docs/design/ddp-bench.md): char-rnn and
+gpt-nano.
 
 Both map int64 indices ``[B, T]`` to next-character logits ``[B, T, V]``. ``vocab`` is the
 vocabulary string (``dataset.vocab``: index ``i`` is character ``vocab[i]``), or only its size.

@@ -1,4 +1,5 @@
-"""Models of the ddp-bench table (flodl-facts §9): logistic, MLP, LeNet-5, conv AE, ResNet-20.
+"""Models of the ddp-bench table (docs/design/ddp-bench.md): logistic, MLP, LeNet-5, conv AE,
+ResNet-20.
 
 Every model takes ``input_shape`` (the per-sample shape, e.g. ``[1, 28, 28]``) and
 ``num_classes`` first, so that one config line (``${dataset.input_shape}``) fits any dataset.

@@ -26,43 +26,6 @@ SNIPPETS = all_snippets()
 BIN = Path(sys.executable).parent
 TIMEOUT_S = 120
 
-# Until the layout move lands, `flodl.recipes` and `flodl.cli.app` do not exist; the docs'
-# imports of them are served by the old modules (`recipes`, `flodl.app`) through an import alias
-# (a sitecustomize on the snippets' PYTHONPATH, so rank processes get it too). Once the new
-# modules import, the alias is not installed; delete _SHIM and its use then.
-_HAS_NEW_LAYOUT = importlib.util.find_spec("flodl.recipes") is not None
-_SHIM = """
-import importlib, importlib.abc, importlib.util, sys, types
-
-_ALIASES = {"flodl.recipes": "recipes", "flodl.cli.app": "flodl.app"}
-
-
-class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def _target(self, name):
-        for new, old in _ALIASES.items():
-            if name == new or name.startswith(new + "."):
-                return old + name[len(new):]
-        return None
-
-    def find_spec(self, name, path=None, target=None):
-        if name == "flodl.cli" or self._target(name):
-            return importlib.util.spec_from_loader(name, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        if spec.name == "flodl.cli":
-            module = types.ModuleType("flodl.cli")
-            module.__path__ = []
-            return module
-        return importlib.import_module(self._target(spec.name))
-
-    def exec_module(self, module):
-        pass
-
-
-sys.meta_path.insert(0, _Alias())
-"""
-
 # Config groups a `group=NAME` yaml block is validated against (the whole group's node).
 _GROUPS = {
     "elche": "ElCheConfig",
@@ -77,11 +40,6 @@ _GROUPS = {
 def _env(tmp: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLODL_")}
     paths = [str(ROOT)]
-    if not _HAS_NEW_LAYOUT:
-        shim = tmp / "_shim"
-        shim.mkdir(exist_ok=True)
-        (shim / "sitecustomize.py").write_text(_SHIM)
-        paths.insert(0, str(shim))
     env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"  # `python` is this interpreter
     env["PYTHONUNBUFFERED"] = "1"
@@ -151,8 +109,7 @@ def _matches(expected: list[str], got: list[str]) -> bool:
     """Each expected line appears, in order; `...` in a line matches any text."""
     at = 0
     for want in expected:
-        norm = want if _HAS_NEW_LAYOUT else want.replace("flodl.recipes.", "recipes.")  # _SHIM
-        pattern = re.compile(".*".join(re.escape(p) for p in norm.split("...")) + "$")
+        pattern = re.compile(".*".join(re.escape(p) for p in want.split("...")) + "$")
         while at < len(got) and not pattern.match(got[at]):
             at += 1
         if at == len(got):

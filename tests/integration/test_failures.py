@@ -145,7 +145,8 @@ def test_nan_loss_is_skipped_then_stops_the_run(tmp_path):
 
 
 def test_launcher_never_initialises_cuda(tmp_path, monkeypatch):
-    """The launcher must not create a CUDA context before ranks exist (DESIGN §3): any path
+    """The launcher must not create a CUDA context before ranks exist
+    (docs/design/process-model.md): any path
     into CUDA initialisation in this process is recorded and fails the test."""
     from .helpers import small_run
 
