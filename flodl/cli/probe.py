@@ -475,8 +475,8 @@ def cluster_file(spec: str) -> Path:
             return folder / f"{spec}.yaml"
     names = sorted({p.stem for d in dirs for p in d.glob("*.yaml")})
     raise ConfigError(
-        f"cluster={spec}: no conf/cluster/{spec}.yaml (have: {', '.join(names) or 'none'}; "
-        "or give a file path)"
+        f"cluster={spec}: no cluster/{spec}.yaml in ./conf or flodl's config groups "
+        f"({CONF}) (have: {', '.join(names) or 'none'}; or give a file path)"
     )
 
 

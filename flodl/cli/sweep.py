@@ -270,9 +270,11 @@ def _write_failed(job_dir: Path, row: dict[str, Any]) -> None:
 
 
 class FailedJobs(Callback):
-    """Hydra callback (``hydra.callbacks`` in ``conf/config.yaml``): after a multirun, count the
-    jobs whose ``summary.json`` says failed, so the command exits 1 under any launcher, also
-    one that runs jobs in other processes or on other machines (joblib, submitit)."""
+    """Hydra callback: after a multirun, count the jobs whose ``summary.json`` says failed, so the
+    command exits 1 under any launcher, also one that runs jobs in other processes or on other
+    machines (joblib, submitit). No config needs to list it: :func:`flodl.cli.app.cli` adds it
+    to every run (``hydra.callbacks.flodl_failed_jobs``) and the flodl launcher to its sweep
+    (:func:`count_failed_jobs`)."""
 
     def __init__(self) -> None:
         self._t0 = time.time()
@@ -299,3 +301,12 @@ def count_failed(sweep_dir: Path, since: float) -> int:
         except (OSError, ValueError):
             continue
     return failed
+
+
+def count_failed_jobs(hydra_context: Any) -> None:
+    """The flodl launcher's sweep ends with :class:`FailedJobs`'s count, listed or not (a user's
+    own ``@hydra.main`` entry without :func:`flodl.cli.app.cli`, a config without the callback).
+    """
+    callbacks = getattr(getattr(hydra_context, "callbacks", None), "callbacks", None)
+    if isinstance(callbacks, list) and not any(isinstance(c, FailedJobs) for c in callbacks):
+        callbacks.append(FailedJobs())
