@@ -230,11 +230,51 @@ class TrainerBuilder:
     def early_stopping(self, config: EarlyStoppingConfig) -> TrainerBuilder:
         return self._set("early_stopping", config.model_dump())
 
-    def save_best(self, config: MonitorConfig, save_path: str | None = None) -> TrainerBuilder:
-        """Keep ``<save_path>_best`` beside the last bundle (``save_path`` sets the stem)."""
+    def save_best(
+        self,
+        config: MonitorConfig | str = "eval_loss",
+        save_path: str | Path | None = None,
+        *,
+        mode: str = "min",
+    ) -> TrainerBuilder:
+        """Keep ``<save_path>_best`` beside the last bundle (``save_path`` sets the stem):
+        ``.save_best(MonitorConfig(...))`` or ``.save_best("accuracy", mode="max")``."""
         if save_path is not None:
-            self._set("save_path", save_path)
+            self.save_path(save_path)
+        if isinstance(config, str):
+            config = MonitorConfig(monitor=config, mode=mode)  # type: ignore[arg-type]
         return self._set("save_best", config.model_dump())
+
+    def save_path(self, stem: str | Path) -> TrainerBuilder:
+        """Bundle stem (a path or fsspec URL): ``<stem>.meta.json`` plus shard files, written at
+        the end of the run (and every ``checkpoint_every`` epochs)."""
+        return self._set("save_path", str(stem))
+
+    def checkpoint_every(self, n: int) -> TrainerBuilder:
+        """Save the bundle every ``n`` epochs (needs :meth:`save_path`)."""
+        return self._set("checkpoint_every", n)
+
+    def resume_from(self, stem: str | Path, fallback: bool | None = None) -> TrainerBuilder:
+        """Resume from the bundle at ``stem``; ``fallback=True``: from an older bundle when the
+        newest is damaged (else an error)."""
+        if fallback is not None:
+            self._set("resume_fallback", fallback)
+        return self._set("resume_from", str(stem))
+
+    def eval_every(self, n: int) -> TrainerBuilder:
+        return self._set("eval_every", n)
+
+    def device(self, kind: str) -> TrainerBuilder:
+        """``auto``, ``cpu`` or ``cuda`` (the in-process device)."""
+        return self._set("device", kind)
+
+    def max_failure(self, ranks: int | str | None) -> TrainerBuilder:
+        """Ranks that may be lost (a count or ``"N%"``) before save-and-stop; None: any."""
+        return self._set("max_failure", ranks)
+
+    def max_nonfinite(self, n: int) -> TrainerBuilder:
+        """NaN/inf losses skipped (with a warning) before the run stops."""
+        return self._set("max_nonfinite", n)
 
     def elche(self, config: ElCheConfig) -> TrainerBuilder:
         return self._set("elche", config.model_dump())
