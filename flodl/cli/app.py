@@ -368,6 +368,13 @@ def hydra_error_line(exc: BaseException) -> str | None:
         )
     if isinstance(exc.__cause__, OmegaConfBaseException):
         head = f"{head} ({str(exc.__cause__).splitlines()[0].strip()})"
+    if "not in struct" in head and head.startswith("Could not override"):
+        key = head.split("'")[1] if head.count("'") >= 2 else "KEY"
+        group = key.split(".")[0]
+        head += (
+            f"; your config has no such key: list flodl's `{group}: default` (or another "
+            f"{group} option) in its defaults, or add the key with +{key}=VALUE"
+        )
     return head
 
 

@@ -52,6 +52,8 @@ def launch_sweep(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
         if offset == 0 and initial_job_idx == 0:
             _check_direction(config, checked.run.task)
 
+    if several and launcher.report:
+        _require_report_plot()
     try:
         return _launch(launcher, ctx, jobs, sweep_dir, loggers[0])
     except (KeyboardInterrupt, SystemExit):
@@ -59,6 +61,18 @@ def launch_sweep(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
     except Exception:  # composition succeeded: this is no configuration error (exit 1, not 2)
         log.exception("the flodl launcher failed")
         raise app.LaunchFailed() from None
+
+
+def _require_report_plot() -> None:
+    """A sweep ends with its A/B report, whose plot needs matplotlib (flodl[report])."""
+    from flodl.config.extras import has, missing_extra
+
+    if not has("matplotlib"):
+        exc = missing_extra(
+            "matplotlib", "a sweep's A/B report (ab_report.png)", "hydra.launcher.report=false"
+        )
+        app.say_error(str(exc))
+        sys.exit(2)
 
 
 def _launch(launcher: Any, ctx: Any, jobs: list, sweep_dir: Path, logger: Any) -> list:
@@ -84,12 +98,14 @@ def check_job(job_cfg: Any, warm: bool = False) -> app.CheckedJob:
     before torch is imported, and only a good job imports its metrics (torchmetrics, scipy).
     ``warm``: once the pure-config checks passed, start the fork server of a CPU-rig job's ranks,
     so their imports overlap the checks that need torch (:func:`_warm_ranks`)."""
+    from flodl.config.extras import check_recipe_data
     from flodl.preflight import check_config, check_factories, check_task_targets
 
     data = app.plain_config(job_cfg)
     run_cfg = validate_run_config(data)
     config = run_cfg.trainer_config()
     check_config(config)
+    check_recipe_data(run_cfg.dataset.target)
     if warm:
         _warm_ranks(run_cfg.cluster)
     signature = check_factories(run_cfg)

@@ -54,6 +54,7 @@ defaults:
   - elche: solo
   - cluster: cpu_rig
   - logger: default
+  - trainer: default
   - _self_
 
 model:
@@ -128,6 +129,16 @@ def test_refused_configs_exit_2_in_one_line(tmp_path, args, expected):
     if args == ["elche=nope"]:  # names what exists, from flodl's packaged groups
         assert "nccl_cadence" in line and "_schema" not in line, line
     assert not list(project.glob("out/**/rank_*.log"))  # no rank was started
+
+
+@pytest.mark.light
+def test_a_knob_the_projects_config_does_not_have_says_how_to_get_it(tmp_path):
+    project = make_project(tmp_path / "proj", CONFIG.replace("  - logger: default\n", ""))
+    assert_refused(
+        flodl_train(project, "logger.level=DEBUG"),
+        "list flodl's `logger: default` (or another logger option) in its defaults, or add the "
+        "key with +logger.level=VALUE",
+    )
 
 
 @pytest.mark.light

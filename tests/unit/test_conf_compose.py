@@ -22,6 +22,7 @@ GROUPS = [
     "experiment",
     "scheduler",
     "workload",
+    "trainer",
 ]
 
 
