@@ -8,9 +8,11 @@ the failed-job count come from flodl's entry itself.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -171,6 +173,35 @@ def test_a_failed_job_exits_1_without_any_callback_in_the_projects_config(tmp_pa
     summary = json.loads((project / "out" / "0" / "summary.json").read_text())
     assert summary["status"] == "failed", summary
     assert "this train step is broken" in json.dumps(summary)
+
+
+@pytest.mark.slow
+def test_ctrl_c_exits_130_with_the_job_marked_interrupted(tmp_path):
+    project = make_project(tmp_path / "proj")
+    proc = subprocess.Popen(
+        [
+            *flodl_command(),
+            "train",
+            "trainer.num_epochs=500",
+            "logger.progress=lines",
+            f"hydra.sweep.dir={project / 'out'}",
+        ],
+        cwd=project,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert proc.stdout is not None
+    lines, deadline = [], time.monotonic() + 120
+    while time.monotonic() < deadline and not any(x.startswith("epoch 2/") for x in lines[-1:]):
+        lines.append(proc.stdout.readline())
+    assert lines[-1].startswith("epoch 2/"), "".join(lines[-30:])
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out[-3000:]
+    assert "error: interrupted (exit 130)" in out
+    summary = json.loads((project / "out" / "0" / "summary.json").read_text())
+    assert summary["status"] == "interrupted", summary
 
 
 # -- the command's pieces, in process ------------------------------------------------------------
