@@ -83,10 +83,15 @@ def resolve_config_dir(config_dir: str | None, config_name: str, cwd: Path) -> s
     return str(path)
 
 
+#: Hydra's flags that choose what it does instead of running (or --run: a single RUN-mode job).
+_MODE_FLAGS = ("-r", "--run", "-c", "--cfg", "-i", "--info", "-sc", "--shell-completion")
+
+
 def hydra_argv(rest: list[str]) -> list[str]:
     """What Hydra parses: always MULTIRUN, the flodl launcher unless the command names one."""
     args = list(rest)
-    if not any(a in ("-m", "--multirun") for a in args):
+    flags = {a.split("=", 1)[0] for a in args if a.startswith("-")}
+    if not flags & {"-m", "--multirun", *_MODE_FLAGS}:  # Hydra takes one mode flag
         args.insert(0, "--multirun")
     if not any(a.lstrip("+~").startswith("hydra/launcher=") for a in args):
         args.append("hydra/launcher=flodl")

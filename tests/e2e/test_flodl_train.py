@@ -144,6 +144,17 @@ def test_a_knob_the_projects_config_does_not_have_says_how_to_get_it(tmp_path):
 
 
 @pytest.mark.light
+def test_hydras_own_flags_work_and_show_flodls_groups_on_the_search_path(tmp_path):
+    project = make_project(tmp_path / "proj")
+    shown = flodl_train(project, "--cfg", "job", "elche=cpu_cadence")
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert "mode: cpu_cadence" in shown.stdout and "_target_: myproj.parts.Net" in shown.stdout
+    info = flodl_train(project, "--info", "searchpath")
+    assert info.returncode == 0, info.stderr[-2000:]
+    assert "pkg://flodl.conf" in info.stdout and str(project / "conf") in info.stdout
+
+
+@pytest.mark.light
 def test_a_typo_in_the_projects_own_yaml_is_one_line_with_the_likely_key(tmp_path):
     project = make_project(tmp_path / "proj", CONFIG.replace("num_epochs: 1", "num_epohcs: 1"))
     assert_refused(
@@ -221,6 +232,9 @@ def test_every_run_is_a_multirun_through_the_flodl_launcher_unless_named():
     assert hydra_argv(["a=1"]) == ["--multirun", "a=1", "hydra/launcher=flodl"]
     assert hydra_argv(["-m", "a=1,2"]) == ["-m", "a=1,2", "hydra/launcher=flodl"]
     assert hydra_argv(["hydra/launcher=basic"]) == ["--multirun", "hydra/launcher=basic"]
+    # Hydra's informational flags take the place of the mode flag
+    assert hydra_argv(["--cfg", "job"]) == ["--cfg", "job", "hydra/launcher=flodl"]
+    assert hydra_argv(["--info=searchpath"])[0] == "--info=searchpath"
 
 
 @pytest.mark.light
