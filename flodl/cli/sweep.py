@@ -45,7 +45,7 @@ def launch_sweep(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
             checked = check_job(job_cfg, warm=offset == 0)
         except ConfigError as exc:
             where = f" (job {idx}: {' '.join(overrides)})" if several else ""
-            app.say_error(f"{exc}{where}")
+            app.say_error(f"{exc}{where}{written_at(str(exc), config)}")
             sys.exit(2)
         jobs.append((idx, list(overrides), job_cfg, checked))
         loggers.append(checked.run.logger)
@@ -73,6 +73,38 @@ def _require_report_plot() -> None:
         )
         app.say_error(str(exc))
         sys.exit(2)
+
+
+def written_at(message: str, config: Any) -> str:
+    """`` (in conf/config.yaml:21)`` for an unknown key written in one of the project's own YAML
+    files (its primary config directory, ``--config-dir``), else ``""``: flodl's own groups are
+    never the culprit."""
+    import re
+
+    from omegaconf import OmegaConf
+
+    key, sep, rest = message.partition(": ")
+    if not sep or not rest.startswith("unknown key") or not re.fullmatch(r"[\w.]+", key):
+        return ""
+    leaf = re.compile(rf"^\s*{re.escape(key.rsplit('.', 1)[-1])}\s*:")
+    sources = OmegaConf.select(config, "hydra.runtime.config_sources", default=None) or []
+    for source in sources:
+        if source.get("schema") != "file" or source.get("provider") not in ("main", "command-line"):
+            continue
+        root = Path(str(source.get("path")))
+        for path in sorted(root.rglob("*.yaml")):
+            try:
+                lines = path.read_text(encoding="utf-8").splitlines()
+            except (OSError, UnicodeDecodeError):
+                continue
+            for number, line in enumerate(lines, 1):
+                if leaf.match(line):
+                    try:
+                        shown = path.relative_to(Path.cwd())
+                    except ValueError:
+                        shown = path
+                    return f" (in {shown}:{number})"
+    return ""
 
 
 def _launch(launcher: Any, ctx: Any, jobs: list, sweep_dir: Path, logger: Any) -> list:

@@ -157,9 +157,11 @@ def test_hydras_own_flags_work_and_show_flodls_groups_on_the_search_path(tmp_pat
 @pytest.mark.light
 def test_a_typo_in_the_projects_own_yaml_is_one_line_with_the_likely_key(tmp_path):
     project = make_project(tmp_path / "proj", CONFIG.replace("num_epochs: 1", "num_epohcs: 1"))
-    assert_refused(
+    line = assert_refused(
         flodl_train(project), "trainer.num_epohcs: unknown key (did you mean trainer.num_epochs?)"
     )
+    number = CONFIG.splitlines().index("  num_epochs: 1") + 1
+    assert line.endswith(f" (in conf/config.yaml:{number})"), line
 
 
 # -- runs: exit 0 and 1 --------------------------------------------------------------------------
