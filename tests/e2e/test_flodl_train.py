@@ -189,6 +189,38 @@ def test_a_failed_job_exits_1_without_any_callback_in_the_projects_config(tmp_pa
 
 
 @pytest.mark.slow
+def test_the_flodl_launcher_itself_fails_the_command_in_a_users_own_hydra_entry(tmp_path):
+    """A project's own ``@hydra.main`` (no flodl.cli.app.cli, no callback in its config) that
+    picks hydra/launcher=flodl: a failed job still exits 1, counted by the launcher."""
+    project = make_project(tmp_path / "proj")
+    (project / "train.py").write_text(
+        "import hydra\n"
+        "from flodl.cli.app import train\n\n\n"
+        '@hydra.main(version_base="1.3", config_path="conf", config_name="config")\n'
+        "def main(cfg):\n"
+        "    return train(cfg)\n\n\n"
+        "main()\n"
+    )
+    out = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "-m",
+            "hydra/launcher=flodl",
+            "task.train_step=myproj.parts.broken_step",
+            f"hydra.sweep.dir={project / 'out'}",
+        ],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert out.returncode == 1, (out.stdout[-2000:], out.stderr[-2000:])
+    summary = json.loads((project / "out" / "0" / "summary.json").read_text())
+    assert summary["status"] == "failed", summary
+
+
+@pytest.mark.slow
 def test_ctrl_c_exits_130_with_the_job_marked_interrupted(tmp_path):
     project = make_project(tmp_path / "proj")
     proc = subprocess.Popen(
