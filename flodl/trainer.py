@@ -335,6 +335,25 @@ def _follow_if_placed(config: TrainerConfig, cooperative: bool, role: ExternalRo
         raise SystemExit(follow_job(role, config))
 
 
+def console_logging(level: str) -> None:
+    """The Python API's console, as the CLI's: flodl's banner, LR-scaling line and warnings on
+    stderr with no logging set-up of the user's. ``LoggerConfig(level="WARNING")`` silences the
+    INFO lines (``progress="off"`` the epoch lines). Where the user configured logging (a handler
+    on the root or on ``flodl``), theirs is used and none is added."""
+    flodl_log = logging.getLogger("flodl")
+    flodl_log.setLevel(level)
+    ours = [h for h in flodl_log.handlers if getattr(h, "flodl_console", False)]
+    theirs = logging.getLogger().handlers or [h for h in flodl_log.handlers if h not in ours]
+    if theirs:
+        for handler in ours:  # the user set logging up since: no line twice
+            flodl_log.removeHandler(handler)
+    elif not ours:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        handler.flodl_console = True  # type: ignore[attr-defined]
+        flodl_log.addHandler(handler)
+
+
 class Trainer:
     """Entry points. See the module docstring for how closures reach ranks."""
 
@@ -379,6 +398,8 @@ class Trainer:
         from flodl.job import Job
         from flodl.step.evaluation import EvalSpec
 
+        if run_info is None:  # the Python API (the CLI's console is Hydra's logging set-up)
+            console_logging(config.logger.level)
         placed = external_role()  # this process's placement, read once and passed down
         _follow_if_placed(config, cooperative, placed)
         if not cooperative:  # a cooperative rank re-executes the script: a cold interpreter

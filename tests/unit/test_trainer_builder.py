@@ -126,3 +126,38 @@ def test_save_path_checkpoint_every_and_resume_from_through_the_builder(tmp_path
     assert list(stem.parent.glob("run*.meta.json")), list(stem.parent.iterdir())
     resumed = run(2, resume_from=stem)
     assert [m.epoch for m in resumed.result.epochs] == [2]  # the first epoch came from the bundle
+
+
+CONSOLE = """
+import logging, sys
+from flodl.trainer import console_logging
+if sys.argv[1] == "root":
+    logging.basicConfig(format="ROOT %(message)s", level=logging.INFO)
+console_logging(sys.argv[2])
+console_logging(sys.argv[2])  # a second run adds no second handler
+logging.getLogger("flodl.job").info("flodl: lr 0.1 x 2.0")
+logging.getLogger("flodl.job").warning("a warning")
+"""
+
+
+@pytest.mark.light
+@pytest.mark.parametrize(
+    ("setup", "level", "expected"),
+    [
+        ("none", "INFO", ["flodl: lr 0.1 x 2.0", "a warning"]),
+        ("none", "WARNING", ["a warning"]),  # the way to silence the INFO lines
+        ("root", "INFO", ["ROOT flodl: lr 0.1 x 2.0", "ROOT a warning"]),  # theirs, once
+    ],
+)
+def test_the_python_api_prints_flodls_lines_without_any_logging_set_up(setup, level, expected):
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", CONSOLE, setup, level],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert out.stderr.splitlines() == expected
