@@ -316,11 +316,28 @@ def cli(main: Callable[[], Any]) -> None:
             sys.exit(2)
         raise
     except Exception as exc:
-        line = None if user_full_error else hydra_error_line(exc)
+        if user_full_error or os.environ.get("FLODL_FULL_ERROR"):
+            raise
+        line = hydra_error_line(exc)
+        ran = _jobs_ran()
+        if ran:  # e.g. Optuna's sweeper on a batch whose jobs all failed (a NaN objective)
+            failed = sum(1 for row in ran if row.get("status") != "ok")
+            first = (str(exc).strip().splitlines() or [""])[0]
+            say_error(
+                f"the sweep stopped after {len(ran)} job(s), {failed} failed: "
+                f"{type(exc).__name__}: {first} (FLODL_FULL_ERROR=1 shows the traceback)"
+            )
+            sys.exit(1)
         if line is None:
             raise
         say_error(line)
         sys.exit(2)
+
+
+def _jobs_ran() -> list[dict[str, Any]]:
+    """The rows of the jobs the flodl launcher ran in this process (none if it never ran)."""
+    sweep = sys.modules.get("flodl.cli.sweep")
+    return list(getattr(sweep, "RAN", []))
 
 
 class _hydra_raises:

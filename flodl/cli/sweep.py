@@ -251,6 +251,11 @@ def _linger(dashboard: Any, keep: bool) -> None:
     dashboard.stop()
 
 
+#: Rows of the jobs this process ran, over every sweep: what :func:`flodl.cli.app.cli` reads when
+#: a sweeper fails after them (Optuna on an all-failed batch), to exit 1 rather than say "config".
+RAN: list[dict[str, Any]] = []
+
+
 def _run_jobs(launcher: Any, ctx: Any, jobs: list, sweep_dir: Path) -> list:
     from hydra.core.utils import JobReturn, JobStatus, run_job
 
@@ -266,6 +271,7 @@ def _run_jobs(launcher: Any, ctx: Any, jobs: list, sweep_dir: Path) -> list:
         )
         row = _row(ret, idx, overrides)
         launcher.rows[idx] = row
+        RAN.append(row)
         if ret.status != JobStatus.COMPLETED:  # raised out of the task: leave its failed row
             _write_failed(Path(str(ret.working_dir or sweep_dir / str(idx))), row)
         # A failed job is a failed row (NaN objective), not an aborted sweep.

@@ -221,6 +221,27 @@ def test_the_flodl_launcher_itself_fails_the_command_in_a_users_own_hydra_entry(
 
 
 @pytest.mark.slow
+def test_optuna_on_a_failed_job_exits_1_in_one_line(tmp_path):
+    """hydra-optuna-sweeper 1.3 crashes on a failed trial's NaN objective (optuna refuses the
+    values it tells with state FAIL): still exit 1 (a job failed), one line, no traceback."""
+    project = make_project(tmp_path / "proj")
+    out = flodl_train(
+        project,
+        "hydra/sweeper=optuna",
+        "hydra.sweeper.n_trials=1",
+        "hydra.sweeper.direction=maximize",
+        "optimizer.lr=interval(0.0005,0.005)",
+        "task.train_step=myproj.parts.broken_step",
+    )
+    assert out.returncode == 1, (out.stdout[-2000:], out.stderr[-3000:])
+    assert "Traceback" not in out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(
+        "error: the sweep stopped after 1 job(s), 1 failed: "
+    ), out.stderr[-3000:]
+
+
+@pytest.mark.slow
 def test_ctrl_c_exits_130_with_the_job_marked_interrupted(tmp_path):
     project = make_project(tmp_path / "proj")
     proc = subprocess.Popen(
