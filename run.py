@@ -1,6 +1,10 @@
-"""flodl's Hydra entry: compose -> validate -> launch -> report.
+"""flodl's Hydra entry in this repository: compose -> validate -> launch -> report.
 
-python run.py                                   # the default job (see conf/config.yaml)
+A thin example of the entry ``flodl train`` is (flodl/cli/train.py): a ``@hydra.main`` whose task
+is :func:`flodl.cli.app.train`, run through :func:`flodl.cli.app.cli` for flodl's exit codes.
+A project of one's own needs no such file: ``flodl train`` in its root reads ``./conf``.
+
+python run.py                                   # the default job (see flodl/conf/config.yaml)
 python run.py model=lenet elche=cpu_async       # swap any component by config
 python run.py -m elche=nccl_sync,nccl_cadence   # A/B sweep; ends with ab_report.md
 """
@@ -11,7 +15,7 @@ from omegaconf import DictConfig
 from flodl.cli.app import cli, train
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+@hydra.main(version_base="1.3", config_path="flodl/conf", config_name="config")
 def main(cfg: DictConfig) -> dict:
     return train(cfg)
 

@@ -230,11 +230,51 @@ class TrainerBuilder:
     def early_stopping(self, config: EarlyStoppingConfig) -> TrainerBuilder:
         return self._set("early_stopping", config.model_dump())
 
-    def save_best(self, config: MonitorConfig, save_path: str | None = None) -> TrainerBuilder:
-        """Keep ``<save_path>_best`` beside the last bundle (``save_path`` sets the stem)."""
+    def save_best(
+        self,
+        config: MonitorConfig | str = "eval_loss",
+        save_path: str | Path | None = None,
+        *,
+        mode: str = "min",
+    ) -> TrainerBuilder:
+        """Keep ``<save_path>_best`` beside the last bundle (``save_path`` sets the stem):
+        ``.save_best(MonitorConfig(...))`` or ``.save_best("accuracy", mode="max")``."""
         if save_path is not None:
-            self._set("save_path", save_path)
+            self.save_path(save_path)
+        if isinstance(config, str):
+            config = MonitorConfig(monitor=config, mode=mode)  # type: ignore[arg-type]
         return self._set("save_best", config.model_dump())
+
+    def save_path(self, stem: str | Path) -> TrainerBuilder:
+        """Bundle stem (a path or fsspec URL): ``<stem>.meta.json`` plus shard files, written at
+        the end of the run (and every ``checkpoint_every`` epochs)."""
+        return self._set("save_path", str(stem))
+
+    def checkpoint_every(self, n: int) -> TrainerBuilder:
+        """Save the bundle every ``n`` epochs (needs :meth:`save_path`)."""
+        return self._set("checkpoint_every", n)
+
+    def resume_from(self, stem: str | Path, fallback: bool | None = None) -> TrainerBuilder:
+        """Resume from the bundle at ``stem``; ``fallback=True``: from an older bundle when the
+        newest is damaged (else an error)."""
+        if fallback is not None:
+            self._set("resume_fallback", fallback)
+        return self._set("resume_from", str(stem))
+
+    def eval_every(self, n: int) -> TrainerBuilder:
+        return self._set("eval_every", n)
+
+    def device(self, kind: str) -> TrainerBuilder:
+        """``auto``, ``cpu`` or ``cuda`` (the in-process device)."""
+        return self._set("device", kind)
+
+    def max_failure(self, ranks: int | str | None) -> TrainerBuilder:
+        """Ranks that may be lost (a count or ``"N%"``) before save-and-stop; None: any."""
+        return self._set("max_failure", ranks)
+
+    def max_nonfinite(self, n: int) -> TrainerBuilder:
+        """NaN/inf losses skipped (with a warning) before the run stops."""
+        return self._set("max_nonfinite", n)
 
     def elche(self, config: ElCheConfig) -> TrainerBuilder:
         return self._set("elche", config.model_dump())
@@ -295,6 +335,25 @@ def _follow_if_placed(config: TrainerConfig, cooperative: bool, role: ExternalRo
         raise SystemExit(follow_job(role, config))
 
 
+def console_logging(level: str) -> None:
+    """The Python API's console, as the CLI's: flodl's banner, LR-scaling line and warnings on
+    stderr with no logging set-up of the user's. ``LoggerConfig(level="WARNING")`` silences the
+    INFO lines (``progress="off"`` the epoch lines). Where the user configured logging (a handler
+    on the root or on ``flodl``), theirs is used and none is added."""
+    flodl_log = logging.getLogger("flodl")
+    flodl_log.setLevel(level)
+    ours = [h for h in flodl_log.handlers if getattr(h, "flodl_console", False)]
+    theirs = logging.getLogger().handlers or [h for h in flodl_log.handlers if h not in ours]
+    if theirs:
+        for handler in ours:  # the user set logging up since: no line twice
+            flodl_log.removeHandler(handler)
+    elif not ours:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        handler.flodl_console = True  # type: ignore[attr-defined]
+        flodl_log.addHandler(handler)
+
+
 class Trainer:
     """Entry points. See the module docstring for how closures reach ranks."""
 
@@ -339,6 +398,8 @@ class Trainer:
         from flodl.job import Job
         from flodl.step.evaluation import EvalSpec
 
+        if run_info is None:  # the Python API (the CLI's console is Hydra's logging set-up)
+            console_logging(config.logger.level)
         placed = external_role()  # this process's placement, read once and passed down
         _follow_if_placed(config, cooperative, placed)
         if not cooperative:  # a cooperative rank re-executes the script: a cold interpreter

@@ -7,7 +7,6 @@ configuration error (nothing started), 1 when a job failed.
 
 from __future__ import annotations
 
-import difflib
 import logging
 import os
 import sys
@@ -21,6 +20,7 @@ from pydantic import BaseModel
 
 from flodl import config as schema
 from flodl.config import ConfigError, RunConfig, TrainerConfig, resolve_dotted
+from flodl.config.base import did_you_mean
 from flodl.config.factories import (  # module-level: they pickle by reference to the ranks
     build_dataset,
     build_metric,
@@ -259,8 +259,7 @@ def _check_key(key: str) -> None:
             return
         fields = model.model_fields
         if part not in fields:
-            close = difflib.get_close_matches(part, list(fields), n=1)
-            hint = f" (did you mean {path}.{close[0]}?)" if close else ""
+            hint = did_you_mean(part, list(fields), f"{path}.")
             allowed = ", ".join(sorted(fields))
             raise ConfigError(f"{path}.{part}: unknown key{hint}; allowed: {allowed}")
         path = f"{path}.{part}"
@@ -278,12 +277,21 @@ def _sigterm_as_interrupt() -> Any:
     return sigterm_as_interrupt()
 
 
+#: Counts the sweep's failed jobs from their summaries (exit 1), whatever the user's config lists.
+FAILED_JOBS_CALLBACK = "++hydra.callbacks.flodl_failed_jobs._target_=flodl.cli.sweep.FailedJobs"
+
+
 def cli(main: Callable[[], Any]) -> None:
-    """Run the Hydra entry with flodl's exit codes (2: bad config, 1: a job failed)."""
+    """Run the Hydra entry with flodl's exit codes (2: bad config, 1: a job failed, 130:
+    interrupted), whatever the config lists: the failed-jobs callback is added here, and Hydra's
+    own composition errors (an unknown group option, a missing primary config) become one line."""
+    user_full_error = bool(os.environ.get("HYDRA_FULL_ERROR"))
     try:
         check_override_keys(sys.argv[1:])
+        if not any(a.split("=", 1)[0] in _INFO_FLAGS for a in sys.argv[1:]):
+            sys.argv.append(FAILED_JOBS_CALLBACK)
         _warm_early(sys.argv[1:])
-        with _sigterm_as_interrupt():
+        with _sigterm_as_interrupt(), _hydra_raises():
             main()
     except KeyboardInterrupt as exc:
         if os.environ.get("FLODL_FULL_ERROR"):
@@ -307,6 +315,84 @@ def cli(main: Callable[[], Any]) -> None:
         if exc.code == 1:
             sys.exit(2)
         raise
+    except Exception as exc:
+        if user_full_error or os.environ.get("FLODL_FULL_ERROR"):
+            raise
+        line = hydra_error_line(exc)
+        ran = _jobs_ran()
+        if ran:  # e.g. Optuna's sweeper on a batch whose jobs all failed (a NaN objective)
+            failed = sum(1 for row in ran if row.get("status") != "ok")
+            first = (str(exc).strip().splitlines() or [""])[0]
+            say_error(
+                f"the sweep stopped after {len(ran)} job(s), {failed} failed: "
+                f"{type(exc).__name__}: {first} (FLODL_FULL_ERROR=1 shows the traceback)"
+            )
+            sys.exit(1)
+        if line is None:
+            raise
+        say_error(line)
+        sys.exit(2)
+
+
+def _jobs_ran() -> list[dict[str, Any]]:
+    """The rows of the jobs the flodl launcher ran in this process (none if it never ran)."""
+    sweep = sys.modules.get("flodl.cli.sweep")
+    return list(getattr(sweep, "RAN", []))
+
+
+class _hydra_raises:
+    """Hydra's ``run_and_report`` prints a composition error over several lines and exits 1;
+    with ``HYDRA_FULL_ERROR`` it raises instead, so :func:`cli` can say it in one line. Set only
+    while Hydra runs (a user's own setting is kept, and means a full traceback)."""
+
+    def __enter__(self) -> None:
+        self.was = os.environ.get("HYDRA_FULL_ERROR")
+        os.environ["HYDRA_FULL_ERROR"] = "1"
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.was is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = self.was
+
+
+def hydra_error_line(exc: BaseException) -> str | None:
+    """A composition error of Hydra or OmegaConf (nothing ran yet) as one line; None for any
+    other exception (a bug: its traceback is shown)."""
+    from hydra.errors import HydraException, MissingConfigException
+    from omegaconf.errors import OmegaConfBaseException
+
+    if not isinstance(exc, (HydraException, OmegaConfBaseException)):
+        return None
+    text = str(exc).strip()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    head = lines[0]
+    if isinstance(exc, MissingConfigException):
+        options = getattr(exc, "options", None) or [
+            line for line in text.splitlines()[1:] if line.startswith("\t")
+        ]
+        options = [str(o).strip() for o in options if not str(o).strip().startswith("_")]
+        if "primary config" in head:
+            return f"{head.rstrip('.')} (the --config-dir/--config-name of flodl train)"
+        hint = ""
+        if options:
+            hint = f"; available: {', '.join(options)}"
+        return (
+            f"{head.rstrip('.')} in your config directory or flodl's config groups "
+            f"(flodl/conf/){hint}"
+        )
+    if isinstance(exc.__cause__, OmegaConfBaseException):
+        head = f"{head} ({str(exc.__cause__).splitlines()[0].strip()})"
+    if "not in struct" in head and head.startswith("Could not override"):
+        key = head.split("'")[1] if head.count("'") >= 2 else "KEY"
+        group = key.split(".")[0]
+        head += (
+            f"; your config has no such key: list flodl's `{group}: default` (or another "
+            f"{group} option) in its defaults, or add the key with +{key}=VALUE"
+        )
+    return head
 
 
 _INFO_FLAGS = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "--shell-completion")

@@ -382,7 +382,8 @@ def slurm_checks(slurm: SlurmConfig) -> tuple[list[Check], str | None]:
     try:
         import submitit
     except ImportError as exc:
-        return [Check("submitit", False, f"does not import: {exc}: pip install submitit")], None
+        fix = "pip install 'flodl[slurm]'"
+        return [Check("submitit", False, f"does not import: {exc}: {fix}")], None
     checks = [Check("submitit", True, f"submitit {submitit.__version__}")]
     try:  # auto: what submitit.AutoExecutor would choose (slurm where srun exists)
         chosen = slurm.executor if slurm.executor != "auto" else submitit.AutoExecutor.which()
@@ -475,8 +476,8 @@ def cluster_file(spec: str) -> Path:
             return folder / f"{spec}.yaml"
     names = sorted({p.stem for d in dirs for p in d.glob("*.yaml")})
     raise ConfigError(
-        f"cluster={spec}: no conf/cluster/{spec}.yaml (have: {', '.join(names) or 'none'}; "
-        "or give a file path)"
+        f"cluster={spec}: no cluster/{spec}.yaml in ./conf or flodl's config groups "
+        f"({CONF}) (have: {', '.join(names) or 'none'}; or give a file path)"
     )
 
 

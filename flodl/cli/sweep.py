@@ -45,13 +45,15 @@ def launch_sweep(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
             checked = check_job(job_cfg, warm=offset == 0)
         except ConfigError as exc:
             where = f" (job {idx}: {' '.join(overrides)})" if several else ""
-            app.say_error(f"{exc}{where}")
+            app.say_error(f"{exc}{where}{written_at(str(exc), config)}")
             sys.exit(2)
         jobs.append((idx, list(overrides), job_cfg, checked))
         loggers.append(checked.run.logger)
         if offset == 0 and initial_job_idx == 0:
             _check_direction(config, checked.run.task)
 
+    if several and launcher.report:
+        _require_report_plot()
     try:
         return _launch(launcher, ctx, jobs, sweep_dir, loggers[0])
     except (KeyboardInterrupt, SystemExit):
@@ -59,6 +61,50 @@ def launch_sweep(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_
     except Exception:  # composition succeeded: this is no configuration error (exit 1, not 2)
         log.exception("the flodl launcher failed")
         raise app.LaunchFailed() from None
+
+
+def _require_report_plot() -> None:
+    """A sweep ends with its A/B report, whose plot needs matplotlib (flodl[report])."""
+    from flodl.config.extras import has, missing_extra
+
+    if not has("matplotlib"):
+        exc = missing_extra(
+            "matplotlib", "a sweep's A/B report (ab_report.png)", "hydra.launcher.report=false"
+        )
+        app.say_error(str(exc))
+        sys.exit(2)
+
+
+def written_at(message: str, config: Any) -> str:
+    """`` (in conf/config.yaml:21)`` for an unknown key written in one of the project's own YAML
+    files (its primary config directory, ``--config-dir``), else ``""``: flodl's own groups are
+    never the culprit."""
+    import re
+
+    from omegaconf import OmegaConf
+
+    key, sep, rest = message.partition(": ")
+    if not sep or not rest.startswith("unknown key") or not re.fullmatch(r"[\w.]+", key):
+        return ""
+    leaf = re.compile(rf"^\s*{re.escape(key.rsplit('.', 1)[-1])}\s*:")
+    sources = OmegaConf.select(config, "hydra.runtime.config_sources", default=None) or []
+    for source in sources:
+        if source.get("schema") != "file" or source.get("provider") not in ("main", "command-line"):
+            continue
+        root = Path(str(source.get("path")))
+        for path in sorted(root.rglob("*.yaml")):
+            try:
+                lines = path.read_text(encoding="utf-8").splitlines()
+            except (OSError, UnicodeDecodeError):
+                continue
+            for number, line in enumerate(lines, 1):
+                if leaf.match(line):
+                    try:
+                        shown = path.relative_to(Path.cwd())
+                    except ValueError:
+                        shown = path
+                    return f" (in {shown}:{number})"
+    return ""
 
 
 def _launch(launcher: Any, ctx: Any, jobs: list, sweep_dir: Path, logger: Any) -> list:
@@ -84,12 +130,14 @@ def check_job(job_cfg: Any, warm: bool = False) -> app.CheckedJob:
     before torch is imported, and only a good job imports its metrics (torchmetrics, scipy).
     ``warm``: once the pure-config checks passed, start the fork server of a CPU-rig job's ranks,
     so their imports overlap the checks that need torch (:func:`_warm_ranks`)."""
+    from flodl.config.extras import check_recipe_data
     from flodl.preflight import check_config, check_factories, check_task_targets
 
     data = app.plain_config(job_cfg)
     run_cfg = validate_run_config(data)
     config = run_cfg.trainer_config()
     check_config(config)
+    check_recipe_data(run_cfg.dataset.target)
     if warm:
         _warm_ranks(run_cfg.cluster)
     signature = check_factories(run_cfg)
@@ -203,6 +251,11 @@ def _linger(dashboard: Any, keep: bool) -> None:
     dashboard.stop()
 
 
+#: Rows of the jobs this process ran, over every sweep: what :func:`flodl.cli.app.cli` reads when
+#: a sweeper fails after them (Optuna on an all-failed batch), to exit 1 rather than say "config".
+RAN: list[dict[str, Any]] = []
+
+
 def _run_jobs(launcher: Any, ctx: Any, jobs: list, sweep_dir: Path) -> list:
     from hydra.core.utils import JobReturn, JobStatus, run_job
 
@@ -218,6 +271,7 @@ def _run_jobs(launcher: Any, ctx: Any, jobs: list, sweep_dir: Path) -> list:
         )
         row = _row(ret, idx, overrides)
         launcher.rows[idx] = row
+        RAN.append(row)
         if ret.status != JobStatus.COMPLETED:  # raised out of the task: leave its failed row
             _write_failed(Path(str(ret.working_dir or sweep_dir / str(idx))), row)
         # A failed job is a failed row (NaN objective), not an aborted sweep.
@@ -276,9 +330,11 @@ def _write_failed(job_dir: Path, row: dict[str, Any]) -> None:
 
 
 class FailedJobs(Callback):
-    """Hydra callback (``hydra.callbacks`` in ``conf/config.yaml``): after a multirun, count the
-    jobs whose ``summary.json`` says failed, so the command exits 1 under any launcher, also
-    one that runs jobs in other processes or on other machines (joblib, submitit)."""
+    """Hydra callback: after a multirun, count the jobs whose ``summary.json`` says failed, so the
+    command exits 1 under any launcher, also one that runs jobs in other processes or on other
+    machines (joblib, submitit). No config needs to list it: :func:`flodl.cli.app.cli` adds it
+    to every run (``hydra.callbacks.flodl_failed_jobs``) and the flodl launcher to its sweep
+    (:func:`count_failed_jobs`)."""
 
     def __init__(self) -> None:
         self._t0 = time.time()
@@ -315,3 +371,12 @@ def _job_failed(job: Path, since: float) -> bool:
         return bool(json.loads(summary.read_text()).get("status") != "ok")
     except (OSError, ValueError, AttributeError):
         return True  # missing, unreadable or not a summary: the job did not end ok
+
+
+def count_failed_jobs(hydra_context: Any) -> None:
+    """The flodl launcher's sweep ends with :class:`FailedJobs`'s count, listed or not (a user's
+    own ``@hydra.main`` entry without :func:`flodl.cli.app.cli`, a config without the callback).
+    """
+    callbacks = getattr(getattr(hydra_context, "callbacks", None), "callbacks", None)
+    if isinstance(callbacks, list) and not any(isinstance(c, FailedJobs) for c in callbacks):
+        callbacks.append(FailedJobs())

@@ -8,9 +8,9 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
-from flodl.config.base import ConfigError, _Schema
+from flodl.config.base import ConfigError, UnknownKey, _Schema, did_you_mean, schema_keys
 from flodl.config.cluster import ClusterConfig
 from flodl.config.elche import ElCheConfig
 from flodl.config.loader import LoaderConfig
@@ -20,7 +20,8 @@ from flodl.config.trainer import TrainerConfig, TrainerKnobs
 
 
 class RunConfig(_Schema):
-    """The composed Hydra config (``conf/config.yaml``), validated once in the launcher."""
+    """The composed Hydra config (``flodl/conf/config.yaml`` or a project's own), validated once
+    in the launcher."""
 
     model: TargetConfig
     optimizer: TargetConfig
@@ -81,14 +82,58 @@ def _lookup(data: Any, loc: tuple[Any, ...]) -> Any:
     return data
 
 
-def explain(exc: ValidationError, data: Any, prefix: str = "") -> ConfigError:
-    """Turn a pydantic error into one line: ``key=value: what is allowed``."""
+def _keys_at(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str] | None:
+    """The keys the schema accepts at ``loc`` (a section's model, walked from ``model``), or None
+    where the path leaves the schema's models (a list, a dict of any keys, a union)."""
+    current: Any = model
+    for part in loc:
+        if isinstance(part, int):
+            continue  # an item of a list of models: the list's item model (below)
+        fields = getattr(current, "model_fields", None)
+        if fields is None or part not in fields:
+            return None
+        annotation = fields[part].annotation
+        current = None
+        for candidate in (annotation, *getattr(annotation, "__args__", ())):
+            inner = getattr(candidate, "__args__", ())
+            for option in (candidate, *inner):
+                if isinstance(option, type) and issubclass(option, BaseModel):
+                    current = option
+                    break
+            if current is not None:
+                break
+        if current is None:
+            return None
+    return schema_keys(current) if isinstance(current, type) else None
+
+
+def explain(
+    exc: ValidationError, data: Any, prefix: str = "", model: type[BaseModel] | None = None
+) -> ConfigError:
+    """Turn a pydantic error into one line: ``key=value: what is allowed`` (``model``: the schema
+    validated, for the likely key of a misspelt one)."""
     err = exc.errors()[0]
     loc = tuple(err["loc"])
     key = _format_location(loc, prefix)
     msg = err["msg"].removeprefix("Value error, ")
+    unknown = (err.get("ctx") or {}).get("error")
+    if isinstance(unknown, UnknownKey):  # a nested model's own __init__ refused a key
+        hint = did_you_mean(unknown.key, unknown.known, f"{key}." if key else "")
+        if not hint:
+            hint = f"; allowed: {', '.join(sorted(unknown.known))}"
+        return ConfigError(f"{f'{key}.' if key else ''}{unknown.key}: unknown key{hint}")
     if err["type"] == "extra_forbidden":
-        return ConfigError(f"{key}: unknown key (check the spelling; see conf/ for valid keys)")
+        known = _keys_at(model, loc[:-1]) if model is not None else None
+        if known:
+            parent = key.rpartition(".")[0]
+            hint = did_you_mean(str(loc[-1]), known, f"{parent}." if parent else "")
+            if not hint:
+                hint = f"; allowed: {', '.join(sorted(known))}"
+            return ConfigError(f"{key}: unknown key{hint}")
+        return ConfigError(
+            f"{key}: unknown key (check the spelling; flodl's keys are in the schema, "
+            "flodl.config, and its config groups, flodl/conf/)"
+        )
     if err["type"] == "missing":
         return ConfigError(f"{key}: required key is missing")
     value = _lookup(data, loc)
@@ -107,11 +152,11 @@ def validate_run_config(data: Mapping[str, Any]) -> RunConfig:
     try:
         return RunConfig.model_validate(dict(data))
     except ValidationError as exc:
-        raise explain(exc, data) from None
+        raise explain(exc, data, model=RunConfig) from None
 
 
 def validate_trainer_config(data: Mapping[str, Any]) -> TrainerConfig:
     try:
         return TrainerConfig.model_validate(dict(data))
     except ValidationError as exc:
-        raise explain(exc, data, "trainer") from None
+        raise explain(exc, data, "trainer", model=TrainerConfig) from None

@@ -21,6 +21,12 @@ ProgressMode = Literal["auto", "bar", "lines", "off"]
 _MODES = ("auto", "bar", "lines", "off")
 
 
+def _has_rich() -> bool:
+    from flodl.config.extras import has
+
+    return has("rich")
+
+
 def _fmt_value(value: float) -> str:
     # Four decimals read well for losses and accuracies; tiny values would all print 0.0000.
     if value != 0 and math.isfinite(value) and abs(value) < 1e-3:
@@ -64,8 +70,8 @@ class Progress:
             raise ValueError(f"logger.progress={mode}: must be one of {', '.join(_MODES)}")
         self.num_epochs = num_epochs
         self.stream: TextIO = stream if stream is not None else sys.stdout
-        if mode == "auto":
-            mode = "bar" if _isatty(self.stream) else "lines"
+        if mode == "auto":  # the bar needs rich (flodl[progress]); lines without it
+            mode = "bar" if _isatty(self.stream) and _has_rich() else "lines"
         self.mode = mode
         self._bar: RichProgress | None = None
         self._task: TaskID | None = None

@@ -300,6 +300,9 @@ def plot_report(path: Path, rows: Sequence[Row]) -> None:
     """Loss against wall time per finished job (left) and the final eval per job (right)."""
     # Imported here: matplotlib costs a second to import and only sweeps need it. The Agg
     # canvas is used directly so the process-wide pyplot backend is left alone.
+    from flodl.config.extras import require
+
+    require("matplotlib", "the A/B report's plot (ab_report.png)")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

@@ -18,6 +18,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from flodl.config import ConfigError, LoaderConfig, LoaderOverride, Mode, TrainerConfig
+from flodl.config.extras import check_extras
 from flodl.placement.topology import Topology
 
 if TYPE_CHECKING:
@@ -175,6 +176,7 @@ def check_config(config: TrainerConfig) -> None:
     (hosts are not contacted here)."""
     from flodl.placement.topology import resolve_topology
 
+    check_extras(config.cluster.kind, config.logger.progress)
     topology = resolve_topology(config, probe_hosts=False)
     check_precision(config.precision, rank_devices(topology, config.device))
     rank_batch_sizes(config, topology)
@@ -196,7 +198,9 @@ def check_launch(spec: JobSpec, topology: Topology) -> dict[str, Any]:
 
 
 def check_run(cfg: TrainerConfig, world_size: int, signature: str | None = None) -> Any:
-    """Callback rank, save location and resume bundle; returns the loaded resume point."""
+    """Extras, callback rank, save location and resume bundle; returns the loaded resume
+    point."""
+    check_extras(cfg.cluster.kind, cfg.logger.progress)
     check_outputs(cfg, world_size)
     return _resume(cfg, world_size, signature) if cfg.resume_from is not None else None
 

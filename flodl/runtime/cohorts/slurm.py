@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from flodl.config import SlurmConfig
+from flodl.config.extras import require
 from flodl.placement.topology import Topology
 from flodl.runtime.cohorts.children import QUIET_PREFIXES
 from flodl.runtime.cohorts.control_server import GOODBYE_S, ControlPlane
@@ -46,6 +47,7 @@ log = logging.getLogger(__name__)
 
 def make_executor(slurm: SlurmConfig, folder: Path) -> Any:
     """A submitit executor for the allocation (``auto``: SLURM where it is installed)."""
+    require("submitit", "cluster.kind=slurm")
     import submitit
 
     cluster = None if slurm.executor == "auto" else slurm.executor
@@ -83,6 +85,7 @@ def _device(slurm: SlurmConfig) -> str:
 
 def task_main(controller: str, secret_file: str, device: str) -> int:
     """One SLURM task of ``controller: submitter``: join the launcher's controller and train."""
+    require("submitit", "cluster.kind=slurm")
     import submitit
 
     from flodl.runtime.rank.process import run_managed
@@ -105,6 +108,7 @@ def rank0_task(spec: Any, job_dir: str, rendezvous_file: str) -> Any:
     the job's 0700 submitit folder, which every node sees: submitit itself needs it shared), so no
     fixed port can collide and the secret never crosses the network.
     """
+    require("submitit", "cluster.kind=slurm")
     import submitit
 
     from flodl.runtime.cohorts.external import follow
