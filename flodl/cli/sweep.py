@@ -343,6 +343,10 @@ class FailedJobs(Callback):
         self._t0 = time.time()
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        from flodl.runtime.rank.env import external_role, is_follower
+
+        if is_follower(external_role()):
+            return  # torchrun/srun placed us: rank 0 writes the jobs' summaries and judges them
         failed = count_failed(Path(str(config.hydra.sweep.dir)), since=self._t0)
         if failed:
             raise app.JobsFailed(failed)

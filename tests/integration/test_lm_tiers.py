@@ -1,7 +1,8 @@
 """The language models through the Python tiers, in-process (one rank: no rank process, hence
 ``light``; the 2-rank run through run.py is tests/e2e/test_run_py.py's ddp_bench test).
 
-* managed: the README's "train a character model on your own text file" example, run as
+* managed: the language-model guide's "train a character model on your own text file" example,
+  run as
   written; only the file name, the epoch count and the cluster are swapped, and each swap is
   asserted to have happened, so a README edit that drops one fails here;
 * cooperative: gpt-nano with its per-step warm-up + cosine schedule under ``into_worker()``.
@@ -19,7 +20,7 @@ import torch
 
 from flodl.recipes.text import offline_corpus
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[2] / "docs" / "guides" / "language-models.md"
 MARKER = "Train a character model on your own text file"
 
 
@@ -59,7 +60,7 @@ def test_readme_char_model_example_trains_and_keeps_the_vocabulary(tmp_path, cap
     )
     code = _swap(code, ".run()", f".output_dir({str(tmp_path / 'job')!r}).run()")
     scope: dict = {}
-    exec(compile(code, "README.md", "exec"), scope)
+    exec(compile(code, str(README), "exec"), scope)
     train, model, handle = scope["train"], scope["model"], scope["handle"]
     assert "é" in train.vocab and model.vocab == train.vocab
     assert model.embed.num_embeddings == len(train.vocab)

@@ -93,16 +93,15 @@ def test_transfers_queue_on_one_link() -> None:
     assert link.charged_s == pytest.approx(0.12) and link.charged_bytes == 200
 
 
-def test_a_paced_step_places_its_buckets_on_the_simulated_timeline() -> None:
+def test_a_paced_step_places_its_buckets_on_the_simulated_timeline(monkeypatch) -> None:
     """A bucket launched after 10 ms of a step whose 20 ms of real compute simulate 100 ms
     starts at 50 ms of the simulated step; its 80 ms end at 130 ms: the step lasts 130 ms."""
+    clock = iter([100.0, 100.010, 200.0, 200.0])  # open, reserve; open again, (nothing)
+    monkeypatch.setattr(links.time, "perf_counter", lambda: next(clock))
     link = LinkModel(Wire(1.0, 0.0))
     link.open_step()
-    start = time.perf_counter()
-    time.sleep(0.01)
-    assert link.reserve(0.08) <= time.perf_counter()  # in a step: placed when it settles
-    end = link.settle_step(real_s=0.02, simulated_s=0.1)
-    assert end - start == pytest.approx(0.13, abs=0.01)
+    assert link.reserve(0.08) == 100.010  # in a step: placed when it settles
+    assert link.settle_step(real_s=0.02, simulated_s=0.1) == pytest.approx(100.13)
     # a step with nothing on the wire ends at its deadline
     link.open_step()
     assert link.settle_step(real_s=0.01, simulated_s=0.1) == 0.0

@@ -38,8 +38,9 @@ def test_checkpoint_and_scaling_knobs_set_their_trainer_config_fields(tmp_path):
 
 
 def test_the_builder_methods_win_over_a_config_bag_given_later():
-    cfg = builder().checkpoint_every(5).config(TrainerConfig(checkpoint_every=1)).build_config()
-    assert cfg.checkpoint_every == 5
+    bag = TrainerConfig(save_path="bag/run", checkpoint_every=1)
+    cfg = builder().save_path("ckpt/run").checkpoint_every(5).config(bag).build_config()
+    assert (cfg.save_path, cfg.checkpoint_every) == ("ckpt/run", 5)
 
 
 def test_a_bad_builder_value_names_the_key_and_the_rule(tmp_path):
