@@ -2,8 +2,7 @@
 ``light``; the 2-rank run through run.py is tests/e2e/test_run_py.py's ddp_bench test).
 
 * managed: the language-model guide's "train a character model on your own text file" example,
-  run as
-  written; only the file name, the epoch count and the cluster are swapped, and each swap is
+  run as written; only the file name, the epoch count and the cluster are swapped, and each swap is
   asserted to have happened, so a README edit that drops one fails here;
 * cooperative: gpt-nano with its per-step warm-up + cosine schedule under ``into_worker()``.
 """
