@@ -438,10 +438,18 @@ class Trainer:
             callbacks,
             job_dir,
             eval_metric=eval_metric,
-            run_info=run_info or {},
+            run_info=run_info if run_info is not None else {"config_yaml": _config_yaml(config)},
             placed=placed,
             cooperative=cooperative,
         )
         if run_info is None:  # the Python API: say where the outputs go (Hydra prints its own)
             print(f"flodl: outputs in {job.job_dir}", file=sys.stderr, flush=True)
         return RunHandle(job)
+
+
+def _config_yaml(config: TrainerConfig) -> str:
+    """The Python API's validated config as YAML, for TensorBoard's Text tab (the CLI writes
+    the composed Hydra config there)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.create(config.model_dump(mode="json")))

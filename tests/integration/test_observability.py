@@ -256,9 +256,11 @@ def test_hparams_record_mode_knobs_and_final_metrics(job) -> None:
     assert tb.values("eval") == pytest.approx([summary["eval_value"]], rel=1e-6)
     assert tb.values("wall_s") == pytest.approx([summary["wall_s"]], rel=1e-6)
     assert tb.values("samples_per_s") == pytest.approx([summary["samples_per_s"]], rel=1e-6)
-    # Text is only logged for Hydra jobs (the resolved config); the Python API has none.
-    with pytest.raises(KeyError):
-        tb.plugin("text")
+    # The Python API's validated config in the Text tab, as a Hydra job's composed one is.
+    tag = next(t for t in tb.plugin("text") if t.startswith("config"))
+    (event,) = tb.acc.Tensors(tag)
+    body = event.tensor_proto.string_val[0].decode()
+    assert "mode: nccl_cadence" in body and "batch_size: 32" in body
 
 
 @pytest.mark.slow
