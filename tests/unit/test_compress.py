@@ -4,17 +4,14 @@ agreement with the exact fp32 average, and bit-identical weights on every rank."
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
 
 from flodl.config import ElCheConfig
 from flodl.runtime.sync.compress import BLOCK, Compressor, dequantize, quantize
+from tests.two_ranks import run_two_ranks, write_result
 
 
 def test_int8_blocks_round_trip_within_half_a_step() -> None:
@@ -88,23 +85,13 @@ def _ranks(rank: int, rendezvous: str, out: str) -> None:
             "same_on_every_rank": bool(torch.equal(rank0, digest)),
             "ref_is_weights": bool(torch.equal(comp.ref, got)),
         }
-    if rank == 0:
-        Path(out).write_text(json.dumps(result))
+    write_result(rank, out, result)
     dist.destroy_process_group()
 
 
 @pytest.mark.slow
 def test_compressed_averages_on_two_real_ranks() -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "tests.unit.test_compress", f"file://{tmp}/rdv", str(out)]
-        ranks = [subprocess.Popen([*cmd, str(r)]) for r in (0, 1)]
-        try:
-            assert [p.wait(timeout=120) for p in ranks] == [0, 0]
-        finally:
-            for p in ranks:
-                p.kill()
-        result = json.loads(out.read_text())
+    result = run_two_ranks("tests.unit.test_compress")
     fp32 = 4 * N
     assert result["bf16"]["sent_bytes"] == result["fp16"]["sent_bytes"] == fp32 // 2
     blocks = -(-N // BLOCK)

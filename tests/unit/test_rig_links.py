@@ -4,14 +4,10 @@ on flodl's side and through the DDP communication hook."""
 
 from __future__ import annotations
 
-import json
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -20,6 +16,7 @@ from flodl.config.cluster import LinkConfig
 from flodl.rig import links
 from flodl.rig.links import LinkModel, Wire, wire_for
 from flodl.rig.pacing import Pacer
+from tests.two_ranks import run_two_ranks, write_result
 
 MB = 1_000_000
 
@@ -182,24 +179,13 @@ def _collectives(rank: int, rendezvous: str, out: str) -> None:
         "charged_s": link.charged_s / 3,
         "bytes": link.charged_bytes / 3,
     }
-    if rank == 0:
-        Path(out).write_text(json.dumps(result))
+    write_result(rank, out, result)
     dist.destroy_process_group()
 
 
 @pytest.mark.slow
 def test_a_collective_of_known_size_takes_its_modelled_time() -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.json"
-        rendezvous = f"file://{Path(tmp) / 'rdv'}"
-        cmd = [sys.executable, "-m", "tests.unit.test_rig_links", rendezvous, str(out)]
-        ranks = [subprocess.Popen([*cmd, str(r)]) for r in (0, 1)]
-        try:
-            assert [p.wait(timeout=120) for p in ranks] == [0, 0]
-        finally:
-            for p in ranks:
-                p.kill()
-        result = json.loads(out.read_text())
+    result = run_two_ranks("tests.unit.test_rig_links")
     expected = links.model_for(SLOW).wire.all_reduce_s(4 * N_FLOATS, 2)  # 320.2 ms
     flodl, ddp = result["flodl"], result["ddp"]
     assert flodl["charged_s"] == pytest.approx(expected)
