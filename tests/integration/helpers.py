@@ -57,8 +57,10 @@ def small_run(
     epochs: int = 2,
     n_train: int = 1536,
     model=model_factory,
+    cluster: dict[str, Any] | None = None,
     **elche: Any,
 ):
+    """A short run on the rig; ``cluster``: further ClusterConfig knobs (link, memory_mb...)."""
     speeds = speeds if speeds is not None else [1.0, 0.5][:ranks]
     handle = (
         Trainer.builder(model, optim_factory, classification_step)
@@ -68,7 +70,11 @@ def small_run(
         .batch_size(32)
         .num_epochs(epochs)
         .elche(ElCheConfig(mode=mode, **elche))
-        .cluster(ClusterConfig(kind="cpu_rig", ranks=ranks, speeds=speeds, warmup_steps=3))
+        .cluster(
+            ClusterConfig(
+                kind="cpu_rig", ranks=ranks, speeds=speeds, warmup_steps=3, **(cluster or {})
+            )
+        )
         .logger(LoggerConfig(progress="lines"))
         .output_dir(tmp_path / mode)
         .run()

@@ -13,9 +13,9 @@ import torch
 
 from flodl import ClusterConfig, ElCheConfig, LoggerConfig, Trainer, TrainerConfig
 from flodl.config.cluster import LinkConfig
-from flodl.recipes.steps import accuracy, classification_step
+from flodl.recipes.steps import classification_step
 from flodl.rig.links import model_for
-from tests.integration.helpers import data, model_factory, optim_factory
+from tests.integration.helpers import data, model_factory, optim_factory, small_run
 
 pytestmark = pytest.mark.slow
 
@@ -25,26 +25,11 @@ SLOW = {"profile": "1gbe", "latency_ms": 10.0}
 N_PARAMS_BYTES = 4 * (64 * 32 + 32 + 32 * 4 + 4)
 
 
-def _run(
-    tmp_path, mode: str, link: Any, ranks: int = 2, epochs: int = 2, n_train=1536, **elche: Any
-):
+def _run(tmp_path, mode: str, link: Any, ranks: int = 2, **knobs: Any):
+    """helpers.small_run on the given link, in a directory of its own per link."""
     speeds = [1.0, 0.5, 0.5][:ranks]
-    handle = (
-        Trainer.builder(model_factory, optim_factory, classification_step)
-        .dataset(partial(data, "train", n_train))
-        .eval_dataset(partial(data, "test"))
-        .eval_fn(accuracy)
-        .batch_size(32)
-        .num_epochs(epochs)
-        .elche(ElCheConfig(mode=mode, **elche))
-        .cluster(
-            ClusterConfig(kind="cpu_rig", ranks=ranks, speeds=speeds, warmup_steps=3, link=link)
-        )
-        .logger(LoggerConfig(progress="off", tensorboard=False))
-        .output_dir(tmp_path / f"{mode}-{'link' if link != 'none' else 'none'}")
-        .run()
-    )
-    handle.join(timeout=240)
+    out = tmp_path / ("none" if link == "none" else "link")
+    handle, _ = small_run(out, mode, ranks=ranks, speeds=speeds, cluster={"link": link}, **knobs)
     return handle.result
 
 
