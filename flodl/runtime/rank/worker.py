@@ -8,11 +8,13 @@ plans the next window while the collective runs.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import logging
 import math
 import resource
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -157,7 +159,6 @@ class Worker:
         self._simulate_memory()
         if self.mode is Mode.NCCL_SYNC and self.spec.world_size > 1:
             self.grad_sync = GradSync(self.model, doomed=self._doomed, buffers=self.state.buffers)
-        self._scale_lr()
         self.outer = make_outer(self.cfg.elche, self.state.n_params)
         compress = self.cfg.elche.compress
         self.compressor = Compressor(compress) if compress != "none" else None
@@ -173,7 +174,9 @@ class Worker:
         self.loader_cfg = self.spec.loader_for(self.rank)
         collate = collate_for(self.loader_cfg, self.spec.collate_fn)
         self.source = BatchSource(dataset, self.batch_size, self.cfg.seed, self.device, collate)
-        self.resident = place(self.source, self.loader_cfg)
+        self.resident = place(self.source, self.loader_cfg)  # resident data counts in the plan
+        self._plan_memory()  # before the LR scaling: offload replaces the optimizer
+        self._scale_lr()
         self.data = data_path(self.source, self.loader_cfg)
         self._build_scheduler()
         self.eval_source = None
@@ -220,12 +223,13 @@ class Worker:
     def _rank_sizes(self) -> list[int]:
         """Every rank's batch size; probed ones are gathered, so all ranks agree on the sum."""
         sizes = list(self.spec.batch_sizes or [self.cfg.batch_size] * self.spec.world_size)
-        if any(b is None for b in sizes) and self.distributed:
+        varies = any(b is None for b in sizes) or self.cfg.cluster.plans_choose_batches()
+        if varies and self.distributed:
             gathered = torch.zeros(self.spec.world_size, dtype=torch.int64, device=self.device)
             gathered[self.rank] = self.batch_size
             dist.all_reduce(gathered)
             return [int(b) for b in gathered]
-        return [self.batch_size if b is None else int(b) for b in sizes]
+        return [self.batch_size if b is None or r == self.rank else int(b) for r, b in enumerate(sizes)]
 
     def _global_batch(self) -> int:
         """Samples of one global step: every rank's batch, times the micro-batches per step."""
@@ -258,17 +262,48 @@ class Worker:
         plans from the ranks' reports; a probe copy of a large model would only raise the peak)."""
         if not self.spec.pace:
             return 0.0
-        with probe_model(self.model, self.spec.optim_factory) as (probe, optimizer):
-            step_s = self._time_steps(probe, optimizer)
+        with self._unplanned(), probe_model(self.model, self.spec.optim_factory) as pair:
+            step_s = self._time_steps(*pair)
         t = torch.tensor([step_s], dtype=torch.float64)
         self._together(t, op=dist.ReduceOp.MAX)
         step_s = float(t.item())
         if self.spec.pace:
             self.pacer.set_nominal(step_s * self.cfg.cluster.pace_margin)
+            if "recompute" in self.memory_plan.elements:
+                self.pacer.cost = self._recompute_cost()
         drain_scalars()
         return step_s * 1000.0
 
+    def _recompute_cost(self) -> float:
+        """How much longer a step with activations recomputed takes than one without, on this
+        rank (interleaved medians): its simulated device is slowed by as much."""
+        from flodl.step.memory import recompute_off
+
+        on, off = [], []
+        with self._memory_host(), probe_model(self.model, self.spec.optim_factory) as pair:
+            step = self._plain_step(*pair)
+            for _ in range(3):
+                on.append(measure_step_s(step, max(1, self.cfg.cluster.warmup_steps // 3)))
+                with recompute_off(self.model):
+                    off.append(measure_step_s(step, max(1, self.cfg.cluster.warmup_steps // 3)))
+        cost = statistics.median(on) / max(statistics.median(off), 1e-9)
+        return min(max(cost, 1.0), 3.0)
+
+    def _memory_host(self) -> Any:
+        return self.memory.host() if self.memory is not None else contextlib.nullcontext()
+
     def _time_steps(self, probe: nn.Module, optimizer: torch.optim.Optimizer) -> float:
+        step = self._plain_step(probe, optimizer)
+        # Measure together: a rank still importing or loading data would otherwise steal the
+        # other's core and inflate the nominal step every rank is then paced to.
+        self._together(torch.zeros(1))
+        chaos.point("calibrate", self.rank)
+        return measure_step_s(step, self.cfg.cluster.warmup_steps)
+
+    def _plain_step(
+        self, probe: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> Callable[[], None]:
+        """One timed warm-up step of ``probe`` (a forward, backward, check and step)."""
         n = self.cfg.cluster.warmup_steps
         chunk = ((0, min(len(self.source), self.batch_size * n)),)
         # Loading in the training thread (num_workers=0, not resident) is part of every step,
@@ -287,11 +322,7 @@ class Worker:
             self.runner.check_gradients(probe)  # every step pays it: timed too (verdict unused)
             optimizer.step()
 
-        # Measure together: a rank still importing or loading data would otherwise steal the
-        # other's core and inflate the nominal step every rank is then paced to.
-        self._together(torch.zeros(1))
-        chaos.point("calibrate", self.rank)
-        return measure_step_s(step, n)
+        return step
 
     # -- loop ----------------------------------------------------------------------------------
     def run(self) -> None:
@@ -410,6 +441,7 @@ class Worker:
                 device=str(self.device),
                 n_samples=len(self.source),
                 batch_size=self.batch_size,
+                memory_plan=self.memory_plan.describe(self.rank),
                 shard_sizes=tuple(getattr(self.source.dataset, "shard_sizes", ())),
             )
         )
@@ -718,6 +750,45 @@ class Worker:
         self.memory = DeviceMemory(int(budget * MiB), name=f"rank {self.rank}")
         self.memory.adopt(training_state(self.model, self.optimizer))
         self.memory.__enter__()
+
+    def _plan_memory(self) -> None:
+        """``cluster.memory_plan``: choose (auto: probe) and apply this rank's plan
+        (flodl/runtime/rank/memory.py); announced by the controller from Ready."""
+        from flodl.config.cluster import parse_memory_plan
+        from flodl.runtime.rank.memory import choose_plan
+        from flodl.step.memory import HostOptimizer, recompute, set_recompute
+
+        requested = parse_memory_plan(self.cfg.cluster.rank_memory_plan(self.rank))
+        self.memory_plan = choose_plan(self, requested)
+        self.batch_size = self.source.batch_size = self.memory_plan.batch_size
+        if "recompute" in self.memory_plan.elements:
+            recompute(self.model)
+        else:
+            set_recompute(self.model, False)
+        if "offload" in self.memory_plan.elements:
+            host = self.memory.host if self.memory is not None else contextlib.nullcontext
+            charge = self._charge_offload if self.spec.pace else None
+            del self.optimizer
+            self.optimizer = HostOptimizer(
+                self.model.parameters(), self.spec.optim_factory, host=host, charge=charge
+            )
+
+    def _charge_offload(self, moved: int, stepped: int) -> None:
+        """The rig: an offloaded step's host traffic and host step, in simulated time."""
+        from flodl.rig.memory import offload_step_s
+
+        self.pacer.charge(offload_step_s(moved, stepped))
+
+    def _unplanned(self) -> Any:
+        """Steps as the device runs them without a plan (calibration's nominal step): nothing
+        recomputed, nothing counted against the rig's memory (a measurement, not training)."""
+        from flodl.step.memory import recompute_off
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(recompute_off(self.model))
+        if self.memory is not None:
+            stack.enter_context(self.memory.host())
+        return stack
 
     def close_memory(self) -> None:
         if self.memory is not None:
