@@ -16,8 +16,9 @@ The two elements of a rank's memory plan (``cluster.memory_plan``; chosen per ra
   the optimizer steps host copies of the parameters, so its state (Adam: two more copies of the
   model) never occupies the device. Each step moves the gradients down, steps on host and moves the
   parameters back up; parameters changed on the device since the last step (an average, a
-  restore) are moved down first. Its ``state_dict`` is the wrapped optimizer's, in the same format,
-  so a bundle resumes with or without the plan, on any world size.
+  restore: seen by the tensors' version counters) are moved down first. Its ``state_dict`` is
+  the wrapped optimizer's, in the same format, so a bundle resumes with or without the plan, on
+  any world size.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import math
 import types
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -127,9 +128,11 @@ class HostOptimizer(torch.optim.Optimizer):
         factory: Callable[[Any], torch.optim.Optimizer],
         host: HostScope = contextlib.nullcontext,
         charge: Callable[[int, int], None] | None = None,
+        watch: Callable[[], Sequence[torch.Tensor | None]] | None = None,
     ) -> None:
         device_params = [p for p in params]
         self._host = host
+        self._watch = watch
         self._charge = charge
         pin = any(p.device.type == "cuda" for p in device_params) and torch.cuda.is_available()
         with host():
@@ -148,6 +151,14 @@ class HostOptimizer(torch.optim.Optimizer):
         super().__init__(groups, dict(self.inner.defaults))
         self._pairs = list(zip(device_params, self.host_params, strict=True))
         self._versions = [p._version for p in device_params]
+        self._watched = self._watched_versions()
+
+    def _watched_versions(self) -> list[tuple[int, int]]:
+        """Versions of the tensors weights are written through besides the parameters (a flat
+        buffer the parameters live in: writes through it do not bump theirs)."""
+        if self._watch is None:
+            return []
+        return [(id(t), t._version) for t in self._watch() if t is not None]
 
     def _hyper_down(self) -> None:
         for outer, inner in zip(self.param_groups, self.inner.param_groups, strict=True):
@@ -167,9 +178,10 @@ class HostOptimizer(torch.optim.Optimizer):
             raise ValueError("HostOptimizer: closures are not supported (one step per call)")
         self._hyper_down()
         moved = 0
+        rewritten = self._watched_versions() != self._watched
         with self._host():
             for i, (d, h) in enumerate(self._pairs):
-                if d._version != self._versions[i]:  # averaged or restored on the device
+                if rewritten or d._version != self._versions[i]:  # averaged, restored
                     h.copy_(d, non_blocking=True)
                     moved += d.numel() * d.element_size()
                 if d.grad is None:
@@ -188,8 +200,9 @@ class HostOptimizer(torch.optim.Optimizer):
                 d.copy_(h, non_blocking=True)
                 moved += d.numel() * d.element_size()
                 stepped += h.numel() * h.element_size()
-        # After every copy: parameters that are views of one buffer share its version counter.
+        # After every copy: parameters that are views of one tensor share its version counter.
         self._versions = [d._version for d, _ in self._pairs]
+        self._watched = self._watched_versions()
         if self._charge is not None:
             self._charge(moved, stepped + self.state_bytes())
         return None

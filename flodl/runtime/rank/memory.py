@@ -210,7 +210,6 @@ def _probe(worker: Any, meter: _Meter, size: int, plan: tuple[str, ...]) -> int 
         holder["opt"].zero_grad(set_to_none=True)
         _averaging_temporaries(worker)
 
-
     try:
         return meter.peak_of(step)
     finally:

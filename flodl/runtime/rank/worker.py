@@ -229,7 +229,9 @@ class Worker:
             gathered[self.rank] = self.batch_size
             dist.all_reduce(gathered)
             return [int(b) for b in gathered]
-        return [self.batch_size if b is None or r == self.rank else int(b) for r, b in enumerate(sizes)]
+        return [
+            self.batch_size if b is None or r == self.rank else int(b) for r, b in enumerate(sizes)
+        ]
 
     def _global_batch(self) -> int:
         """Samples of one global step: every rank's batch, times the micro-batches per step."""
@@ -300,9 +302,7 @@ class Worker:
         chaos.point("calibrate", self.rank)
         return measure_step_s(step, self.cfg.cluster.warmup_steps)
 
-    def _plain_step(
-        self, probe: nn.Module, optimizer: torch.optim.Optimizer
-    ) -> Callable[[], None]:
+    def _plain_step(self, probe: nn.Module, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
         """One timed warm-up step of ``probe`` (a forward, backward, check and step)."""
         n = self.cfg.cluster.warmup_steps
         chunk = ((0, min(len(self.source), self.batch_size * n)),)
@@ -770,7 +770,11 @@ class Worker:
             charge = self._charge_offload if self.spec.pace else None
             del self.optimizer
             self.optimizer = HostOptimizer(
-                self.model.parameters(), self.spec.optim_factory, host=host, charge=charge
+                self.model.parameters(),
+                self.spec.optim_factory,
+                host=host,
+                charge=charge,
+                watch=lambda: [self.state.shared()],  # averages land through the flat buffer
             )
 
     def _charge_offload(self, moved: int, stepped: int) -> None:
