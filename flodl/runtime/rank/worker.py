@@ -550,8 +550,9 @@ class Worker:
 
     def restore(self, msg: Restore) -> None:
         """Continue a saved run: weights, outer momentum, this rank's optimizer/scheduler/RNG."""
-        model = load_shard(msg.model) if isinstance(msg.model, str) else msg.model
-        state = load_shard(msg.state) if isinstance(msg.state, str) else msg.state
+        with self._memory_host():  # a bundle is read into host memory, then copied in
+            model = load_shard(msg.model) if isinstance(msg.model, str) else msg.model
+            state = load_shard(msg.state) if isinstance(msg.state, str) else msg.state
         self.model.load_state_dict({**model["params"], **model["buffers"]})
         if self.compressor is not None:
             self.compressor.invalidate()
@@ -569,6 +570,8 @@ class Worker:
         if self.device.type == "cuda" and state.get("cuda_rng") is not None:
             torch.cuda.set_rng_state(state["cuda_rng"], self.device)
         self.load_extra_state(state.get("extra") or {})
+        if self.memory is not None:  # the optimizer state now on the device (not offloaded)
+            self.memory.adopt(training_state(self.model, self.optimizer))
         # The scheduler steps when a new epoch begins; the saved one had not stepped yet.
         self._epoch = msg.epoch - 1
 
