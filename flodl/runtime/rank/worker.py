@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from flodl.checkpoint.shards import MODEL, load_shard, process_local, rank_shard, write_shard
 from flodl.config import Mode
@@ -162,7 +163,8 @@ class Worker:
         self.outer = make_outer(self.cfg.elche, self.state.n_params)
         compress = self.cfg.elche.compress
         self.compressor = Compressor(compress) if compress != "none" else None
-        dataset = resolve_dataset(self.spec.dataset)
+        with self._memory_host():  # read or generated into host memory (placement decides)
+            dataset = resolve_dataset(self.spec.dataset)
         self.batch_size = self._own_batch_size(dataset)
         if self.batch_size > len(dataset):
             key = (
@@ -174,14 +176,16 @@ class Worker:
         self.loader_cfg = self.spec.loader_for(self.rank)
         collate = collate_for(self.loader_cfg, self.spec.collate_fn)
         self.source = BatchSource(dataset, self.batch_size, self.cfg.seed, self.device, collate)
-        self.resident = place(self.source, self.loader_cfg)  # resident data counts in the plan
+        self.resident = place(self.source, self.loader_cfg)
+        self._place_on_rig()  # resident data counts against the device, before the plan
         self._plan_memory()  # before the LR scaling: offload replaces the optimizer
         self._scale_lr()
         self.data = data_path(self.source, self.loader_cfg)
         self._build_scheduler()
         self.eval_source = None
         if self.spec.has_eval:
-            eval_set = resolve_dataset(self.spec.eval_dataset, "eval_dataset")
+            with self._memory_host():  # its batches count as they are cut
+                eval_set = resolve_dataset(self.spec.eval_dataset, "eval_dataset")
             self.eval_source = BatchSource(
                 eval_set, self.cfg.batch_size, self.cfg.seed, self.device, collate
             )
@@ -753,6 +757,28 @@ class Worker:
         self.memory = DeviceMemory(int(budget * MiB), name=f"rank {self.rank}")
         self.memory.adopt(training_state(self.model, self.optimizer))
         self.memory.__enter__()
+
+    def _place_on_rig(self) -> None:
+        """The rig's simulated device: a dataset already in memory (tensors) is resident on it
+        as ``loader.placement`` decides on a GPU (``auto``: when it fits ``resident_fraction``
+        of the free budget), and then counts; otherwise it stays in host memory and only the
+        batches cut from it count."""
+        from flodl.data.residency import tree_bytes
+
+        tree = getattr(self.source, "_tree", None)
+        if self.memory is None or self.memory.budget is None or tree is None:
+            return
+        need = tree_bytes(tree)
+        self.memory.sweep()
+        free = self.memory.budget - self.memory.current
+        placement = self.loader_cfg.placement
+        if placement == "resident" or (
+            placement == "auto" and need <= self.loader_cfg.resident_fraction * free
+        ):
+            self.memory.adopt(tensors for tensors in tree_leaves(tree))
+            log.info(
+                "rank %d: dataset resident on the rig's device (%.1f MiB)", self.rank, need / MiB
+            )
 
     def _plan_memory(self) -> None:
         """``cluster.memory_plan``: choose (auto: probe) and apply this rank's plan
