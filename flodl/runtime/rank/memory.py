@@ -255,6 +255,8 @@ def choose_plan(worker: Any, requested: tuple[str, ...] | None) -> MemoryPlan:
         set_recompute(worker.model, True)
         with torch.no_grad():
             worker.model.load_state_dict(saved)
+        if worker.device.type == "cuda":  # training's peak is its own, not the probes'
+            torch.cuda.reset_peak_memory_stats(worker.device)
 
 
 def _choose(worker: Any, meter: _Meter, size: int) -> MemoryPlan:
