@@ -15,8 +15,9 @@ Variants, every one a fresh process, interleaved per repeat (order rotated), med
   plan can run, the baseline;
 * ``plan3``: flodl ``nccl_cadence`` on all three ranks, ``cluster.memory_plan=auto``;
 * ``plan2``: the same on two ranks, memory [2:1], speeds [1.0, 0.45];
-* ``fits`` / ``noplan``: the three-rank rig with budgets everything fits (the plan probes and
-  applies nothing) against no budget at all: the plan's overhead where it is not needed.
+* ``fits`` / ``noplan``: the three-rank rig with budgets everything fits, ``memory_plan=auto``
+  (it probes and applies nothing) against ``memory_plan=none``: the plan's overhead where it is
+  not needed (both pay the rig's memory counting).
 
 Throughput is compared at equal calibrated step (T-matched: samples per nominal step), as
 bench/hetero.py does. Writes bench/results/memory.json; ``python -m bench.render`` renders it.
@@ -52,7 +53,7 @@ VARIANTS = ("ddp", "solo", "plan3", "plan2", "fits", "noplan")
 
 
 def _setup(variant: str) -> tuple[list[float], list[float] | None]:
-    """(speeds, memory_mb) of a variant."""
+    """(speeds, memory_mb) of a variant (``noplan``: with ``memory_plan=none``)."""
     big = 2 * SMALL_MB
     return {
         "ddp": (SPEEDS3, [big, SMALL_MB, SMALL_MB]),
@@ -60,7 +61,7 @@ def _setup(variant: str) -> tuple[list[float], list[float] | None]:
         "plan3": (SPEEDS3, [big, SMALL_MB, SMALL_MB]),
         "plan2": (SPEEDS2, [big, SMALL_MB]),
         "fits": (SPEEDS3, [4 * big] * 3),
-        "noplan": (SPEEDS3, None),
+        "noplan": (SPEEDS3, [4 * big] * 3),
     }[variant]
 
 
@@ -89,6 +90,8 @@ def run_one(payload: dict[str, Any]) -> dict[str, Any]:
     from bench.common import run_flodl
 
     knobs: dict[str, Any] = {"memory_mb": memory_mb} if memory_mb else {}
+    if variant == "noplan":
+        knobs["memory_plan"] = "none"
     return run_flodl(
         WORKLOAD,
         "solo" if variant == "solo" else "nccl_cadence",

@@ -532,14 +532,16 @@ def memory_block(data: dict[str, Any]) -> str:
         "solo": "big rank alone (solo)",
         "plan3": "flodl nccl_cadence, memory_plan=auto",
         "plan2": "flodl nccl_cadence, memory_plan=auto",
-        "fits": "flodl, budgets that fit (plan probed)",
-        "noplan": "flodl, no budgets",
+        "fits": "flodl, budgets that fit, memory_plan=auto",
+        "noplan": "flodl, budgets that fit, memory_plan=none",
     }
     rows = []
     for r in data["rows"]:
         ok = r["runs_ok"] > 0
         status = f"{r['runs_ok']}/{r['runs']} ok" if ok else (r["status"][0] or "failed")
-        plans = "; ".join(p.split(": ", 1)[1].split(";")[0] for p in r.get("memory_plans") or [])
+        plans = "; ".join(
+            p.split(": ", 1)[1].split(";")[0] for p in r.get("memory_plans") or [] if p
+        )
         rows.append(
             [
                 names.get(r["variant"], r["variant"]),
@@ -556,7 +558,7 @@ def memory_block(data: dict[str, Any]) -> str:
             ]
         )
     header = ["variant", "speeds", "memory_mb", "status", "samples/s", "vs solo @T",
-              "vs no budgets @T", "test acc", "final loss", "peak MiB", "plans"]  # fmt: skip
+              "vs plan none @T", "test acc", "final loss", "peak MiB", "plans"]  # fmt: skip
     ratio = st.get("plain_over_small")
     setup = (
         f"Model `{st['workload']}` ({st['params_mb']:.1f} MiB of parameters, Adam: "
