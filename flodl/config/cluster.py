@@ -121,6 +121,11 @@ class WorkerConfig(_Schema):
     loader: LoaderOverride | None = Field(
         None, description="this host's ranks depart from the loader node (placement, workers)"
     )
+    link: LinkProfile | None = Field(
+        None,
+        description="the rig's link model: this host's link to the others (two hosts talk at "
+        "the slower of their links); null: cluster.link.between_hosts",
+    )
 
     @field_validator("batch_size")
     @classmethod
