@@ -388,8 +388,9 @@ def hydra_error_line(exc: BaseException) -> str | None:
     if "not in struct" in head and head.startswith("Could not override"):
         key = head.split("'")[1] if head.count("'") >= 2 else "KEY"
         group = key.split(".")[0]
-        known = _sibling_keys(exc.__cause__)
-        if known:  # the section is there: a misspelt key
+        missing = str(getattr(exc.__cause__, "key", "") or "")
+        known = _sibling_keys(exc.__cause__) if "." in key and missing == key.split(".")[-1] else []
+        if known:  # the section is there, the key in it is not: a misspelt key
             parent, _, leaf = key.rpartition(".")
             hint = did_you_mean(leaf, known, f"{parent}." if parent else "")
             return (
