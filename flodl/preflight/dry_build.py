@@ -131,8 +131,20 @@ def _refusal(name: tuple[str, str], build: Callable[[], Any], explain: bool) -> 
     except Exception as exc:
         if not explain or _needs_cuda(exc):
             raise
+        refusal = _config_error(exc)
+        if refusal is not None:  # the factory's own refusal already names the key and the fix
+            raise refusal from exc
         what, fix = name
         raise ConfigError(f"{what} refused on a dry build: {describe(exc)}; {fix}") from exc
+
+
+def _config_error(exc: BaseException | None) -> ConfigError | None:
+    """A :class:`ConfigError` the factory raised (Hydra wraps it in its own exception)."""
+    while exc is not None:
+        if isinstance(exc, ConfigError):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def _name(fn: Any) -> str:

@@ -217,8 +217,9 @@ class Restore:
 @dataclass(frozen=True)
 class Final:
     rank: int
-    params: dict[str, Any]
+    params: dict[str, Any]  # the trainable parameters (a frozen base stays on the ranks)
     buffers: dict[str, Any]
+    base: str | None = None  # the frozen base's fingerprint (runtime/sync/trainable.py)
 
 
 @dataclass(frozen=True)
