@@ -72,6 +72,8 @@ def _save_lora(model: Any, out: Path, pretrained: str | None) -> None:
         base_path = str((out / "base").resolve())
     for config in model.peft_config.values():
         config.base_model_name_or_path = base_path
+    if pretrained is None:  # the base's config first: peft reads it while saving the adapters
+        model.get_base_model().config.save_pretrained(str(out / "base"))
     model.save_pretrained(str(out / "adapter"), safe_serialization=True)
     if pretrained is None:
         base = model.unload()  # the base without the adapters' layers (not merged)

@@ -21,8 +21,10 @@ def trainable(model: nn.Module) -> list[nn.Parameter]:
 
 
 def frozen_names(model: nn.Module) -> list[str]:
-    """``state_dict`` names of the parameters that do not require grad (sorted)."""
-    return sorted(n for n, p in model.named_parameters() if not p.requires_grad)
+    """``state_dict`` names of the parameters that do not require grad (sorted), every name of
+    a tied parameter included (GPT-2's ``lm_head.weight`` is its token embedding)."""
+    named = model.named_parameters(remove_duplicate=False)
+    return sorted(n for n, p in named if not p.requires_grad)
 
 
 @torch.no_grad()
