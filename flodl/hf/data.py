@@ -35,6 +35,7 @@ __all__ = [
     "train_tokenizer",
 ]
 
+_MIN_BPE_VOCAB = 257
 _FORMATS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
@@ -77,6 +78,11 @@ def text_dataset(
     tokenizer directory or ``tokenizer.json``; with ``train_tokenizer_vocab`` and no tokenizer
     there yet, a byte-level BPE of that size is trained on the train split and saved there."""
     split = _check_split(split, "hf")
+    if train_tokenizer_vocab is not None and train_tokenizer_vocab < _MIN_BPE_VOCAB:
+        raise ConfigError(
+            f"dataset.train_tokenizer_vocab={train_tokenizer_vocab}: a byte-level BPE needs at "
+            f"least {_MIN_BPE_VOCAB} tokens (256 bytes and <|endoftext|>)"
+        )
     if sum(x is not None for x in (files, saved, text_fn)) != 1:
         raise ConfigError("dataset.files / dataset.saved / dataset.text_fn: set exactly one")
     if not 0.0 < val_fraction < 1.0:
