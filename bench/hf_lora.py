@@ -1,7 +1,7 @@
 """LoRA adapters on a slow link: what crosses the wire, and what it costs, against full
 fine-tuning and torch DDP with the same adapters.
 
-    .venv/bin/python -m bench.hf_lora --quick   # 1 epoch of a 60 k-character prefix -> hf_lora_quick.json
+    .venv/bin/python -m bench.hf_lora --quick   # 1 epoch of 60 k characters -> hf_lora_quick.json
     .venv/bin/python -m bench.hf_lora           # 3 epochs -> hf_lora.json
 
 A small GPT-2-style model (4 layers, 4 heads, width 128, 512-token byte-level BPE trained on the
@@ -25,7 +25,7 @@ import tempfile
 import time
 from typing import Any
 
-from bench.common import RESULTS, child_main, log, machine, run_isolated, write_result
+from bench.common import child_main, log, machine, run_isolated, write_result
 
 SPEEDS = [1.0, 0.5]
 LINK = "1gbe"
@@ -155,7 +155,7 @@ def ddp_parts(cfg: dict[str, Any]) -> tuple[Any, Any, Any, int, Any, Any]:
     """bench/ddp.py's workload hook: the LoRA model on dict batches of token blocks."""
     import torch
 
-    from flodl.hf.steps import causal_lm_step, causal_lm_outputs, token_cross_entropy
+    from flodl.hf.steps import causal_lm_outputs, causal_lm_step, token_cross_entropy
 
     blocks = dataset("train", cfg["max_chars"]).tensors["input_ids"]
     held = dataset("test", cfg["max_chars"]).tensors["input_ids"]
@@ -217,6 +217,57 @@ def time_to(curve: list[list[float]], target: float | None) -> float | None:
     return next((t for t, loss in curve if loss is not None and loss <= target), None)
 
 
+_NAMES = {
+    "solo_lora": "solo, LoRA (reference)",
+    "lora": "flodl nccl_cadence, LoRA",
+    "full": "flodl nccl_cadence, full fine-tuning",
+    "ddp_lora": "torch DDP, LoRA",
+}
+
+
+def hf_lora_block(data: dict[str, Any], machine_line: str) -> str:
+    """The docs' table (bench/render.py): one row per variant, the bytes and the verdicts."""
+    s, rows = data["settings"], data["rows"]
+
+    def num(x: Any, fmt: str) -> str:
+        return format(x, fmt) if isinstance(x, (int, float)) else "\u2013"
+
+    table = [
+        "| variant | bytes / window | windows | samples/s | train s | val loss | "
+        "s to solo's val loss | load before / after |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        load = f"{num((r.get('load_before') or [None])[0], '.2f')} / "
+        load += num((r.get("load_after") or [None])[0], ".2f")
+        table.append(
+            f"| {_NAMES.get(r['variant'], r['variant'])} | {num(r.get('bytes_per_window'), ',d')} "
+            f"| {num(r.get('syncs') if r['variant'] != 'solo_lora' else None, 'd')} "
+            f"| {num(r.get('samples_per_s'), '.1f')} | {num(r.get('train_s'), '.1f')} "
+            f"| {num(r.get('eval_loss'), '.3f')} | {num(r.get('time_to_solo_loss_s'), '.1f')} "
+            f"| {load} |"
+        )
+    by = {r["variant"]: r for r in rows}
+    lora, ddp = by.get("lora", {}), by.get("ddp_lora", {})
+    speedup = (
+        lora["samples_per_s"] / ddp["samples_per_s"]
+        if lora.get("samples_per_s") and ddp.get("samples_per_s")
+        else None
+    )
+    quick = " **Quick run** (1 epoch)." if s.get("quick") else ""
+    notes = [
+        f"LoRA bytes per window: {s['bytes_lora']:,} of the full model's {s['bytes_full']:,} "
+        f"= {100 * s['bytes_ratio']:.2f} % (target \u2264 2 %: "
+        f"{'met' if s['bytes_ratio'] <= 0.02 else 'missed'}).",
+        f"flodl LoRA vs torch DDP LoRA, samples/s: {num(speedup, '.2f')}\u00d7 "
+        f"(target \u2265 2\u00d7: {'met' if speedup and speedup >= 2 else 'missed'}).",
+        f"Rig {s['speeds']}, `cluster.link={s['link']}`, batch {s['batch_size']} per rank, "
+        f"{s['epochs']} epoch(s) of the first {s['max_chars']:,} characters, lr "
+        f"{s['lr']['lora']} (LoRA) / {s['lr']['full']} (full).{quick}",
+    ]
+    return machine_line + "\n\n" + "\n".join(table) + "\n\n" + " ".join(notes)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if child_main(argv, run_one):
@@ -263,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "rows": rows,
     }
+    data["machine"]["load_average_end"] = list(os.getloadavg())
     log(f"LoRA bytes per window: {lora_bytes} of {full_bytes} ({lora_bytes / full_bytes:.4f})")
     log(f"wrote {write_result(stem, data)}")
     return 0 if all(r.get("status") == "ok" for r in rows) and math.isfinite(lora_bytes) else 1

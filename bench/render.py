@@ -620,7 +620,15 @@ def render() -> dict[str, str]:
         "comm_heavy": comm_heavy_block(comm) if comm else missing,
         "comm_heavy_equal": _block("comm_heavy_equal", comm_heavy_block, missing),
         "startup": _startup(missing),
+        "hf_lora": _hf_lora(missing),
     }
+
+
+def _hf_lora(missing: str) -> str:
+    from bench.hf_lora import hf_lora_block
+
+    data = _load("hf_lora") or _load("hf_lora_quick")  # the full run when there is one
+    return hf_lora_block(data, _machine(data)) if data else missing
 
 
 def _loader(missing: str) -> str:

@@ -7,9 +7,25 @@ import random
 from pathlib import Path
 from typing import Any
 
-VOCAB = 300  # a byte-level BPE has 256 byte tokens + <|endoftext|> before any merge
+VOCAB = 300  # a byte-level BPE holds 256 byte tokens and <|endoftext|> before any merge
 BLOCK = 16
-WORDS = "the quick brown fox jumps over lazy dog and cat runs far away from home".split()
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "lazy",
+    "dog",
+    "and",
+    "cat",
+    "runs",
+    "far",
+    "away",
+    "from",
+    "home",
+]
 
 
 def text(n_words: int = 3000, seed: int = 0) -> str:

@@ -101,7 +101,9 @@ def _with_lora(model: Any, fields: dict[str, Any], head: str) -> Any:
     try:
         wrapped = peft.get_peft_model(model, lora)
     except ValueError as exc:
-        raise ConfigError(f"model.peft.target_modules={fields.get('target_modules')}: {exc}")
+        raise ConfigError(
+            f"model.peft.target_modules={fields.get('target_modules')}: {exc}"
+        ) from None
     for p in wrapped.parameters():
         if p.requires_grad and p.dtype != torch.float32:
             p.data = p.data.float()

@@ -129,7 +129,9 @@ def _refusal(name: tuple[str, str], build: Callable[[], Any], explain: bool) -> 
             raise
         refusal = _config_error(exc)
         if refusal is not None:  # the factory's own refusal already names the key and the fix
-            raise ConfigError(str(refusal)) from None  # a new one: re-raising it would loop its chain
+            raise ConfigError(
+                str(refusal)
+            ) from None  # a new one: re-raising it would loop its chain
         what, fix = name
         raise ConfigError(f"{what} refused on a dry build: {describe(exc)}; {fix}") from exc
 

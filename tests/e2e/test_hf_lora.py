@@ -55,7 +55,9 @@ def test_hf_lora_survives_a_lost_rank_resumes_and_refuses_another_base(tmp_path)
     assert blob["base"] and shard.stat().st_size < 200_000
     hf = tmp_path / "first" / "0" / "hf"
     assert (hf / "adapter" / "adapter_model.safetensors").exists()
-    assert (hf / "base" / "model.safetensors").exists() and (hf / "adapter" / "tokenizer.json").exists()
+    assert (hf / "base" / "model.safetensors").exists() and (
+        hf / "adapter" / "tokenizer.json"
+    ).exists()
 
     resumed = run_py(
         [*knobs, f"trainer.resume_from={stem}", "trainer.num_epochs=3"], tmp_path, "resumed"

@@ -80,7 +80,9 @@ def _rank(rank: int, rdv: str, out: str) -> None:
     link.charged_bytes = 0
     sync = GradSync(model)  # nccl_sync's bucketed gradient all-reduce
     sync.armed = True
-    ids = torch.randint(0, hf_tiny.VOCAB, (2, hf_tiny.BLOCK), generator=torch.Generator().manual_seed(rank))
+    ids = torch.randint(
+        0, hf_tiny.VOCAB, (2, hf_tiny.BLOCK), generator=torch.Generator().manual_seed(rank)
+    )
     model(input_ids=ids, labels=ids).loss.backward()
     sync.finish()
     result["gradients"] = {"sent": sum(sent), "charged": link.charged_bytes}

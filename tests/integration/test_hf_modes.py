@@ -16,11 +16,11 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 pytest.importorskip("datasets")
 
-from flodl.hf.data import text_dataset  # noqa: E402
-from flodl.hf.models import auto_model  # noqa: E402
-from flodl.hf.steps import causal_lm_step  # noqa: E402
-from flodl.runtime.sync.trainable import base_fingerprint  # noqa: E402
-from tests import hf_tiny  # noqa: E402
+from flodl.hf.data import text_dataset
+from flodl.hf.models import auto_model
+from flodl.hf.steps import causal_lm_step
+from flodl.runtime.sync.trainable import base_fingerprint
+from tests import hf_tiny
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +35,9 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=1e-2)
 
 
-@pytest.mark.parametrize("mode", ["nccl_sync", "nccl_cadence", "cpu_sync", "cpu_cadence", "cpu_async"])
+@pytest.mark.parametrize(
+    "mode", ["nccl_sync", "nccl_cadence", "cpu_sync", "cpu_cadence", "cpu_async"]
+)
 def test_lora_trains_in_every_mode_and_only_adapters_leave_the_ranks(tmp_path, mode):
     dataset = partial(
         text_dataset,
@@ -67,6 +69,8 @@ def test_lora_trains_in_every_mode_and_only_adapters_leave_the_ranks(tmp_path, m
     saved = torch.load(tmp_path / "job" / "model.pt", weights_only=True)
     assert set(saved["params"]) == adapters and saved["base"] == state.base
     TrainedState.load(tmp_path / "job" / "model.pt").load_into(fresh)
-    assert all(torch.equal(p, state.params[n]) for n, p in fresh.named_parameters() if n in adapters)
+    assert all(
+        torch.equal(p, state.params[n]) for n, p in fresh.named_parameters() if n in adapters
+    )
     with pytest.raises(ValueError, match="frozen base"):
         state.load_into(lora_model("cpu", seed=1))

@@ -47,7 +47,11 @@ def test_option_composes_and_validates(group, option):
         overrides += ["dataset=synthetic", "dataset.input_shape=[3,32,32]"]
     if (group, option) in {("dataset", "shakespeare"), ("task", "language_model")}:
         overrides += ["model=char_rnn"]  # text data has no input_shape for the default MLP
-    if (group, option) in {("dataset", "hf"), ("task", "causal_lm"), ("task", "seq_classification")}:
+    if (group, option) in {
+        ("dataset", "hf"),
+        ("task", "causal_lm"),
+        ("task", "seq_classification"),
+    }:
         overrides += ["model=hf"]  # Hugging Face text: the MLP has nothing to read
     cfg = _compose(overrides)
     run = validate_run_config(plain_config(cfg))

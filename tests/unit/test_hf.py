@@ -15,19 +15,19 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 pytest.importorskip("datasets")
 
-from flodl.checkpoint.results import TrainedState  # noqa: E402
-from flodl.config import ConfigError, TargetConfig  # noqa: E402
-from flodl.hf import data, steps  # noqa: E402
-from flodl.hf.export import export  # noqa: E402
-from flodl.hf.models import auto_model  # noqa: E402
-from flodl.runtime.sync.averaging import FlatState  # noqa: E402
-from flodl.runtime.sync.trainable import (  # noqa: E402
+from flodl.checkpoint.results import TrainedState
+from flodl.config import ConfigError, TargetConfig
+from flodl.hf import data, steps
+from flodl.hf.export import export
+from flodl.hf.models import auto_model
+from flodl.runtime.sync.averaging import FlatState
+from flodl.runtime.sync.trainable import (
     base_fingerprint,
     frozen_names,
     load_trainable,
     trainable_state,
 )
-from tests import hf_tiny  # noqa: E402
+from tests import hf_tiny
 
 
 @pytest.fixture(autouse=True)
@@ -101,9 +101,9 @@ def test_a_missing_model_is_one_line_naming_the_path_and_how_to_fetch_it(name):
 def test_config_and_pretrained_are_exclusive_and_bad_knobs_are_named():
     with pytest.raises(ConfigError, match="set exactly one"):
         auto_model(pretrained="x", config=hf_tiny.gpt2_config())
-    with pytest.raises(ConfigError, match="model.head=seq2seq"):
+    with pytest.raises(ConfigError, match=r"model\.head=seq2seq"):
         auto_model(head="seq2seq", config=hf_tiny.gpt2_config())
-    with pytest.raises(ConfigError, match="model.dtype=int8"):
+    with pytest.raises(ConfigError, match=r"model\.dtype=int8"):
         auto_model(config=hf_tiny.gpt2_config(), dtype="int8")
     with pytest.raises(ConfigError, match="model_type"):
         auto_model(config={"n_layer": 2})
@@ -123,7 +123,7 @@ def test_the_averaged_state_is_the_adapters_only():
 
 def test_the_saved_state_leaves_the_base_out_and_refuses_another_base():
     model = _lora_model(seed=0)
-    params, buffers = trainable_state(model, copy=True)
+    params, _ = trainable_state(model, copy=True)
     assert set(params) == {n for n, p in model.named_parameters() if p.requires_grad}
     assert not any(n.endswith("lm_head.weight") for n in params)  # tied to the frozen wte
     assert "base_model.model.lm_head.weight" in frozen_names(model)
@@ -166,7 +166,7 @@ def test_text_files_are_tokenized_packed_and_cached(tmp_path, monkeypatch):
     test = data.text_dataset("test", **kwargs)
     ids = train.tensors["input_ids"]
     assert ids.shape[1] == hf_tiny.BLOCK and ids.dtype == torch.int64
-    assert 0 <= int(ids.min()) and int(ids.max()) < hf_tiny.VOCAB
+    assert int(ids.min()) >= 0 and int(ids.max()) < hf_tiny.VOCAB
     assert 5 * len(test) < len(train) < 15 * len(test)  # val_fraction 0.1 of the rows
     assert set(train[0]) == {"input_ids"}
     tokenizer = data.load_tokenizer(str(tok))
@@ -216,9 +216,9 @@ def test_a_tokenizer_is_trained_once_where_none_is_named(tmp_path):
     assert path.startswith(str(tmp_path)) and (tmp_path / path).exists()
     assert len(data.load_tokenizer(path)) <= hf_tiny.VOCAB
     assert int(train.tensors["input_ids"].max()) < hf_tiny.VOCAB
-    with pytest.raises(ConfigError, match="train_tokenizer_vocab=200: .* at least 257"):
+    with pytest.raises(ConfigError, match=r"train_tokenizer_vocab=200: .* at least 257"):
         data.text_dataset("train", **(kwargs | {"train_tokenizer_vocab": 200}))
-    with pytest.raises(ConfigError, match="dataset.tokenizer="):
+    with pytest.raises(ConfigError, match=r"dataset\.tokenizer="):
         nothing = {"tokenizer": str(tmp_path / "none"), "train_tokenizer_vocab": None}
         data.text_dataset("train", **(kwargs | nothing))
     with pytest.raises(ConfigError, match="exactly one"):

@@ -36,10 +36,10 @@ from flodl.runtime.rank import blame, chaos
 from flodl.runtime.rank.spec import JobSpec, state_signature
 from flodl.runtime.sync import groups
 from flodl.runtime.sync.averaging import FlatState, collective_average
-from flodl.runtime.sync.trainable import base_fingerprint, load_trainable, trainable_state
 from flodl.runtime.sync.compress import Compressor
 from flodl.runtime.sync.gradsync import GradSync
 from flodl.runtime.sync.outer import make_outer
+from flodl.runtime.sync.trainable import base_fingerprint, load_trainable, trainable_state
 from flodl.runtime.wire.messages import (
     Average,
     EvalResult,
