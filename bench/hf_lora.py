@@ -10,7 +10,9 @@ offline Shakespeare corpus, block 64; built from a config, float32) on the 2-ran
 adapters on the attention projections, flodl ``nccl_cadence`` fine-tuning every parameter,
 torch DDP with the same adapters (bench/ddp.py: the same pacing and the same modelled wire, a
 communication hook per bucket), and solo LoRA (one in-process rank, no link) as the reference
-validation loss. Bytes per window are the flat state every mode averages (``FlatState``: what
+validation loss. Every variant evaluates once, after training (outside its training time), so
+"time to solo's loss" is its training time when its final validation loss is at most solo's.
+Bytes per window are the flat state every mode averages (``FlatState``: what
 ``collective_average`` hands the all-reduce and charges to the link, tests/integration/
 test_hf_adapters.py). Each variant runs in a fresh process, one after the other; the machine's
 load average is recorded before and after each.
@@ -119,7 +121,7 @@ def _run_flodl(p: dict[str, Any]) -> dict[str, Any]:
             .eval_dataset(partial(dataset, "test", p["max_chars"]))
             .eval_step(causal_lm_outputs)
             .eval_loss(token_cross_entropy)
-            .eval_every(1)
+            .eval_every(p["epochs"])  # after training only, as the DDP tier: not in train_s
             .batch_size(BATCH)
             .num_epochs(p["epochs"])
             .seed(SEED)
@@ -133,14 +135,12 @@ def _run_flodl(p: dict[str, Any]) -> dict[str, Any]:
         handle.join()
         result = handle.result
     s = result.summary
-    clock, curve = 0.0, []
-    for epoch in result.epochs:  # (training seconds so far, validation loss) per epoch
-        clock += epoch.epoch_ms / 1000.0
-        curve.append([clock, epoch.eval_metrics.get("eval_loss")])
+    train_s = s.samples_seen / s.samples_per_s if s.samples_per_s else math.nan
+    curve = [[train_s, e.eval_metrics.get("eval_loss")] for e in result.epochs if e.eval_metrics]
     return {
         "status": s.status,
         "samples_per_s": s.samples_per_s,
-        "train_s": clock,
+        "train_s": train_s,
         "syncs": s.syncs,
         "mean_sync_ms": s.mean_sync_ms,
         "final_loss": s.final_loss,

@@ -298,3 +298,28 @@ def test_export_refuses_a_state_trained_on_another_base(tmp_path):
     state = TrainedState(params, buffers, base=base_fingerprint(trained))
     with pytest.raises(ValueError, match="frozen base"):
         export(target, state, tmp_path / "job", seed=2)  # another seed: another random base
+
+
+def test_a_bf16_base_with_lora_holds_a_fraction_of_a_full_fine_tunes_memory():
+    """What the rig's device-memory model charges a rank between steps (flodl/rig/memory.py):
+    the frozen base at 2 bytes a parameter, the adapters with their gradients and AdamW state."""
+    from flodl.rig.memory import training_state
+
+    def state_bytes(model) -> int:
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+        ids = torch.randint(0, hf_tiny.VOCAB, (2, hf_tiny.BLOCK))
+        steps.causal_lm_step(model, {"input_ids": ids}).backward()
+        optimizer.step()
+        return sum(t.numel() * t.element_size() for t in training_state(model, optimizer))
+
+    lora = _lora_model(dtype="bfloat16")
+    torch.manual_seed(0)
+    full = auto_model(config=hf_tiny.gpt2_config())
+    n_base = sum(p.numel() for p in lora.parameters() if not p.requires_grad)
+    n_adapters = _adapter_numel()
+    adapter_tensors = sum(1 for p in lora.parameters() if p.requires_grad)
+    # base in bf16; adapters: weights, grads, exp_avg, exp_avg_sq in fp32, and AdamW's step
+    assert state_bytes(lora) == 2 * n_base + 16 * n_adapters + 4 * adapter_tensors
+    n_full = sum(p.numel() for p in full.parameters())
+    assert state_bytes(full) == 16 * n_full + 4 * sum(1 for _ in full.parameters())
+    assert state_bytes(_lora_model(dtype="bfloat16")) < 0.2 * state_bytes(full)
