@@ -225,8 +225,10 @@ def run_flodl(
     with_eval: bool = True,
     link: Any = None,
     fixed_anchor: int = 20,
+    cluster_knobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Train ``name`` once with the flodl Trainer and return what the benchmarks tabulate.
+    ``cluster_knobs``: further ClusterConfig fields (memory_mb, memory_plan, ...).
 
     ``speeds`` of length 1 (or ``mode='solo'``) is a one-rank, in-process run. Evaluation runs
     only after the last epoch (``eval_every`` defaults to ``epochs``), outside the training time;
@@ -243,6 +245,7 @@ def run_flodl(
             speeds=list(speeds),
             pace_margin=pace_margin,
             link=link or "none",
+            **(cluster_knobs or {}),
         )
     else:
         cluster = ClusterConfig(kind="auto")
@@ -333,6 +336,9 @@ def run_flodl(
         "launcher_cpu_train_s": launcher_cpu_s,
         "load_before": load_before,
         "load_after": load_after,
+        "memory_plans": list(s.memory_plans),
+        "peak_mem_mb": [t.get("peak_mem_mb") for t in s.telemetry],
+        "overrun_fraction": (s.rig or {}).get("overrun_fraction"),
     }
 
 

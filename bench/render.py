@@ -524,11 +524,60 @@ def scale_sim_block(data: dict[str, Any]) -> str:
     return _machine(data) + "\n\n" + model + check + "\n\n" + _table(header, rows)
 
 
+def memory_block(data: dict[str, Any]) -> str:
+    """Memory-unequal rig: torch DDP's out of memory, the big rank alone, flodl's plans."""
+    st = data["settings"]
+    names = {
+        "ddp": "torch DDP, same budgets",
+        "solo": "big rank alone (solo)",
+        "plan3": "flodl nccl_cadence, memory_plan=auto",
+        "plan2": "flodl nccl_cadence, memory_plan=auto",
+        "fits": "flodl, budgets that fit, memory_plan=auto",
+        "noplan": "flodl, budgets that fit, memory_plan=none",
+    }
+    rows = []
+    for r in data["rows"]:
+        ok = r["runs_ok"] > 0
+        status = f"{r['runs_ok']}/{r['runs']} ok" if ok else (r["status"][0] or "failed")
+        plans = "; ".join(
+            p.split(": ", 1)[1].split(";")[0] for p in r.get("memory_plans") or [] if p
+        )
+        rows.append(
+            [
+                names.get(r["variant"], r["variant"]),
+                _speeds(r["speeds"]),
+                _list(r["memory_mb"], ".0f") if r["memory_mb"] else "\u2013",
+                status,
+                _num(r["samples_per_s"], ".1f"),
+                _num(r["vs_solo_T_matched"], ".2f") + ("\u00d7" if r["vs_solo_T_matched"] else ""),
+                _num(r["vs_noplan_T_matched"], ".3f"),
+                _num(r["test_accuracy"], ".3f"),
+                _num(r["final_loss"], ".3f"),
+                _list(r.get("peak_mem_mb"), ".0f"),
+                plans or (r.get("error") or "\u2013"),
+            ]
+        )
+    header = ["variant", "speeds", "memory_mb", "status", "samples/s", "vs solo @T",
+              "vs plan none @T", "test acc", "final loss", "peak MiB", "plans"]  # fmt: skip
+    ratio = st.get("plain_over_small")
+    setup = (
+        f"Model `{st['workload']}` ({st['params_mb']:.1f} MiB of parameters, Adam: "
+        f"{st['optimizer_state_mb']:.1f} MiB of state), batch {st['batch_size']} per rank, "
+        f"{st['epochs']} epoch(s), {st['repeats']} interleaved repeat(s), medians; pace margin "
+        f"{st['pace_margin']}. A plain step peaks at {_num(st.get('plain_peak_mb'), '.0f')} MiB, "
+        f"{_num(ratio, '.2f')}\u00d7 the small ranks' budget of {st['small_budget_mb']:.0f} MiB. "
+        '"@T": samples per calibrated nominal step, the rig\'s fair comparison across runs '
+        "whose calibrated steps differ."
+    )
+    return _machine(data) + "\n\n" + setup + "\n\n" + _table(header, rows)
+
+
 def replace_block(text: str, name: str, body: str) -> str:
-    pattern = re.compile(rf"(<!-- {name}:begin -->\n).*?(\n<!-- {name}:end -->)", re.DOTALL)
+    # An empty block (begin right above end, as a new block starts) matches too.
+    pattern = re.compile(rf"(<!-- {name}:begin -->\n)(?:.*?\n)?(<!-- {name}:end -->)", re.DOTALL)
     if not pattern.search(text):
         raise SystemExit(f"no <!-- {name}:begin --> / end markers for the {name} block")
-    return pattern.sub(lambda m: m.group(1) + body + m.group(2), text)
+    return pattern.sub(lambda m: m.group(1) + body + "\n" + m.group(2), text)
 
 
 def _ddp_bench() -> str:
@@ -620,6 +669,7 @@ def render() -> dict[str, str]:
         "comm_heavy": comm_heavy_block(comm) if comm else missing,
         "comm_heavy_equal": _block("comm_heavy_equal", comm_heavy_block, missing),
         "startup": _startup(missing),
+        "memory": _block("memory", memory_block, missing),
         "hf_lora": _hf_lora(missing),
     }
 

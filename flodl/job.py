@@ -327,6 +327,7 @@ class Job:
             stopped_early=result.stopped_early,
             telemetry=_telemetry(result),
             rig=self._rig(result),
+            memory_plans=result.memory_plans,
         )
 
     def _rig(self, result: ControllerResult) -> dict[str, Any] | None:

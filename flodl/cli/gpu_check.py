@@ -2,10 +2,11 @@
 
 Runs, in a few minutes, tiny real trainings of each CUDA path: the in-process single-GPU run,
 ``bf16-mixed``, ``16-mixed``, ``trainer.compile``, the ``cluster.batch_sizes=auto`` memory probe,
-and, with two or more visible GPUs, a 2-rank NCCL ``nccl_cadence`` run whose launcher (this
-process) must never initialise CUDA. Each in-process check runs in its own child process, so
-one failure cannot hide another. Prints a table; exits 1 when a check failed, 0 otherwise —
-also without CUDA, where there is nothing to check.
+the memory plans' probe and a ``recompute+offload`` plan, and, with two or more visible GPUs, a
+2-rank NCCL ``nccl_cadence`` run whose launcher (this process) must never initialise CUDA.
+Each in-process check runs in its own child process, so one failure cannot hide another.
+Prints a table; exits 1 when a check failed, 0 otherwise — also without CUDA, where there is
+nothing to check.
 """
 
 from __future__ import annotations
@@ -27,6 +28,13 @@ CHECKS: dict[str, dict[str, Any]] = {
     "16-mixed (GradScaler)": {"precision": "16-mixed"},
     "torch.compile": {"compile": True},
     "batch_sizes=auto probe": {"auto_batch": True},
+    # cluster.memory_plan (docs/guides/memory-plans.md): the probe on CUDA's allocator, and a
+    # plan's two elements with pinned host copies and asynchronous copies.
+    "memory_plan=auto probe": {"plan": "auto", "expect": "no plan needed; probe peak"},
+    "recompute+offload plan": {
+        "plan": "recompute+offload",
+        "expect": "activation checkpointing, optimizer state on host",
+    },
 }
 
 
@@ -56,7 +64,11 @@ def _train(out: str, world: int, options: dict[str, Any]) -> dict[str, Any]:
     from flodl.recipes.steps import classification_step
 
     mode = "solo" if world == 1 else "nccl_cadence"
-    cluster = ClusterConfig(kind="auto", batch_sizes="auto" if options.get("auto_batch") else None)
+    cluster = ClusterConfig(
+        kind="auto",
+        batch_sizes="auto" if options.get("auto_batch") else None,
+        memory_plan=options.get("plan", "auto"),
+    )
     builder = (
         Trainer.builder(_model, _optim, classification_step)
         .config(TrainerConfig(device="cuda"))
@@ -79,6 +91,9 @@ def _train(out: str, world: int, options: dict[str, Any]) -> dict[str, Any]:
     if dtypes != [str(torch.float32)]:
         raise AssertionError(f"master weights are {dtypes}, not fp32")
     summary = handle.result.summary
+    expect = options.get("expect")
+    if expect and not any(expect in plan for plan in summary.memory_plans):
+        raise AssertionError(f"memory plans {summary.memory_plans}: expected {expect!r}")
     return {"losses": losses, "devices": summary.world_size, "coverage": summary.coverage_exact}
 
 

@@ -72,6 +72,28 @@ class LinkConfig(_Schema):
         return self.profile != "none" or self.bandwidth_gbps is not None or bool(self.between_hosts)
 
 
+#: The elements a memory plan combines (flodl/step/memory.py): activations recomputed in backward,
+#: the optimizer's state and step on the host.
+PLAN_ELEMENTS = ("recompute", "offload")
+
+
+def parse_memory_plan(plan: str) -> tuple[str, ...] | None:
+    """``auto`` -> None (probed); ``none`` -> (); ``recompute+offload`` -> its elements."""
+    text = plan.strip().lower()
+    if text == "auto":
+        return None
+    if text == "none":
+        return ()
+    parts = tuple(p.strip() for p in text.split("+"))
+    unknown = [p for p in parts if p not in PLAN_ELEMENTS]
+    if unknown or len(set(parts)) != len(parts):
+        raise ValueError(
+            f"memory plan {plan!r}: use auto, none, or a '+'-joined set of "
+            f"{' and '.join(PLAN_ELEMENTS)} (e.g. recompute+offload)"
+        )
+    return tuple(e for e in PLAN_ELEMENTS if e in parts)
+
+
 class WorkerConfig(_Schema):
     """One host of a multi-host cluster and the ranks it runs (global ranks in worker order)."""
 
@@ -98,6 +120,11 @@ class WorkerConfig(_Schema):
     )
     loader: LoaderOverride | None = Field(
         None, description="this host's ranks depart from the loader node (placement, workers)"
+    )
+    link: LinkProfile | None = Field(
+        None,
+        description="the rig's link model: this host's link to the others (two hosts talk at "
+        "the slower of their links); null: cluster.link.between_hosts",
     )
 
     @field_validator("batch_size")
@@ -217,6 +244,12 @@ class ClusterConfig(_Schema):
         description="cpu_rig: each rank's simulated device memory in MB (one value, or one per "
         "rank); a rank over it fails with torch.OutOfMemoryError, as a GPU does",
     )
+    memory_plan: str | list[str] = Field(
+        "auto",
+        description="what a rank gives up to fit its device memory: auto (probed at start where "
+        "a budget exists: memory_mb on the rig, CUDA), none, or a '+'-joined set of recompute "
+        "(activation checkpointing) and offload (optimizer state on host); one, or one per rank",
+    )
     link: LinkConfig = Field(
         default_factory=LinkConfig,
         description="the rig's link model: none, nvlink, pcie_no_p2p, 10gbe, 1gbe (or a dict)",
@@ -247,6 +280,27 @@ class ClusterConfig(_Schema):
             raise ValueError("must be finite numbers of MB > 0")
         return v
 
+    @field_validator("memory_plan")
+    @classmethod
+    def _memory_plan_valid(cls, v: str | list[str]) -> str | list[str]:
+        if isinstance(v, list) and not v:
+            raise ValueError("must be a plan or one plan per rank")
+        for plan in v if isinstance(v, list) else [v]:
+            parse_memory_plan(plan)
+        return v
+
+    def rank_memory_plan(self, rank: int) -> str:
+        """``rank``'s memory plan as configured: auto, none, or elements joined by '+'."""
+        if isinstance(self.memory_plan, list):
+            return self.memory_plan[rank] if rank < len(self.memory_plan) else "auto"
+        return self.memory_plan
+
+    def plans_choose_batches(self) -> bool:
+        """Whether an ``auto`` plan may lower a rank's batch (the rig with ``memory_mb``)."""
+        return self.memory_mb is not None and any(
+            self.rank_memory_plan(r).strip().lower() == "auto" for r in range(self.ranks)
+        )
+
     def rank_memory_mb(self, rank: int) -> float | None:
         """``rank``'s simulated device memory (cpu_rig), None when unlimited."""
         if isinstance(self.memory_mb, list):
@@ -271,6 +325,9 @@ class ClusterConfig(_Schema):
             )
         if isinstance(self.memory_mb, list) and len(self.memory_mb) != self.ranks:
             raise ValueError(f"memory_mb has {len(self.memory_mb)} entries but ranks={self.ranks}")
+        plans = self.memory_plan
+        if isinstance(plans, list) and self.kind == "cpu_rig" and len(plans) != self.ranks:
+            raise ValueError(f"memory_plan has {len(plans)} entries but ranks={self.ranks}")
         sizes = self.batch_sizes
         if isinstance(sizes, list) and self.kind == "cpu_rig" and len(sizes) != self.ranks:
             raise ValueError(f"batch_sizes has {len(sizes)} entries but ranks={self.ranks}")

@@ -99,6 +99,9 @@ class RunSummary:
     #: largest per-rank ``overrun_fraction``. Two rig jobs compare fairly only at equal nominal
     #: steps: the A/B report T-matches their throughput and warns when the steps differ.
     rig: dict[str, Any] | None = None
+    #: Per rank, what it gave up to fit its device (``cluster.memory_plan``), as announced at
+    #: start: ``rank 1 (6.0 GB): batch 32, activation checkpointing, ...``.
+    memory_plans: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -188,9 +188,11 @@ def check_launch(spec: JobSpec, topology: Topology) -> dict[str, Any]:
     """Run the launch-time checks (a refusal is a :class:`ConfigError`, before any rank).
     Returns the LR scaling, which the job announces and records in summary.json."""
     from flodl.preflight.dry_build import without_dynamo_import
+    from flodl.preflight.memory import check_memory
 
     check_precision(spec.config.precision, rank_devices(topology, spec.config.device))
     with without_dynamo_import():  # the launcher trains nothing: torch._dynamo costs 1-3 s
+        check_memory(spec, topology.world_size)
         optimizer = _dry_optimizer(spec)
         base = float(optimizer.param_groups[0]["lr"]) if optimizer is not None else None
         _check_scheduler(spec, optimizer)

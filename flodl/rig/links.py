@@ -252,15 +252,25 @@ def ddp_comm_hook(world: int) -> Callable[[Any, Any], Any]:
     return hook
 
 
-def model_for(link: Any, spans_hosts: bool = False, remote_controller: bool = False):
+def model_for(
+    link: Any,
+    spans_hosts: bool = False,
+    remote_controller: bool = False,
+    between: Wire | None = None,
+    to_controller: Wire | None = None,
+):
     """The :class:`LinkModel` a ``cluster.link`` config gives a rank (None: nothing charged).
 
     A cohort spread over hosts crosses the hosts' link in every collective (a ring is as fast
-    as its slowest hop); a rank on another host than the controller crosses it to reach it."""
+    as its slowest hop); a rank on another host than the controller crosses it to reach it.
+    ``between`` / ``to_controller``: those wires when hosts differ (default: the config's
+    ``between_hosts``)."""
     within = wire_for(link.profile, link.bandwidth_gbps, link.latency_ms)
-    between = wire_for(link.between_hosts) if link.between_hosts else None
+    default = wire_for(link.between_hosts) if link.between_hosts else None
+    between = between or default
+    to_controller = to_controller or default
     collective = between if (spans_hosts and between is not None) else within
-    controller = between if (remote_controller and between is not None) else within
+    controller = to_controller if (remote_controller and to_controller is not None) else within
     if collective is None and controller is None:
         return None
     base = collective or controller
@@ -268,12 +278,30 @@ def model_for(link: Any, spans_hosts: bool = False, remote_controller: bool = Fa
     return LinkModel(base, controller or base)
 
 
+def slower(a: Wire | None, b: Wire | None) -> Wire | None:
+    """The wire two hosts' links give between them: the lower bandwidth, the higher latency."""
+    if a is None or b is None:
+        return a or b
+    return Wire(min(a.bandwidth_gbps, b.bandwidth_gbps), max(a.latency_ms, b.latency_ms),
+                a.staged or b.staged)  # fmt: skip
+
+
+def _host_wire(worker: Any, link: Any) -> Wire | None:
+    profile = worker.link or link.between_hosts
+    return wire_for(profile) if profile else None
+
+
 def model_for_rank(cluster: Any, rank: int):
-    """The link model of ``rank`` of a cohort placed by ``cluster`` (a ClusterConfig)."""
+    """The link model of ``rank`` of a cohort placed by ``cluster`` (a ClusterConfig).
+
+    Hosts clusters: each host has its link to the others (``workers[].link``, default
+    ``cluster.link.between_hosts``); two hosts talk at the slower of their two links, so a ring
+    over every host crosses the slowest, and a rank reaches the controller at the slower of its
+    host's link and the controller host's."""
     link = cluster.link
-    if not link.charged:
+    if not link.charged and not any(w.link for w in cluster.workers):
         return None
-    hosts: list[str] = []
+    hosts: list[Any] = []
     for worker in cluster.workers:
         count = worker.ranks if worker.devices == "cpu" else None
         if isinstance(worker.devices, list):
@@ -281,7 +309,20 @@ def model_for_rank(cluster: Any, rank: int):
         if count is None:  # 'all' GPUs of a host: how many is the host's to say
             hosts = []
             break
-        hosts += [worker.host] * count
+        hosts += [worker] * count
     spans = len({w.host for w in cluster.workers}) > 1
-    remote = spans and (rank >= len(hosts) or hosts[rank] != cluster.controller.host)
-    return model_for(link, spans_hosts=spans, remote_controller=remote)
+    mine = hosts[rank] if rank < len(hosts) else None
+    remote = spans and (mine is None or mine.host != cluster.controller.host)
+    if not spans:
+        return model_for(link)
+    ring: Wire | None = None
+    for worker in cluster.workers:
+        ring = slower(ring, _host_wire(worker, link))
+    home = next((w for w in cluster.workers if w.host == cluster.controller.host), None)
+    to_controller = None
+    if mine is not None:
+        far = _host_wire(home, link) if home is not None else wire_for(link.between_hosts or "none")
+        to_controller = slower(_host_wire(mine, link), far)
+    return model_for(
+        link, spans_hosts=True, remote_controller=remote, between=ring, to_controller=to_controller
+    )

@@ -23,7 +23,8 @@ they are moved).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -44,12 +45,22 @@ class DeviceMemory(TorchDispatchMode):
         self.live: dict[int, tuple[StorageWeakRef, int]] = {}
         self.current = 0
         self.peak = 0
+        self.counting = True  # False in :meth:`host`: what is made there lives in host memory
 
     # -- counting ----------------------------------------------------------------------------
     def adopt(self, tensors: Iterable[Any]) -> None:
         """Count tensors allocated before the mode was entered (the model, its optimizer)."""
         self._count(t for t in tensors if isinstance(t, torch.Tensor))
         self._settle(0)
+
+    @contextlib.contextmanager
+    def host(self) -> Iterator[None]:
+        """Work in host memory (an offloaded optimizer's step): nothing made here counts."""
+        before, self.counting = self.counting, False
+        try:
+            yield
+        finally:
+            self.counting = before
 
     def reset_peak(self) -> None:
         self.sweep()
@@ -93,6 +104,8 @@ class DeviceMemory(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        if not self.counting:
+            return out
         new = self._count(t for t in tree_iter(out) if isinstance(t, torch.Tensor))
         if new:
             self._settle(new)
@@ -108,3 +121,28 @@ def training_state(model: torch.nn.Module, optimizer: Any = None) -> list[torch.
         for state in optimizer.state.values():
             tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
     return tensors
+
+
+# -- what offloading costs on the rig --------------------------------------------------------------
+#
+# A plan that keeps the optimizer state in host memory pays, on a real machine, for the traffic
+# between host and device over PCIe and for the optimizer's step on the CPU, which is bound by
+# host memory bandwidth (it streams parameters, gradients and state). The rig's ranks all run on
+# the host already, so neither cost would show: each offloaded step is charged its simulated time.
+
+#: Host <-> device: PCIe 4.0 x16, ~25 GB/s per direction (the rig's ``pcie_no_p2p`` figures).
+HOST_LINK = "pcie_no_p2p"
+#: What a CPU optimizer step streams per second: a desktop's dual-channel DDR5 peaks at ~60 GB/s;
+#: a fused CPU Adam (DeepSpeed's) reaches about a third of it.
+HOST_STEP_BYTES_PER_S = 20e9
+
+
+def offload_step_s(moved: int, stepped: int) -> float:
+    """Simulated seconds of one offloaded optimizer step: ``moved`` bytes over the host link,
+    and a host step reading and writing ``stepped`` bytes (parameters and state)."""
+    from flodl.rig.links import wire_for
+
+    wire = wire_for(HOST_LINK)
+    assert wire is not None
+    link_s = (moved / wire._bytes_per_s) if moved else 0.0
+    return link_s + 2 * stepped / HOST_STEP_BYTES_PER_S

@@ -37,10 +37,15 @@ class Pacer:
         # workers, other ranks, other processes), and the simulated speed ratio is not held.
         self.overrun_s = 0.0
         self._exempt_s = 0.0  # of the step in progress: waiting in a collective (not counted)
+        # A memory plan's costs on the simulated device: recomputing activations makes every step
+        # ``cost`` times longer; an offloaded optimizer step adds its host time (:meth:`charge`).
+        self.cost = 1.0
+        self._charged_s = 0.0
+        self.charged_s = 0.0  # all charges so far
 
     @property
     def step_s(self) -> float | None:
-        return None if self.nominal_s is None else self.nominal_s / self.speed
+        return None if self.nominal_s is None else self.nominal_s * self.cost / self.speed
 
     def set_nominal(self, nominal_s: float) -> None:
         self.nominal_s = nominal_s
@@ -53,6 +58,7 @@ class Pacer:
             link.open_step()
         start = time.perf_counter()
         self._exempt_s = 0.0
+        self._charged_s = 0.0
         try:
             out = step()
         except BaseException:
@@ -61,7 +67,8 @@ class Pacer:
             raise
         real_s = time.perf_counter() - start
         if self.nominal_s is not None:  # paced (else: no CPU rig, or before calibration)
-            delay = start + self.nominal_s / self.speed - time.perf_counter()
+            deadline = start + self.nominal_s * self.cost / self.speed + self._charged_s
+            delay = deadline - time.perf_counter()
             if delay > 0:
                 time.sleep(delay)
             else:
@@ -69,6 +76,11 @@ class Pacer:
         if link is not None:
             links.sleep_until(link.settle_step(real_s, self.step_s))
         return out
+
+    def charge(self, seconds: float) -> None:
+        """Simulated time the step in progress also takes (an offloaded optimizer step)."""
+        self._charged_s += seconds
+        self.charged_s += seconds
 
     def exempt(self, seconds: float) -> None:
         """Time the step in progress spent waiting in a collective (nccl_sync's gradient

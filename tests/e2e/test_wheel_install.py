@@ -1,7 +1,8 @@
 """``pip install flodl`` as a user gets it: the wheel built from this checkout, installed into a
 fresh virtual environment outside the checkout, runs ``examples/own_project`` as the installed
 ``flodl init`` writes it outside the checkout: a single job exits 0, a failing job exits 1, the
-Python API saves and resumes, and without extras a sweep or the bundled data name the extra.
+Python API saves and resumes, without extras a sweep or the bundled data name the extra, and
+with the report extra a two-mode sweep exits 0 with its A/B report.
 
 Slow (~2-3 min here: a fresh venv with torch from the local file); skipped where the wheel cannot
 be built or installed offline (no local index) unless ``FLODL_WHEEL_TEST=1`` demands it.
@@ -139,3 +140,30 @@ def test_without_extras_a_sweep_and_the_bundled_data_name_the_extra(installed, t
     assert default.returncode == 2, default.stderr[-3000:]
     assert "pip install 'flodl[recipes]'" in default.stderr
     assert len(default.stderr.strip().splitlines()) == 1, default.stderr
+
+
+def test_with_the_report_extra_a_two_mode_sweep_writes_its_report(installed, tmp_path):
+    """``pip install 'flodl[report]'``: the example project's two-mode sweep exits 0 with its
+    A/B report. matplotlib goes into a folder of its own on PYTHONPATH, so the venv stays the
+    bare install the other tests need."""
+    extra = tmp_path / "report_extra"
+    pip = [str(installed / "python"), "-m", "pip", "install", "-q", "--target", str(extra)]
+    got = _run([*pip, "-c", str(ROOT / "constraints.txt"), "matplotlib>=3.7"], tmp_path, 600)
+    if got.returncode != 0:
+        pytest.skip(f"matplotlib cannot be installed here: {got.stderr[-500:]}")
+    env = _env(installed) | {"PYTHONPATH": str(extra)}
+    project = _project(tmp_path, installed)
+    out = tmp_path / "sweep"
+    sweep = _run(
+        [str(installed / "flodl"), "train", "-m", "elche=cpu_sync,cpu_cadence",
+         f"hydra.sweep.dir={out}"],
+        project,
+        600,
+        env,
+    )  # fmt: skip
+    assert sweep.returncode == 0, sweep.stderr[-3000:]
+    report = (out / "ab_report.md").read_text()
+    assert "cpu_sync" in report and "cpu_cadence" in report
+    assert (out / "ab_report.png").stat().st_size > 0
+    for job in ("0", "1"):
+        assert json.loads((out / job / "summary.json").read_text())["status"] == "ok"

@@ -19,14 +19,16 @@ from tests.integration.helpers import data, model_factory, optim_factory
 
 pytestmark = pytest.mark.slow
 
-# The helpers' data (1,536 samples of 64 floats) lives on the device (resident placement):
-# 0.38 MiB, more than the model's whole training state (~40 KB).
+# The helpers' data (1,536 samples of 64 floats) lives on the device (resident placement, where
+# it fits half the free budget, as on a GPU): 0.38 MiB, more than the model's whole training
+# state (~40 KB).
 RESIDENT_MIB = 1536 * 64 * 4 / 2**20
 
 
-def _run(tmp_path, memory_mb, mode="nccl_cadence"):
+def _run(tmp_path, memory_mb, mode="nccl_cadence", placement="auto"):
     return (
         Trainer.builder(model_factory, optim_factory, classification_step)
+        .loader(placement=placement)
         .dataset(partial(data, "train", 1536))
         .batch_size(32)
         .num_epochs(2)
@@ -52,8 +54,19 @@ def test_ranks_that_fit_report_their_simulated_peak(tmp_path, mode):
         assert RESIDENT_MIB < t["peak_mem_mb"] < 2
 
 
+def test_data_that_does_not_fit_half_the_free_budget_stays_on_the_host(tmp_path):
+    """placement=auto on the rig decides as on a GPU: resident on the big rank, streamed (only
+    its batches count) on the one whose free budget is under twice the data."""
+    handle = _run(tmp_path, [100, 0.6])
+    handle.join(timeout=180)
+    summary = handle.result.summary
+    assert summary.status == "ok" and handle.result.coverage_exact
+    big, small = (t["peak_mem_mb"] for t in summary.telemetry)
+    assert big > RESIDENT_MIB > small > 0
+
+
 def test_a_rank_over_its_budget_fails_like_a_gpu_out_of_memory(tmp_path):
-    handle = _run(tmp_path, [100, 0.2])
+    handle = _run(tmp_path, [100, 0.2], placement="resident")  # 0.38 MiB of data on 0.2
     with pytest.raises(RunFailed, match=r"rank 1 .*OutOfMemoryError: rank 1 out of memory .*0\.2"):
         handle.join(timeout=180)
     assert handle.summary is not None and handle.summary.status == "failed"

@@ -72,6 +72,7 @@ SURFACE = {
         "link",
         "memory_fraction",
         "memory_mb",
+        "memory_plan",
         "pace_margin",
         "ranks",
         "shared_memory",

@@ -198,3 +198,32 @@ def test_a_collective_of_known_size_takes_its_modelled_time() -> None:
 
 if __name__ == "__main__":  # one rank of the two-process test above
     _collectives(int(sys.argv[3]), sys.argv[1], sys.argv[2])
+
+
+def test_each_host_has_its_link_and_a_pair_talks_at_the_slower() -> None:
+    """A 10 GbE host beside a 1 GbE one: the ring crosses the slower; a rank on the 10 GbE host
+    reaches a controller on the other 10 GbE host at 10 GbE, one on the 1 GbE host at 1 GbE."""
+    workers = [
+        {"host": "10.0.0.1", "devices": "cpu", "ranks": 1, "ssh": {"target": "a"}, "link": "10gbe"},
+        {"host": "10.0.0.2", "devices": "cpu", "ranks": 1, "ssh": {"target": "b"}, "link": "10gbe"},
+        {"host": "10.0.0.3", "devices": "cpu", "ranks": 1, "ssh": {"target": "c"}, "link": "1gbe"},
+    ]
+    cluster = ClusterConfig(
+        kind="hosts", workers=workers, controller={"host": "10.0.0.1"}, link="nvlink"
+    )
+    first, second, third = (links.model_for_rank(cluster, r) for r in range(3))
+    assert first.wire == second.wire == third.wire == wire_for("1gbe")  # the ring's slowest
+    assert first.controller_wire == wire_for("nvlink")  # the controller's own host
+    assert second.controller_wire == wire_for("10gbe")
+    assert third.controller_wire == wire_for("1gbe")
+    # Without the slow host the ring runs at 10 GbE.
+    two = ClusterConfig(
+        kind="hosts", workers=workers[:2], controller={"host": "10.0.0.1"}, link="nvlink"
+    )
+    assert links.model_for_rank(two, 1).wire == wire_for("10gbe")
+
+
+def test_a_slower_pair_takes_the_lower_bandwidth_and_the_higher_latency() -> None:
+    a, b = Wire(10.0, 0.05), Wire(25.0, 0.2, True)
+    assert links.slower(a, b) == Wire(10.0, 0.2, True)
+    assert links.slower(None, b) == b and links.slower(a, None) == a

@@ -368,6 +368,9 @@ class Controller:
         if self.planner.coverage is not None or not self.opening.all_ready():
             return
         start = self.opening.start()
+        for ready in sorted(start.ready, key=lambda r: r.rank):
+            if ready.memory_plan:
+                log.info("memory plan: %s", ready.memory_plan)
         self.saves.sign(start.signature)
         self._t_train = time.perf_counter()
         self.aggregator.begin(self._t_train, start.ready[0].n_params)
@@ -426,6 +429,7 @@ class Controller:
             best=self.saves.best.to_dict() if self.saves.best is not None else None,
             devices=self.opening.devices(),
             calibrated_step_ms=self.opening.calibrated_step_ms(),
+            memory_plans=self.opening.memory_plans(),
             stopped=self.stop_reason,
             saved=self.saves.saved,
             lost_ranks=list(self.members.lost),

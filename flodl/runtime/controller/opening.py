@@ -92,6 +92,12 @@ class Opening:
         margin); 0.0 when nothing is paced."""
         return max((r.step_ms for r in self.ready.values()), default=0.0)
 
+    def memory_plans(self) -> list[str]:
+        """Each rank's memory plan as it announced it (cluster.memory_plan); [] when no rank
+        had one to announce (no budget)."""
+        plans = [self.ready[r].memory_plan for r in range(self.world) if r in self.ready]
+        return plans if any(plans) else []
+
     def devices(self) -> list[str]:
         return [self.ready[r].device for r in range(self.world) if r in self.ready]
 

@@ -228,3 +228,4 @@ class ControllerResult:
     save_error: str | None = None  # a checkpoint that could not be written (the run stopped)
     extra: dict[str, Any] = field(default_factory=dict)
     calibrated_step_ms: float = 0.0  # CPU rig: the agreed step before the pace margin
+    memory_plans: list[str] = field(default_factory=list)  # per rank, as announced

@@ -10,11 +10,18 @@ decided in about ``2 log2(size)`` probe steps.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import logging
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from flodl.config.cluster import PLAN_ELEMENTS
+from flodl.rig.memory import DeviceMemory
 
 log = logging.getLogger(__name__)
 
@@ -85,3 +92,197 @@ def _search(worker: Any, dataset: Any, budget: float, total: int) -> int:
             f"memory_fraction={worker.cfg.cluster.memory_fraction} of {total / 2**30:.1f} GiB"
         )
     return good
+
+
+# -- memory plans (cluster.memory_plan) ------------------------------------------------------------
+#
+# A plan is what a rank gives up to fit its device: part of its batch, activations (recomputed in
+# backward) or its optimizer state (kept and stepped on the host). ``auto`` decides per rank by
+# measurement: probe steps on the rank's own device (CUDA's peak allocation, or the rig's counted
+# device memory), each a forward, backward and optimizer step of the real model at the rank's
+# batch with a throwaway optimizer (its state counts), the weights put back afterwards. The
+# cheapest plan whose probe peaks within ``cluster.memory_fraction`` of the budget is taken:
+# nothing, then recomputation (about one more forward pass), then offload (host traffic and a
+# host optimizer step), then both; on the rig, where ``memory_mb`` makes per-rank batch sizes
+# part of the plan, the batch is then halved until a step fits. A rank nothing fits fails, naming
+# what it needs against its budget.
+
+PLAN_WORDS = {"recompute": "activation checkpointing", "offload": "optimizer state on host"}
+_CANDIDATES: tuple[tuple[str, ...], ...] = ((), ("recompute",), ("offload",), PLAN_ELEMENTS)
+
+
+class MemoryPlanError(RuntimeError):
+    """No plan fits this rank's device."""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """One rank's plan, as chosen (or configured) and announced."""
+
+    elements: tuple[str, ...] = ()
+    batch_size: int = 0
+    budget_bytes: int | None = None
+    peak_bytes: int | None = None  # the chosen plan's probe peak (None: not probed)
+    requested_batch: int = 0
+
+    def describe(self, rank: int) -> str:
+        """``rank 2 (12.0 GB): batch 8, activation checkpointing, optimizer state on host``;
+        empty when there was nothing to plan (no budget, no plan configured)."""
+        if not self.budget_bytes and not self.elements:
+            return ""
+        budget = f" ({_size(self.budget_bytes)})" if self.budget_bytes else ""
+        batch = f"batch {self.batch_size}"
+        if self.requested_batch and self.requested_batch != self.batch_size:
+            batch += f" (of {self.requested_batch})"
+        parts = [batch, *(PLAN_WORDS[e] for e in self.elements)] if self.elements else [batch]
+        if not self.elements:
+            parts.append("no plan needed" if self.peak_bytes is not None else "no plan")
+        peak = f"; probe peak {_size(self.peak_bytes)}" if self.peak_bytes is not None else ""
+        return f"rank {rank}{budget}: {', '.join(parts)}{peak}"
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.0f} MiB"
+
+
+class _Meter:
+    """Peak memory of one probe step: the rig's counted device, or CUDA's allocator."""
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+        self.rig: DeviceMemory | None = worker.memory
+        if self.rig is not None:
+            assert self.rig.budget is not None
+            self.total = self.rig.budget
+        else:
+            self.total = torch.cuda.get_device_properties(worker.device).total_memory
+        self.budget = worker.cfg.cluster.memory_fraction * self.total
+
+    def host(self) -> Any:
+        return self.rig.host() if self.rig is not None else contextlib.nullcontext()
+
+    def peak_of(self, step: Callable[[], None]) -> int | None:
+        """The step's peak in bytes; None when it ran out of memory."""
+        if self.rig is not None:
+            budget, self.rig.budget = self.rig.budget, None  # measure, never fail: the numbers
+            try:
+                self.rig.reset_peak()
+                step()
+                self.rig.sweep()
+                return self.rig.peak
+            finally:
+                self.rig.budget = budget
+        device = self.worker.device
+        try:
+            torch.cuda.reset_peak_memory_stats(device)
+            step()
+            torch.cuda.synchronize(device)
+            return int(torch.cuda.max_memory_allocated(device))
+        except torch.cuda.OutOfMemoryError:
+            return None
+        finally:
+            torch.cuda.empty_cache()
+
+
+def _probe(worker: Any, meter: _Meter, size: int, plan: tuple[str, ...]) -> int | None:
+    """Peak of one step of the rank's model at batch ``size`` under ``plan``."""
+    from flodl.step.memory import HostOptimizer, set_recompute
+
+    model = worker.model
+    set_recompute(model, "recompute" in plan)
+    source = copy.copy(worker.source)  # its data as placed (resident data counts), cut at size
+    source.batch_size = size
+    holder: dict[str, Any] = {}
+
+    def step() -> None:
+        if "offload" in plan:
+            holder["opt"] = HostOptimizer(
+                model.parameters(), worker.spec.optim_factory, host=meter.host
+            )
+        else:
+            holder["opt"] = worker.spec.optim_factory(model.parameters())
+        batch = next(iter(source.batches(0, ((0, size),))))
+        with worker.runner.autocast():
+            loss = worker.spec.train_step(model, batch)
+        loss.backward()
+        del loss, batch
+        holder["opt"].step()
+        holder["opt"].zero_grad(set_to_none=True)
+        _averaging_temporaries(worker)
+
+    try:
+        return meter.peak_of(step)
+    finally:
+        opt = holder.pop("opt", None)
+        if opt is not None:
+            opt.zero_grad(set_to_none=True)
+        for p in model.parameters():
+            p.grad = None
+        del opt
+
+
+def _averaging_temporaries(worker: Any) -> None:
+    """Allocate what averaging holds between steps, as it does (no collective): the scaled
+    copy of the state and the divergence's span; in the controller's modes and with compression
+    a second copy (the snapshot sent, the average received; the compressor's reference)."""
+    if worker.world <= 1:
+        return
+    state = worker.state
+    held = [state.flatten()]
+    if worker.mode.via_controller or worker.compressor is not None:
+        held.append(state.flatten())
+    state.divergence(state.current(), held[0])
+    del held
+
+
+def choose_plan(worker: Any, requested: tuple[str, ...] | None) -> MemoryPlan:
+    """The rank's plan: ``requested`` as configured (None: ``auto``, probed where a budget
+    exists). The model's weights and buffers are as they were afterwards."""
+    size = worker.batch_size
+    rig = worker.memory
+    has_budget = rig is not None or worker.device.type == "cuda"
+    if requested is not None or not has_budget:
+        budget = rig.budget if rig is not None else None
+        return MemoryPlan(requested or (), size, budget, None, size)
+    meter = _Meter(worker)
+    with meter.host():  # the weights, put back afterwards, wait in host memory
+        saved = {k: v.detach().to("cpu", copy=True) for k, v in worker.model.state_dict().items()}
+    try:
+        return _choose(worker, meter, size)
+    finally:
+        from flodl.step.memory import set_recompute
+
+        set_recompute(worker.model, True)
+        with torch.no_grad():
+            worker.model.load_state_dict(saved)
+        if worker.device.type == "cuda":  # training's peak is its own, not the probes'
+            torch.cuda.reset_peak_memory_stats(worker.device)
+
+
+def _choose(worker: Any, meter: _Meter, size: int) -> MemoryPlan:
+    from flodl.step.memory import recompute
+
+    recompute(worker.model)  # patched once, switched per probe
+    total = int(meter.total)
+    # Smaller batches only where memory_mb makes them part of the plan (the rig); on CUDA the
+    # batch is the user's (cluster.batch_sizes=auto probes it).
+    batches = [size]
+    if meter.rig is not None:
+        while batches[-1] > 1:
+            batches.append(max(1, batches[-1] // 2))
+    last_peak: int | None = None
+    for b in batches:
+        for plan in _CANDIDATES if b == size else (PLAN_ELEMENTS,):
+            peak = _probe(worker, meter, b, plan)
+            last_peak = peak
+            if peak is not None and peak <= meter.budget:
+                return MemoryPlan(plan, b, total, peak, size)
+    state = sum(t.numel() * t.element_size() for t in worker.model.parameters())
+    needs = f"needs {_size(last_peak)}" if last_peak is not None else "runs out of memory"
+    raise MemoryPlanError(
+        f"rank {worker.rank}: no memory plan fits its device ({_size(total)}, memory_fraction "
+        f"{worker.cfg.cluster.memory_fraction}): a step at batch {batches[-1]} with activation "
+        f"checkpointing and optimizer state on host {needs} (the parameters alone take "
+        f"{_size(state)}, their gradients as much); give the rank more memory or train a "
+        "smaller model"
+    )

@@ -8,11 +8,13 @@ plans the next window while the collective runs.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import logging
 import math
 import resource
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from flodl.checkpoint.shards import MODEL, load_shard, process_local, rank_shard, write_shard
 from flodl.config import Mode
@@ -159,11 +162,11 @@ class Worker:
         self._simulate_memory()
         if self.mode is Mode.NCCL_SYNC and self.spec.world_size > 1:
             self.grad_sync = GradSync(self.model, doomed=self._doomed, buffers=self.state.buffers)
-        self._scale_lr()
         self.outer = make_outer(self.cfg.elche, self.state.n_params)
         compress = self.cfg.elche.compress
         self.compressor = Compressor(compress) if compress != "none" else None
-        dataset = resolve_dataset(self.spec.dataset)
+        with self._memory_host():  # read or generated into host memory (placement decides)
+            dataset = resolve_dataset(self.spec.dataset)
         self.batch_size = self._own_batch_size(dataset)
         if self.batch_size > len(dataset):
             key = (
@@ -176,11 +179,15 @@ class Worker:
         collate = collate_for(self.loader_cfg, self.spec.collate_fn)
         self.source = BatchSource(dataset, self.batch_size, self.cfg.seed, self.device, collate)
         self.resident = place(self.source, self.loader_cfg)
+        self._place_on_rig()  # resident data counts against the device, before the plan
+        self._plan_memory()  # before the LR scaling: offload replaces the optimizer
+        self._scale_lr()
         self.data = data_path(self.source, self.loader_cfg)
         self._build_scheduler()
         self.eval_source = None
         if self.spec.has_eval:
-            eval_set = resolve_dataset(self.spec.eval_dataset, "eval_dataset")
+            with self._memory_host():  # its batches count as they are cut
+                eval_set = resolve_dataset(self.spec.eval_dataset, "eval_dataset")
             self.eval_source = BatchSource(
                 eval_set, self.cfg.batch_size, self.cfg.seed, self.device, collate
             )
@@ -222,12 +229,15 @@ class Worker:
     def _rank_sizes(self) -> list[int]:
         """Every rank's batch size; probed ones are gathered, so all ranks agree on the sum."""
         sizes = list(self.spec.batch_sizes or [self.cfg.batch_size] * self.spec.world_size)
-        if any(b is None for b in sizes) and self.distributed:
+        varies = any(b is None for b in sizes) or self.cfg.cluster.plans_choose_batches()
+        if varies and self.distributed:
             gathered = torch.zeros(self.spec.world_size, dtype=torch.int64, device=self.device)
             gathered[self.rank] = self.batch_size
             dist.all_reduce(gathered)
             return [int(b) for b in gathered]
-        return [self.batch_size if b is None else int(b) for b in sizes]
+        return [
+            self.batch_size if b is None or r == self.rank else int(b) for r, b in enumerate(sizes)
+        ]
 
     def _global_batch(self) -> int:
         """Samples of one global step: every rank's batch, times the micro-batches per step."""
@@ -260,17 +270,46 @@ class Worker:
         plans from the ranks' reports; a probe copy of a large model would only raise the peak)."""
         if not self.spec.pace:
             return 0.0
-        with probe_model(self.model, self.spec.optim_factory) as (probe, optimizer):
-            step_s = self._time_steps(probe, optimizer)
+        with self._unplanned(), probe_model(self.model, self.spec.optim_factory) as pair:
+            step_s = self._time_steps(*pair)
         t = torch.tensor([step_s], dtype=torch.float64)
         self._together(t, op=dist.ReduceOp.MAX)
         step_s = float(t.item())
         if self.spec.pace:
             self.pacer.set_nominal(step_s * self.cfg.cluster.pace_margin)
+            if "recompute" in self.memory_plan.elements:
+                self.pacer.cost = self._recompute_cost()
         drain_scalars()
         return step_s * 1000.0
 
+    def _recompute_cost(self) -> float:
+        """How much longer a step with activations recomputed takes than one without, on this
+        rank (interleaved medians): its simulated device is slowed by as much."""
+        from flodl.step.memory import recompute_off
+
+        on, off = [], []
+        with self._memory_host(), probe_model(self.model, self.spec.optim_factory) as pair:
+            step = self._plain_step(*pair)
+            for _ in range(3):
+                on.append(measure_step_s(step, max(1, self.cfg.cluster.warmup_steps // 3)))
+                with recompute_off(self.model):
+                    off.append(measure_step_s(step, max(1, self.cfg.cluster.warmup_steps // 3)))
+        cost = statistics.median(on) / max(statistics.median(off), 1e-9)
+        return min(max(cost, 1.0), 3.0)
+
+    def _memory_host(self) -> Any:
+        return self.memory.host() if self.memory is not None else contextlib.nullcontext()
+
     def _time_steps(self, probe: nn.Module, optimizer: torch.optim.Optimizer) -> float:
+        step = self._plain_step(probe, optimizer)
+        # Measure together: a rank still importing or loading data would otherwise steal the
+        # other's core and inflate the nominal step every rank is then paced to.
+        self._together(torch.zeros(1))
+        chaos.point("calibrate", self.rank)
+        return measure_step_s(step, self.cfg.cluster.warmup_steps)
+
+    def _plain_step(self, probe: nn.Module, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+        """One timed warm-up step of ``probe`` (a forward, backward, check and step)."""
         n = self.cfg.cluster.warmup_steps
         chunk = ((0, min(len(self.source), self.batch_size * n)),)
         # Loading in the training thread (num_workers=0, not resident) is part of every step,
@@ -289,11 +328,7 @@ class Worker:
             self.runner.check_gradients(probe)  # every step pays it: timed too (verdict unused)
             optimizer.step()
 
-        # Measure together: a rank still importing or loading data would otherwise steal the
-        # other's core and inflate the nominal step every rank is then paced to.
-        self._together(torch.zeros(1))
-        chaos.point("calibrate", self.rank)
-        return measure_step_s(step, n)
+        return step
 
     # -- loop ----------------------------------------------------------------------------------
     def run(self) -> None:
@@ -412,6 +447,7 @@ class Worker:
                 device=str(self.device),
                 n_samples=len(self.source),
                 batch_size=self.batch_size,
+                memory_plan=self.memory_plan.describe(self.rank),
                 shard_sizes=tuple(getattr(self.source.dataset, "shard_sizes", ())),
             )
         )
@@ -509,8 +545,9 @@ class Worker:
 
     def restore(self, msg: Restore) -> None:
         """Continue a saved run: weights, outer momentum, this rank's optimizer/scheduler/RNG."""
-        model = load_shard(msg.model) if isinstance(msg.model, str) else msg.model
-        state = load_shard(msg.state) if isinstance(msg.state, str) else msg.state
+        with self._memory_host():  # a bundle is read into host memory, then copied in
+            model = load_shard(msg.model) if isinstance(msg.model, str) else msg.model
+            state = load_shard(msg.state) if isinstance(msg.state, str) else msg.state
         load_trainable(
             self.model,
             {**model["params"], **model["buffers"]},
@@ -533,6 +570,8 @@ class Worker:
         if self.device.type == "cuda" and state.get("cuda_rng") is not None:
             torch.cuda.set_rng_state(state["cuda_rng"], self.device)
         self.load_extra_state(state.get("extra") or {})
+        if self.memory is not None:  # the optimizer state now on the device (not offloaded)
+            self.memory.adopt(training_state(self.model, self.optimizer))
         # The scheduler steps when a new epoch begins; the saved one had not stepped yet.
         self._epoch = msg.epoch - 1
 
@@ -714,6 +753,71 @@ class Worker:
         self.memory = DeviceMemory(int(budget * MiB), name=f"rank {self.rank}")
         self.memory.adopt(training_state(self.model, self.optimizer))
         self.memory.__enter__()
+
+    def _place_on_rig(self) -> None:
+        """The rig's simulated device: a dataset already in memory (tensors) is resident on it
+        as ``loader.placement`` decides on a GPU (``auto``: when it fits ``resident_fraction``
+        of the free budget), and then counts; otherwise it stays in host memory and only the
+        batches cut from it count."""
+        from flodl.data.residency import tree_bytes
+
+        tree = getattr(self.source, "_tree", None)
+        if self.memory is None or self.memory.budget is None or tree is None:
+            return
+        need = tree_bytes(tree)
+        self.memory.sweep()
+        free = self.memory.budget - self.memory.current
+        placement = self.loader_cfg.placement
+        if placement == "resident" or (
+            placement == "auto" and need <= self.loader_cfg.resident_fraction * free
+        ):
+            self.memory.adopt(tensors for tensors in tree_leaves(tree))
+            log.info(
+                "rank %d: dataset resident on the rig's device (%.1f MiB)", self.rank, need / MiB
+            )
+
+    def _plan_memory(self) -> None:
+        """``cluster.memory_plan``: choose (auto: probe) and apply this rank's plan
+        (flodl/runtime/rank/memory.py); announced by the controller from Ready."""
+        from flodl.config.cluster import parse_memory_plan
+        from flodl.runtime.rank.memory import choose_plan
+        from flodl.step.memory import HostOptimizer, recompute, set_recompute
+
+        requested = parse_memory_plan(self.cfg.cluster.rank_memory_plan(self.rank))
+        self.memory_plan = choose_plan(self, requested)
+        self.batch_size = self.source.batch_size = self.memory_plan.batch_size
+        if "recompute" in self.memory_plan.elements:
+            recompute(self.model)
+        else:
+            set_recompute(self.model, False)
+        if "offload" in self.memory_plan.elements:
+            host = self.memory.host if self.memory is not None else contextlib.nullcontext
+            charge = self._charge_offload if self.spec.pace else None
+            del self.optimizer
+            self.optimizer = HostOptimizer(
+                self.model.parameters(),
+                self.spec.optim_factory,
+                host=host,
+                charge=charge,
+                watch=lambda: [self.state.shared()],  # averages land through the flat buffer
+            )
+
+    def _charge_offload(self, moved: int, stepped: int) -> None:
+        """The rig: an offloaded step's host traffic and host step, in simulated time."""
+        from flodl.rig.memory import offload_step_s
+
+        self.pacer.charge(offload_step_s(moved, stepped))
+
+    def _unplanned(self) -> Any:
+        """Steps as the device runs them without a plan (calibration's nominal step): nothing
+        recomputed, nothing counted against the rig's memory (a measurement, not training)."""
+        from flodl.step.memory import recompute_off
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(recompute_off(self.model))
+        if self.memory is not None:
+            stack.enter_context(self.memory.host())
+        return stack
 
     def close_memory(self) -> None:
         if self.memory is not None:

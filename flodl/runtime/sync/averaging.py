@@ -20,7 +20,7 @@ from flodl.runtime.sync import groups
 from flodl.runtime.sync.compress import Compressor
 from flodl.runtime.sync.trainable import trainable
 
-_SPAN = 1 << 22  # elements per step of a chunked pass over the flat state (16 MiB of float32)
+_SPAN = 1 << 20  # elements per span of a span-by-span pass (4 MiB of float32 temporaries)
 
 
 class FlatState:
