@@ -74,6 +74,7 @@ def test_hf_lora_survives_a_lost_rank_resumes_and_refuses_another_base(tmp_path)
     )  # fmt: skip
     assert other.returncode == 1
     assert "frozen base" in other.stdout + other.stderr
+    assert "lost rank" not in other.stdout + other.stderr  # the job's failure, not a lost device
 
 
 def test_a_missing_model_is_refused_before_any_rank_with_how_to_fetch_it(tmp_path):

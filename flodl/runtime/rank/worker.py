@@ -548,12 +548,15 @@ class Worker:
         with self._memory_host():  # a bundle is read into host memory, then copied in
             model = load_shard(msg.model) if isinstance(msg.model, str) else msg.model
             state = load_shard(msg.state) if isinstance(msg.state, str) else msg.state
-        load_trainable(
-            self.model,
-            {**model["params"], **model["buffers"]},
-            model.get("base"),
-            f"checkpoint {msg.model if isinstance(msg.model, str) else 'state'}",
-        )
+        # A bundle that does not fit the configured model (adapters saved on another frozen
+        # base) fails every rank alike: the job fails with it, no rank is "lost" over it.
+        with blame.user_code("resume"):
+            load_trainable(
+                self.model,
+                {**model["params"], **model["buffers"]},
+                model.get("base"),
+                f"checkpoint {msg.model if isinstance(msg.model, str) else 'state'}",
+            )
         if self.compressor is not None:
             self.compressor.invalidate()
         if self.outer is not None:
