@@ -74,3 +74,36 @@ def test_lora_trains_in_every_mode_and_only_adapters_leave_the_ranks(tmp_path, m
     )
     with pytest.raises(ValueError, match="frozen base"):
         state.load_into(lora_model("cpu", seed=1))
+
+
+def base_per_process(device):
+    """A factory that builds another random base in every rank process (as two hosts holding
+    different weights under one path would)."""
+    import os
+
+    torch.manual_seed(os.getpid())
+    return auto_model(config=hf_tiny.gpt2_config(), peft=hf_tiny.LORA).to(device)
+
+
+def test_ranks_on_different_frozen_bases_are_refused_before_training(tmp_path):
+    dataset = partial(
+        text_dataset,
+        "train",
+        tokenizer=str(hf_tiny.tokenizer_dir(tmp_path)),
+        files=[str(hf_tiny.text_file(tmp_path))],
+        block_size=hf_tiny.BLOCK,
+        cache_dir=str(tmp_path / "cache"),
+    )
+    handle = (
+        Trainer.builder(base_per_process, adamw, causal_lm_step)
+        .dataset(dataset)
+        .batch_size(8)
+        .num_epochs(1)
+        .cluster(ClusterConfig(kind="cpu_rig", ranks=2, speeds=[1.0, 0.5], warmup_steps=2))
+        .logger(LoggerConfig(progress="off", tensorboard=False))
+        .output_dir(tmp_path / "job")
+        .run()
+    )
+    with pytest.raises(Exception, match="different frozen bases"):
+        handle.join(timeout=240)
+    assert handle.summary is None or handle.summary.status == "failed"

@@ -448,6 +448,7 @@ class Worker:
                 n_samples=len(self.source),
                 batch_size=self.batch_size,
                 memory_plan=self.memory_plan.describe(self.rank),
+                base=self.base,
                 shard_sizes=tuple(getattr(self.source.dataset, "shard_sizes", ())),
             )
         )
