@@ -51,6 +51,11 @@ def token_cross_entropy(preds: torch.Tensor, target: torch.Tensor) -> torch.Tens
 
 def seq_classification_step(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """The model's own classification loss over ``labels``; records training ``accuracy``."""
+    if "labels" not in batch:
+        raise ValueError(
+            "task=seq_classification: the batches have no labels; set dataset.label_column "
+            f"(the samples hold {', '.join(batch)})"
+        )
     out = model(**batch)
     with torch.no_grad():
         hits = (out.logits.argmax(dim=-1) == batch["labels"]).float().mean().item()

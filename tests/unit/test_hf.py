@@ -77,6 +77,8 @@ def test_seq_classification_head_uses_the_models_own_loss():
     logits, labels = steps.classification_outputs(model, batch)
     assert logits.shape == (4, 3) and torch.equal(labels, batch["labels"])
     assert float(loss) == pytest.approx(float(torch.nn.functional.cross_entropy(logits, labels)))
+    with pytest.raises(ValueError, match=r"dataset\.label_column"):
+        steps.seq_classification_step(model, {"input_ids": batch["input_ids"]})
 
 
 def test_pretrained_weights_load_from_a_local_directory(tmp_path):
