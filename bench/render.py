@@ -668,6 +668,7 @@ def render() -> dict[str, str]:
         "scale_sim": scale_sim_block(sim) if sim else missing,
         "comm_heavy": comm_heavy_block(comm) if comm else missing,
         "comm_heavy_equal": _block("comm_heavy_equal", comm_heavy_block, missing),
+        "comm_heavy_1gbe": _block("comm_heavy_1gbe", comm_heavy_block, missing),
         "startup": _startup(missing),
         "memory": _block("memory", memory_block, missing),
         "hf_lora": _hf_lora(missing),

@@ -413,11 +413,29 @@ def hydra_error_line(exc: BaseException) -> str | None:
     if "not in struct" in head and head.startswith("Could not override"):
         key = head.split("'")[1] if head.count("'") >= 2 else "KEY"
         group = key.split(".")[0]
+        known = _sibling_keys(exc.__cause__)
+        if known:  # the section is there: a misspelt key
+            parent, _, leaf = key.rpartition(".")
+            hint = did_you_mean(leaf, known, f"{parent}." if parent else "")
+            return (
+                f"{key}: no such key{hint}; {parent or 'the config'} has "
+                f"{', '.join(known)}; a new key is added with +{key}=VALUE"
+            )
         head += (
             f"; your config has no such key: list flodl's `{group}: default` (or another "
             f"{group} option) in its defaults, or add the key with +{key}=VALUE"
         )
     return head
+
+
+def _sibling_keys(cause: BaseException | None) -> list[str]:
+    """The keys beside a missing one (OmegaConf's error knows the section it looked in)."""
+    from omegaconf import DictConfig
+
+    parent = getattr(cause, "parent_node", None)
+    if not isinstance(parent, DictConfig):
+        return []
+    return [str(k) for k in parent if not str(k).startswith("_")]
 
 
 _INFO_FLAGS = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "--shell-completion")
