@@ -129,14 +129,22 @@ def train(cfg: Any, checked: CheckedJob | None = None) -> Objective:
         )
         say_error(f"{exc}{where}")
         sys.exit(2)
+    outputs_error = None
     try:
-        handle.join()
+        state = handle.join()
+        try:
+            _hf_outputs(run_cfg, state, job_dir)
+        except Exception as exc:  # the run trained, its Hugging Face outputs are not readable
+            outputs_error = f"Hugging Face outputs: {exc}"
+            raise
     except Exception as exc:
         log.error("job %s failed: %s (outputs in %s)", run_info["job"], exc, job_dir)
         if os.environ.get("FLODL_FULL_ERROR"):
             log.exception("full traceback")
     summary = handle.summary
     written = summary.to_dict() if summary is not None else _NO_SUMMARY
+    if outputs_error is not None:
+        written = written | {"status": "failed", "error": outputs_error}
     row = written | {"job": run_info["job"]}
     return Objective(objective(row, run_cfg.task), row)
 
@@ -178,6 +186,23 @@ def _start(
         eval_metric=task.eval_metric,
         run_info=run_info,
     )
+
+
+def _hf_outputs(run_cfg: RunConfig, state: Any, job_dir: Path) -> None:
+    """A Hugging Face model's ``save_pretrained`` outputs (``flodl.hf.export``), after a run
+    that ended with a trained state."""
+    from flodl.hf.export import is_hf_model
+
+    if state is None or not is_hf_model(run_cfg.model):
+        return
+    from flodl.hf.data import dataset_tokenizer
+    from flodl.hf.export import export
+
+    dataset = run_cfg.dataset
+    tokenizer = None
+    if dataset.target == "flodl.hf.data.text_dataset":
+        tokenizer = dataset_tokenizer(dataset.kwargs())
+    export(run_cfg.model, state, job_dir, run_cfg.trainer_config().seed, tokenizer)
 
 
 def evaluation_kwargs(task: schema.TaskConfig) -> dict[str, Any]:

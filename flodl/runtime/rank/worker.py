@@ -42,6 +42,7 @@ from flodl.runtime.sync.averaging import FlatState, collective_average
 from flodl.runtime.sync.compress import Compressor
 from flodl.runtime.sync.gradsync import GradSync
 from flodl.runtime.sync.outer import make_outer
+from flodl.runtime.sync.trainable import base_fingerprint, load_trainable, trainable_state
 from flodl.runtime.wire.messages import (
     Average,
     EvalResult,
@@ -148,6 +149,7 @@ class Worker:
         self.model.to(self.device).train()
         # Before the optimizer: parameters move into one buffer the collectives use in place.
         self.state = FlatState(self.model, share_storage=True)
+        self.base = base_fingerprint(self.model)  # the frozen parameters' (None: all train)
         # What the step runs; averaging, checkpoints and the final state read self.model.
         self.train_model: nn.Module = compiled(self.model) if self.cfg.compile else self.model
         self.runner = StepRunner(
@@ -446,6 +448,7 @@ class Worker:
                 n_samples=len(self.source),
                 batch_size=self.batch_size,
                 memory_plan=self.memory_plan.describe(self.rank),
+                base=self.base,
                 shard_sizes=tuple(getattr(self.source.dataset, "shard_sizes", ())),
             )
         )
@@ -469,7 +472,8 @@ class Worker:
                 chaos.point("final", self.rank)
                 self.check_weights("at the end of the run")
                 params, buffers = self.weights()
-                self.link.send(Final(rank=self.rank, params=params, buffers=buffers))
+                final = Final(rank=self.rank, params=params, buffers=buffers, base=self.base)
+                self.link.send(final)
             if not msg.hold:
                 return
             msg = self._next_stop()
@@ -481,16 +485,10 @@ class Worker:
                 return msg
 
     def weights(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """Parameters and buffers by name, on CPU (the model's own tensors when the link
-        serialises them while sending: no copy of the weights; else copies)."""
-        buffer_names = {n for n, _ in self.model.named_buffers()}
-        serialises = getattr(self.link, "serialises", False)
-        state = {
-            k: v.detach().cpu() if serialises else v.detach().cpu().clone()
-            for k, v in self.model.state_dict().items()
-        }
-        params = {k: v for k, v in state.items() if k not in buffer_names}
-        return params, {k: v for k, v in state.items() if k in buffer_names}
+        """Trainable parameters and buffers by name, on CPU (the model's own tensors when the
+        link serialises them while sending: no copy of the weights; else copies). A frozen base
+        stays here: :attr:`base` stands for it."""
+        return trainable_state(self.model, copy=not getattr(self.link, "serialises", False))
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save_shards(self, window: int, tag: str, write_weights: bool, own: bool = True) -> None:
@@ -539,25 +537,27 @@ class Worker:
 
     def model_payload(self, copy: bool) -> dict[str, Any]:
         """The consensus weights and the collective outer momentum (identical on every rank)."""
-        buffer_names = {n for n, _ in self.model.named_buffers()}
-        state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
-        if copy:
-            state = {k: v.clone() for k, v in state.items()}
+        params, buffers = trainable_state(self.model, copy=copy)
         outer = None
         if self.outer is not None and self.outer.buffer is not None:
             outer = {"buffer": self.outer.buffer.detach().cpu().clone()}
-        return {
-            "params": {k: v for k, v in state.items() if k not in buffer_names},
-            "buffers": {k: v for k, v in state.items() if k in buffer_names},
-            "outer": outer,
-        }
+        # A frozen base is not saved: its fingerprint is, so a resume refuses another base.
+        return {"params": params, "buffers": buffers, "outer": outer, "base": self.base}
 
     def restore(self, msg: Restore) -> None:
         """Continue a saved run: weights, outer momentum, this rank's optimizer/scheduler/RNG."""
         with self._memory_host():  # a bundle is read into host memory, then copied in
             model = load_shard(msg.model) if isinstance(msg.model, str) else msg.model
             state = load_shard(msg.state) if isinstance(msg.state, str) else msg.state
-        self.model.load_state_dict({**model["params"], **model["buffers"]})
+        # A bundle that does not fit the configured model (adapters saved on another frozen
+        # base) fails every rank alike: the job fails with it, no rank is "lost" over it.
+        with blame.user_code("resume"):
+            load_trainable(
+                self.model,
+                {**model["params"], **model["buffers"]},
+                model.get("base"),
+                f"checkpoint {msg.model if isinstance(msg.model, str) else 'state'}",
+            )
         if self.compressor is not None:
             self.compressor.invalidate()
         if self.outer is not None:
