@@ -138,8 +138,11 @@ class HostOptimizer(torch.optim.Optimizer):
         with host():
             self.host_params = []
             for p in device_params:
-                h = p.detach().to("cpu", copy=True)
-                h = h.pin_memory() if pin else h
+                if not p.requires_grad:  # frozen (a LoRA base): never stepped, no host copy;
+                    h = torch.empty(0, dtype=p.dtype)  # a placeholder keeps the state's order
+                else:
+                    h = p.detach().to("cpu", copy=True)
+                    h = h.pin_memory() if pin else h
                 self.host_params.append(nn.Parameter(h, requires_grad=p.requires_grad))
             self.inner = factory(self.host_params)
         to_device = {id(h): d for h, d in zip(self.host_params, device_params, strict=True)}
@@ -149,8 +152,10 @@ class HostOptimizer(torch.optim.Optimizer):
             for g in self.inner.param_groups
         ]
         super().__init__(groups, dict(self.inner.defaults))
-        self._pairs = list(zip(device_params, self.host_params, strict=True))
-        self._versions = [p._version for p in device_params]
+        # What moves each step: the trainable parameters (frozen ones have no host copy).
+        self._pairs = [(d, h) for d, h in zip(device_params, self.host_params, strict=True)
+                       if d.requires_grad]  # fmt: skip
+        self._versions = [d._version for d, _ in self._pairs]
         self._watched = self._watched_versions()
 
     def _watched_versions(self) -> list[tuple[int, int]]:

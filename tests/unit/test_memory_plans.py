@@ -281,3 +281,30 @@ def test_an_explicit_plan_without_offload_must_hold_the_optimizer_state():
         check_memory(_Spec([100, 12], plan=["auto", "recompute"]), 2)
     check_memory(_Spec([100, 12], plan=["auto", "offload"]), 2)
     check_memory(_Spec([100, 12]), 2)  # auto: it will offload
+
+
+def test_a_frozen_base_gets_no_host_copy_and_the_state_still_interchanges():
+    """LoRA's shape: a frozen base beside trainable matrices. Offloading keeps no host copy of
+    the base (a placeholder holds its place in the state's order), steps like the plain
+    optimizer, and the two load each other's state."""
+
+    def build() -> nn.Sequential:
+        model = _mlp()
+        for p in model[0].parameters():  # the first layer plays the frozen base
+            p.requires_grad_(False)
+        return model
+
+    plain, hosted = build(), build()
+    factory = OPTIMIZERS["adam"]
+    plain_opt = factory(plain.parameters())
+    host_opt = HostOptimizer(hosted.parameters(), factory)
+    frozen = sum(p.numel() for p in hosted[0].parameters())
+    assert frozen > 0 and all(h.numel() == 0 for h in host_opt.host_params[:2])
+    _train(plain, plain_opt, 3)
+    _train(hosted, host_opt, 3)
+    for p, q in zip(plain.parameters(), hosted.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+    factory(plain.parameters()).load_state_dict(copy.deepcopy(host_opt.state_dict()))
+    HostOptimizer(plain.parameters(), factory).load_state_dict(
+        copy.deepcopy(plain_opt.state_dict())
+    )
