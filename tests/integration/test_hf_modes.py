@@ -107,3 +107,45 @@ def test_ranks_on_different_frozen_bases_are_refused_before_training(tmp_path):
     with pytest.raises(Exception, match="different frozen bases"):
         handle.join(timeout=240)
     assert handle.summary is None or handle.summary.status == "failed"
+
+
+def test_lora_under_a_memory_plan_with_a_bf16_base(tmp_path):
+    """The memory issue's plans apply to LoRA: rank 1 recomputes the GPT-2 blocks' activations
+    and keeps the adapters' optimizer state on the host (the frozen bf16 base gets no host
+    copy); the adapters train and only they leave the ranks."""
+    dataset = partial(
+        text_dataset,
+        "train",
+        tokenizer=str(hf_tiny.tokenizer_dir(tmp_path)),
+        files=[str(hf_tiny.text_file(tmp_path))],
+        block_size=hf_tiny.BLOCK,
+        cache_dir=str(tmp_path / "cache"),
+    )
+    cluster = ClusterConfig(
+        kind="cpu_rig",
+        ranks=2,
+        speeds=[1.0, 0.5],
+        warmup_steps=2,
+        memory_mb=[200, 200],
+        memory_plan=["none", "recompute+offload"],
+    )
+    handle = (
+        Trainer.builder(lora_model, adamw, causal_lm_step)
+        .dataset(dataset)
+        .batch_size(8)
+        .num_epochs(1)
+        .seed(0)
+        .elche(ElCheConfig(mode="nccl_cadence"))
+        .cluster(cluster)
+        .logger(LoggerConfig(progress="off", tensorboard=False))
+        .output_dir(tmp_path / "job")
+        .run()
+    )
+    state = handle.join(timeout=240)
+    summary = handle.summary
+    assert summary.status == "ok" and handle.result.coverage_exact
+    assert "activation checkpointing, optimizer state on host" in summary.memory_plans[1]
+    fresh = lora_model("cpu")
+    adapters = {n for n, p in fresh.named_parameters() if p.requires_grad}
+    assert set(state.params) == adapters
+    assert any(state.params[n].abs().sum() > 0 for n in adapters if "lora_B" in n)
