@@ -23,8 +23,10 @@ from typing import Any
 
 import torch
 
+from flodl.checkpoint.lock import SaveLock, StemLocked
 from flodl.checkpoint.results import RunResult, TrainedState
 from flodl.checkpoint.store import write_atomic
+from flodl.config import ConfigError
 from flodl.monitor.failures import write_failure
 from flodl.monitor.metrics import EpochMetrics, RunSummary, SyncEvent
 from flodl.placement.topology import Topology, resolve_topology
@@ -51,6 +53,19 @@ from flodl.runtime.rank.spec import Callbacks, JobSpec
 from flodl.step.evaluation import primary_name
 
 log = logging.getLogger(__name__)
+
+
+def _lock_save_path(save_path: str | None, job_dir: Path) -> SaveLock | None:
+    """One saver per stem (:mod:`flodl.checkpoint.lock`): a second job is refused, exit 2."""
+    if save_path is None:
+        return None
+    try:
+        return SaveLock.take(save_path, job_dir.absolute())
+    except StemLocked as exc:
+        raise ConfigError(
+            f"trainer.save_path={save_path}: {exc}; wait for that job to end, or choose "
+            "another save_path"
+        ) from None
 
 
 def default_job_dir() -> Path:
@@ -102,6 +117,7 @@ class Job:
         self.summary: RunSummary | None = None  # once written: ok, interrupted or failed
         self._curve: list[tuple[float, float]] = []
         self._t0 = time.perf_counter()
+        self._save_lock = _lock_save_path(spec.config.save_path, self.job_dir)  # the last refusal
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -133,6 +149,8 @@ class Job:
                 log.error("%s (the run failed: %s)", unwritten.strerror, self.summary.error)
             raise
         finally:
+            if self._save_lock is not None:
+                self._save_lock.release()
             self._done.set()
             self._close_outputs()
             if dashboard is not None and not cfg.logger.keep_serving:

@@ -159,3 +159,20 @@ def test_datasets_the_controller_cannot_plan_are_refused():
     }
     for override, expected in cases.items():
         assert expected in launcher_refusal([override]), override
+
+
+def test_a_save_path_another_job_is_saving_to_exits_2_through_run_py(tmp_path):
+    """Was: two jobs on one save_path replaced each other's bundles, both 'saved'. The stem's
+    lock (flodl/checkpoint/lock.py) is held here as a running job holds it."""
+    from flodl.checkpoint.lock import SaveLock
+
+    stem = tmp_path / "ckpt" / "run"
+    held = SaveLock.take(str(stem), tmp_path / "first_job")
+    assert held is not None
+    try:
+        line, _ = refused([f"trainer.save_path={stem}"], tmp_path / "second")
+    finally:
+        held.release()
+    assert f"trainer.save_path={stem}: another job is saving to {stem}" in line, line
+    assert f"job dir {tmp_path / 'first_job'}" in line, line
+    assert not list((tmp_path / "ckpt").glob("run*.pt"))
