@@ -117,6 +117,9 @@ class Job:
         self.summary: RunSummary | None = None  # once written: ok, interrupted or failed
         self._curve: list[tuple[float, float]] = []
         self._t0 = time.perf_counter()
+        self._controller: Controller | None = None
+        # Epochs finished, a resumed bundle's included (as the console and the bundle count).
+        self._epochs_done = self._resume.meta.epoch if self._resume is not None else 0
         self._save_lock = _lock_save_path(spec.config.save_path, self.job_dir)  # the last refusal
 
     def request_stop(self) -> None:
@@ -138,6 +141,7 @@ class Job:
             controller = new_controller(
                 self.spec, topo, self._hooks(), self._resume, self.eval_metric
             )
+            self._controller = controller  # a failed run's summary reads its losses
             dashboard = self._serve()
             self._open_outputs()
             run = self._finish(self._train(controller, gate))
@@ -270,6 +274,7 @@ class Job:
         from flodl.monitor.console import format_epoch_line
 
         self._curve.append((time.perf_counter() - self._t0, metrics.avg_loss))
+        self._epochs_done = max(self._epochs_done, metrics.epoch + 1)
         self.tb.epoch(metrics)
         self.loggers.epoch(metrics)
         metric = primary_name(metrics.eval_metrics, self.eval_metric)
@@ -319,7 +324,7 @@ class Job:
             status="ok",
             mode=cfg.elche.mode.value,
             world_size=self.topology.world_size,
-            epochs=len(result.epochs),
+            epochs=self._epochs_done,
             final_loss=_finite(last.avg_loss) if last else None,
             eval_metric=primary_name(evaluated[-1], self.eval_metric) if evaluated else None,
             eval_value=evals[-1] if evals else None,
@@ -375,9 +380,10 @@ class Job:
             status="failed",
             mode=self.spec.config.elche.mode.value,
             world_size=self.topology.world_size,
-            epochs=0,
+            epochs=self._epochs_done,
             wall_s=time.perf_counter() - self._t0,
             error=message,
+            lost_ranks=list(self._controller.members.lost) if self._controller else [],
             overrides=list(self.run_info.get("overrides", [])),
         )
 

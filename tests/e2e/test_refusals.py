@@ -176,3 +176,20 @@ def test_a_save_path_another_job_is_saving_to_exits_2_through_run_py(tmp_path):
     assert f"trainer.save_path={stem}: another job is saving to {stem}" in line, line
     assert f"job dir {tmp_path / 'first_job'}" in line, line
     assert not list((tmp_path / "ckpt").glob("run*.pt"))
+
+
+@pytest.mark.parametrize("taken", [0, 1])
+def test_a_taken_controller_port_exits_2_naming_port_and_knob(tmp_path, taken):
+    """Was: exit 1, '[Errno 98] Address already in use', naming neither. ``taken`` 1: the
+    store's port (controller.port + 1) is the one in use."""
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(1)
+        port = holder.getsockname()[1] - taken
+        line, _ = refused(
+            ["cluster=cpu_rig", f"cluster.controller.port={port}"], tmp_path / str(taken)
+        )
+    assert f"cluster.controller.port={port}: port {port + taken} on 127.0.0.1" in line, line
+    assert "is in use; choose a free port, or 0" in line, line
