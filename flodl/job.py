@@ -274,7 +274,7 @@ class Job:
         from flodl.monitor.console import format_epoch_line
 
         self._curve.append((time.perf_counter() - self._t0, metrics.avg_loss))
-        self._epochs_done = max(self._epochs_done, metrics.epoch + 1)
+        self._epochs_done = max(self._epochs_done, metrics.epoch)  # counts from 1
         self.tb.epoch(metrics)
         self.loggers.epoch(metrics)
         metric = primary_name(metrics.eval_metrics, self.eval_metric)
