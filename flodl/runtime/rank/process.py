@@ -124,6 +124,8 @@ def join(
             raise RuntimeError(f"the run ended before rank {role.rank} started: {spec.reason}")
         os._exit(1)
     cluster = spec.config.cluster
+    if not in_launcher:  # a controller out of reach for the heartbeat timeout: stop (links.py)
+        channel.bound_silence(cluster.heartbeat_timeout_s)
     if role.device == "cpu":
         torch.set_num_threads(cluster.threads_per_rank)
         device = torch.device("cpu")
