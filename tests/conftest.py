@@ -37,7 +37,7 @@ _COST_S = {  # the whole run of r4-suite-time at load ~6 (1178 s), over 1.97 (90
     "test_cohorts.py": 52,
     "test_dashboard_e2e.py": 49,
     "test_chaos.py": 46,
-    "test_multihost_chaos.py": 39,
+    "test_multihost_chaos.py": 70,
     "test_resume.py": 36,
     "test_callbacks.py": 34,
     "test_hetero_modes.py": 24,
