@@ -63,12 +63,16 @@ class SignedStore(Store):
             self._inner.wait(keys, timedelta(seconds=timeout_s))
             return
         deadline = time.monotonic() + timeout_s
-        while not self._inner.check(keys):
+        while True:
+            try:  # returns the moment the keys are set: no latency added to a formation
+                self._inner.wait(keys, timedelta(seconds=_POLL_S))
+                return
+            except RuntimeError:  # this slice's timeout (DistStoreError)
+                pass
             if self._doomed():
                 raise GivenUp(f"rendezvous keys {keys} given up: the membership changed")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"rendezvous keys {keys} not set within {timeout_s:.0f} s")
-            time.sleep(_POLL_S)
 
     def _mac(self, key: str, value: bytes) -> bytes:
         return hmac.new(self._key, key.encode() + b"\0" + value, hashlib.sha256).digest()
