@@ -23,8 +23,10 @@ from typing import Any
 
 import torch
 
+from flodl.checkpoint.lock import SaveLock, StemLocked
 from flodl.checkpoint.results import RunResult, TrainedState
 from flodl.checkpoint.store import write_atomic
+from flodl.config import ConfigError
 from flodl.monitor.failures import write_failure
 from flodl.monitor.metrics import EpochMetrics, RunSummary, SyncEvent
 from flodl.placement.topology import Topology, resolve_topology
@@ -51,6 +53,19 @@ from flodl.runtime.rank.spec import Callbacks, JobSpec
 from flodl.step.evaluation import primary_name
 
 log = logging.getLogger(__name__)
+
+
+def _lock_save_path(save_path: str | None, job_dir: Path) -> SaveLock | None:
+    """One saver per stem (:mod:`flodl.checkpoint.lock`): a second job is refused, exit 2."""
+    if save_path is None:
+        return None
+    try:
+        return SaveLock.take(save_path, job_dir.absolute())
+    except StemLocked as exc:
+        raise ConfigError(
+            f"trainer.save_path={save_path}: {exc}; wait for that job to end, or choose "
+            "another save_path"
+        ) from None
 
 
 def default_job_dir() -> Path:
@@ -102,6 +117,10 @@ class Job:
         self.summary: RunSummary | None = None  # once written: ok, interrupted or failed
         self._curve: list[tuple[float, float]] = []
         self._t0 = time.perf_counter()
+        self._controller: Controller | None = None
+        # Epochs finished, a resumed bundle's included (as the console and the bundle count).
+        self._epochs_done = self._resume.meta.epoch if self._resume is not None else 0
+        self._save_lock = _lock_save_path(spec.config.save_path, self.job_dir)  # the last refusal
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -122,6 +141,7 @@ class Job:
             controller = new_controller(
                 self.spec, topo, self._hooks(), self._resume, self.eval_metric
             )
+            self._controller = controller  # a failed run's summary reads its losses
             dashboard = self._serve()
             self._open_outputs()
             run = self._finish(self._train(controller, gate))
@@ -133,6 +153,8 @@ class Job:
                 log.error("%s (the run failed: %s)", unwritten.strerror, self.summary.error)
             raise
         finally:
+            if self._save_lock is not None:
+                self._save_lock.release()
             self._done.set()
             self._close_outputs()
             if dashboard is not None and not cfg.logger.keep_serving:
@@ -252,6 +274,7 @@ class Job:
         from flodl.monitor.console import format_epoch_line
 
         self._curve.append((time.perf_counter() - self._t0, metrics.avg_loss))
+        self._epochs_done = max(self._epochs_done, metrics.epoch)  # counts from 1
         self.tb.epoch(metrics)
         self.loggers.epoch(metrics)
         metric = primary_name(metrics.eval_metrics, self.eval_metric)
@@ -302,7 +325,7 @@ class Job:
             status="ok",
             mode=cfg.elche.mode.value,
             world_size=self.topology.world_size,
-            epochs=len(result.epochs),
+            epochs=self._epochs_done,
             final_loss=_finite(last.avg_loss) if last else None,
             eval_metric=primary_name(evaluated[-1], self.eval_metric) if evaluated else None,
             eval_value=evals[-1] if evals else None,
@@ -359,9 +382,10 @@ class Job:
             status="failed",
             mode=self.spec.config.elche.mode.value,
             world_size=self.topology.world_size,
-            epochs=0,
+            epochs=self._epochs_done,
             wall_s=time.perf_counter() - self._t0,
             error=message,
+            lost_ranks=list(self._controller.members.lost) if self._controller else [],
             overrides=list(self.run_info.get("overrides", [])),
         )
 

@@ -37,7 +37,7 @@ _COST_S = {  # the whole run of r4-suite-time at load ~6 (1178 s), over 1.97 (90
     "test_cohorts.py": 52,
     "test_dashboard_e2e.py": 49,
     "test_chaos.py": 46,
-    "test_multihost_chaos.py": 39,
+    "test_multihost_chaos.py": 70,
     "test_resume.py": 36,
     "test_callbacks.py": 34,
     "test_hetero_modes.py": 24,
@@ -63,8 +63,10 @@ _COST_S = {  # the whole run of r4-suite-time at load ~6 (1178 s), over 1.97 (90
     "test_full_disk.py": 11,
     "test_training_features.py": 4,
     "test_hf_lora.py": 50,
-    "test_hf_modes.py": 25,
+    "test_hf_modes.py": 30,
     "test_hf_adapters.py": 17,
+    "test_startup_loss.py": 25,
+    "test_memory_plans.py": 40,
 }
 _DEFAULT_S = 10
 _UNIT_AND_LIGHT_S = 194  # the whole of group "b"'s first part (measured as _COST_S)

@@ -330,10 +330,11 @@ def _start_sshds(net: _Network, tmp_dir: Path, sshds: list[subprocess.Popen]) ->
         config.write_text(
             _sshd_config(address, host_key, authorized_keys, tmp_dir / f"sshd-{i}.pid")
         )
+        sshd = ["-D", "-e", "-f", str(config)]
         with (tmp_dir / f"sshd-{i}.log").open("wb") as log:
             sshds.append(
                 subprocess.Popen(
-                    ["ip", "netns", "exec", ns, SSHD, "-D", "-e", "-f", str(config)],
+                    ["ip", "netns", "exec", ns, "sh", "-c", _PRIVATE_SHM, "sshd", SSHD, *sshd],
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,
@@ -362,6 +363,14 @@ def _start_sshds(net: _Network, tmp_dir: Path, sshds: list[subprocess.Popen]) ->
         for wait in waits:
             wait.result()
     return hosts
+
+
+# A host of its own has a /dev/shm of its own: without it, a rank on a fake host negotiates
+# shared memory with the launcher (flodl/runtime/wire/shm.py) and the tests never run the TCP
+# path a second machine takes. `ip netns exec` already gives the command a mount namespace of
+# its own (mounts propagate no further), so the tmpfs mounted there is this host's alone; the
+# shell then execs sshd (the same pid, which kill_host spares).
+_PRIVATE_SHM = 'mount -t tmpfs -o size=256m,mode=1777 flodl-host-shm /dev/shm && exec "$@"'
 
 
 def _sshd_config(address: str, host_key: Path, authorized_keys: Path, pid_file: Path) -> str:

@@ -43,9 +43,18 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
+from bench.chaos import run_one
 from flodl.runtime.rank.chaos import RANK_MOMENTS
 
 MODES = ("nccl_cadence", "cpu_async", "nccl_sync")
+#: Moments that are no named point of the code: a kill some time after one (chaos.py's
+#: ``kill@SECONDS``). ``forming``: inside init_process_group, gloo connecting the members.
+TIMED = {"forming": ("form", "kill@0.015")}
+MOMENTS = (*RANK_MOMENTS, *TIMED)
+#: ``--cuts``: host 1's link down this many seconds after the first epoch (``--cohort ssh``),
+#: one cell per mode and length: longer than the heartbeat timeout (3 s) its ranks are
+#: dropped and must stop themselves while it is down; shorter, nothing is lost.
+CUTS = (12.0, 1.0)
 VICTIMS = ("0", "1", "2", "1+2")
 NTH = {"window": 2, "report": 2, "average": 2}  # not the first: the cohort is formed by then
 RESULT = Path(__file__).with_name("last_result.json")
@@ -57,6 +66,9 @@ def faults(victim: str, moment: str) -> str:
     a window and the cell's victim during the regroup that follows."""
     nth = NTH.get(moment, 1)
     ranks = victim.split("+")
+    if moment in TIMED:
+        named, action = TIMED[moment]
+        return ",".join(f"{r}:{named}:1:{action}" for r in ranks)
     if moment == "regroup":
         first = "2" if ranks != ["2"] else "1"
         return ",".join([f"{first}:window:2"] + [f"{r}:regroup:1" for r in ranks if r != first])
@@ -159,7 +171,7 @@ def run_faulted(cmd: list[str], tmp: str, timeout_s: float, hosts=None) -> tuple
 
 
 def _hosts_file(hosts, tmp: Path) -> str:
-    fields = ("controller_address", "addresses", "ssh_config", "interface")
+    fields = ("controller_address", "addresses", "ssh_config", "interface", "namespaces")
     path = tmp / "hosts.json"
     path.write_text(json.dumps({f: getattr(hosts, f) for f in fields}))
     return str(path)
@@ -191,6 +203,52 @@ def _cohort(kind: str):
         test_hosts(2, Path(tmp)) as hosts,
     ):
         yield hosts
+
+
+def run_cut(mode: str, cut_s: float, timeout_s: float, hosts) -> dict:
+    """One link-cut cell: host 1 (ranks 1 and 2) off the network for ``cut_s`` after the
+    first epoch. ``completed``: status ok, coverage exact, and, longer than the heartbeat
+    timeout, ranks 1 and 2 lost and gone from host 1 before its link came back; shorter,
+    nothing lost."""
+    with tempfile.TemporaryDirectory(prefix="flodl-chaos-") as tmp:
+        cmd = [sys.executable, "-m", "bench.chaos.run_one", "--mode", mode, "--faults", ""]
+        cmd += ["--job-dir", str(Path(tmp) / "job"), "--timeout", str(timeout_s)]
+        cmd += ["--epochs", "6", "--hosts", _hosts_file(hosts, Path(tmp)), "--cut", str(cut_s)]
+        t0 = time.perf_counter()
+        out, timed_out, tail = run_faulted(cmd, tmp, timeout_s, hosts)
+    verdict = "hang" if timed_out else "broken"
+    if out is not None and out.get("status") == "ok" and out.get("coverage_exact"):
+        long_cut = cut_s > run_one.HEARTBEAT_S
+        lost = sorted(out.get("lost_ranks", []))
+        gone = out.get("cut_gone_after_s")
+        ok = lost == [1, 2] and gone is not None if long_cut else lost == []
+        verdict = "completed" if ok else "broken"
+    elif out is not None and out.get("status") == "failed":
+        verdict = "stopped"
+    return {
+        "mode": mode,
+        "victim": "host 1",
+        "moment": f"cut {cut_s:g} s",
+        "checkpoints": False,
+        "verdict": verdict,
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "outcome": out,
+        "tail": tail if verdict in ("hang", "broken") else [],
+    }
+
+
+def _run_cuts(args: argparse.Namespace, out: Path) -> int:
+    cells = []
+    with _cohort("ssh") as hosts:
+        for mode, cut_s in itertools.product(
+            args.modes.split(","), map(float, args.cuts.split(","))
+        ):
+            cell = run_cut(mode, cut_s, args.timeout, hosts)
+            cells.append(cell)
+            print(f"{mode:13s} {cell['moment']:10s} {cell['verdict']:12s} {cell['wall_s']:6.1f} s")
+            summary = _write(out, "ssh", cells)
+    print(json.dumps(summary, indent=1))
+    return 1 if any(c["verdict"] != "completed" for c in cells) else 0
 
 
 def render(path: Path) -> str:
@@ -232,7 +290,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--victims", default=",".join(VICTIMS))
-    parser.add_argument("--moments", default=",".join(RANK_MOMENTS))
+    parser.add_argument("--moments", default=",".join(MOMENTS))
+    parser.add_argument(
+        "--cuts",
+        default="",
+        help="with --cohort ssh: link-cut cells only, host 1 down this long (s), e.g. 12,1",
+    )
     parser.add_argument("--checkpoints", choices=("off", "on", "both"), default="both")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds before 'hang'")
     parser.add_argument("--cohort", choices=("local", "ssh"), default="local")
@@ -249,6 +312,10 @@ def main(argv: list[str] | None = None) -> int:
     grid = itertools.product(
         args.modes.split(","), args.moments.split(","), args.victims.split(","), ckpts
     )
+    if args.cuts:
+        if args.cohort != "ssh":
+            parser.error("--cuts needs --cohort ssh (a link between fake hosts)")
+        return _run_cuts(args, out)
     with _cohort(args.cohort) as hosts:
         for mode, moment, victim, ckpt in grid:
             if moment == "checkpoint" and not ckpt:

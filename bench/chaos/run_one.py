@@ -13,16 +13,21 @@ of as local children.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import subprocess
 import sys
+import threading
 import time
 from functools import partial
 from pathlib import Path
 
+import psutil
+
 from flodl import ClusterBuilder, ClusterConfig, ElCheConfig, LoggerConfig, SshConfig, Trainer
 from flodl.recipes.steps import accuracy, classification_step
-from tests.integration.helpers import data, model_factory, optim_factory
+from tests.integration.helpers import data, is_rank_itself, model_factory, optim_factory
 
 HEARTBEAT_S = 3.0  # small, so a frozen rank is found quickly
 START_S = 30.0
@@ -63,6 +68,50 @@ def ssh_cluster(ranks: int, hosts_file: str) -> ClusterConfig:
     ).build()
 
 
+class LinkCut:
+    """``--cut``: host 1's link down for ``cut_s`` from the first closed epoch (a metrics_fn),
+    and when the ranks living there were gone (None: still running when it came back)."""
+
+    def __init__(self, hosts_file: str, cut_s: float) -> None:
+        hosts = json.loads(Path(hosts_file).read_text())
+        self.ns, self.interface, self.cut_s = hosts["namespaces"][1], hosts["interface"], cut_s
+        self.gone_after_s: float | None = None
+        self.thread: threading.Thread | None = None
+
+    def __call__(self, metrics) -> None:
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._cut, daemon=True)
+            self.thread.start()
+
+    def _set(self, state: str) -> None:
+        cmd = ["ip", "netns", "exec", self.ns, "ip", "link", "set", self.interface, state]
+        subprocess.run(cmd, check=True, timeout=10)
+
+    def _ranks_there(self) -> bool:
+        out = subprocess.run(["ip", "netns", "pids", self.ns], capture_output=True, text=True)
+        procs = []
+        for pid in out.stdout.split():
+            with contextlib.suppress(psutil.Error):
+                procs.append(psutil.Process(int(pid)))
+        return any(is_rank_itself(p) for p in procs)
+
+    def _cut(self) -> None:
+        t0 = time.monotonic()
+        self._set("down")
+        try:
+            while self._ranks_there() and time.monotonic() - t0 < self.cut_s:
+                time.sleep(0.1)
+            if not self._ranks_there():
+                self.gone_after_s = round(time.monotonic() - t0, 1)
+            time.sleep(max(0.0, self.cut_s - (time.monotonic() - t0)))
+        finally:
+            self._set("up")
+
+    def join(self) -> None:
+        if self.thread is not None:
+            self.thread.join(timeout=self.cut_s + 15)
+
+
 def run(args: argparse.Namespace) -> dict:
     os.environ["FLODL_CHAOS"] = args.faults
     if args.hosts:
@@ -80,6 +129,7 @@ def run(args: argparse.Namespace) -> dict:
     )
     if args.ckpt:
         cfg = cfg.with_(save_path=str(Path(args.ckpt) / "run"), checkpoint_every=1)
+    cut = LinkCut(args.hosts, args.cut) if args.cut else None
     t0 = time.perf_counter()
     handle = Trainer.run(
         model_factory,
@@ -89,6 +139,7 @@ def run(args: argparse.Namespace) -> dict:
         dataset=partial(data, "train", args.n_train),
         eval_dataset=partial(data, "test"),
         eval_fn=accuracy,
+        metrics_fn=cut,
         job_dir=Path(args.job_dir),
     )
     error = ""
@@ -97,6 +148,9 @@ def run(args: argparse.Namespace) -> dict:
     except BaseException as exc:
         error = f"{type(exc).__name__}: {exc}"
     out: dict = {"wall_s": round(time.perf_counter() - t0, 1), "error": error}
+    if cut is not None:
+        cut.join()
+        out["cut_gone_after_s"] = cut.gone_after_s
     try:
         result = handle.result
     except BaseException as exc:
@@ -140,6 +194,7 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=240.0)
     parser.add_argument("--start-timeout", type=float, default=START_S, help="local ranks'")
     parser.add_argument("--hosts", default="", help="fake hosts' JSON: run the ranks over ssh")
+    parser.add_argument("--cut", type=float, default=0.0, help="with --hosts: host 1's link down")
     out = run(parser.parse_args())
     print("CHAOS-RESULT " + json.dumps(out), flush=True)
     return 0

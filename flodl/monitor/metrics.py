@@ -71,7 +71,7 @@ class RunSummary:
     status: str
     mode: str
     world_size: int
-    epochs: int
+    epochs: int  # epochs finished, a resumed bundle's included (the console's and bundle's count)
     final_loss: float | None = None
     eval_metric: str | None = None
     eval_value: float | None = None

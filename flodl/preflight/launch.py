@@ -216,6 +216,7 @@ def check_outputs(cfg: TrainerConfig, world_size: int) -> None:
             f"trainer.callback_policy.rank={policy.rank}: this run has {world_size} rank(s) "
             f"(0..{world_size - 1}); pick one of them or callback_policy.kind=fastest"
         )
+    check_ports(cfg)
     if cfg.save_path is not None:
         from flodl.checkpoint.bundle import CheckpointError, probe_writable
 
@@ -254,3 +255,29 @@ def _resume(cfg: TrainerConfig, world_size: int, signature: str | None) -> Any:
             f"{cfg.num_epochs} leaves nothing to train (raise it)"
         )
     return point
+
+
+def check_ports(cfg: TrainerConfig) -> None:
+    """A fixed ``cluster.controller.port`` and the store's (port + 1) are free on the
+    controller's address: bound and closed again here, so a taken one is refused before any
+    rank starts (was: exit 1, "[Errno 98] Address already in use", naming neither)."""
+    import errno
+    import socket
+
+    address = cfg.cluster.controller
+    if not address.port:
+        return
+    ports = ((address.port, "the control plane's"), (address.port + 1, "the store's: port + 1"))
+    for port, what in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the listener binds
+            try:
+                sock.bind((address.host, port))
+                sock.listen(1)  # as the listener: a port another socket listens on is taken
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    return  # not an address of this machine, say: left to the launch itself
+                raise ConfigError(
+                    f"cluster.controller.port={address.port}: port {port} on {address.host} "
+                    f"({what}) is in use; choose a free port, or 0 for any free one"
+                ) from None

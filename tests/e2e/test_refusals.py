@@ -164,3 +164,37 @@ def test_datasets_the_controller_cannot_plan_are_refused():
     }
     for override, expected in cases.items():
         assert expected in launcher_refusal([override]), override
+
+
+def test_a_save_path_another_job_is_saving_to_exits_2_through_run_py(tmp_path):
+    """Was: two jobs on one save_path replaced each other's bundles, both 'saved'. The stem's
+    lock (flodl/checkpoint/lock.py) is held here as a running job holds it."""
+    from flodl.checkpoint.lock import SaveLock
+
+    stem = tmp_path / "ckpt" / "run"
+    held = SaveLock.take(str(stem), tmp_path / "first_job")
+    assert held is not None
+    try:
+        line, _ = refused([f"trainer.save_path={stem}"], tmp_path / "second")
+    finally:
+        held.release()
+    assert f"trainer.save_path={stem}: another job is saving to {stem}" in line, line
+    assert f"job dir {tmp_path / 'first_job'}" in line, line
+    assert not list((tmp_path / "ckpt").glob("run*.pt"))
+
+
+@pytest.mark.parametrize("taken", [0, 1])
+def test_a_taken_controller_port_exits_2_naming_port_and_knob(tmp_path, taken):
+    """Was: exit 1, '[Errno 98] Address already in use', naming neither. ``taken`` 1: the
+    store's port (controller.port + 1) is the one in use."""
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(1)
+        port = holder.getsockname()[1] - taken
+        line, _ = refused(
+            ["cluster=cpu_rig", f"cluster.controller.port={port}"], tmp_path / str(taken)
+        )
+    assert f"cluster.controller.port={port}: port {port + taken} on 127.0.0.1" in line, line
+    assert "is in use; choose a free port, or 0" in line, line

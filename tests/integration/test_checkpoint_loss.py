@@ -97,8 +97,9 @@ def test_killed_rank_with_checkpoint_every_epoch(tmp_path, request, mode, victim
     assert final is not None
     for key, value in final.params.items():  # the bundle's weights are the final weights
         assert torch.equal(payload["params"][key], value), key
-    leftovers = sorted(p.name for p in Path(stem).parent.iterdir())
+    leftovers = sorted(p.name for p in Path(stem).parent.iterdir() if p.suffix != ".lock")
     assert len(leftovers) == 1 + len(meta.shards), leftovers  # no orphan shard survives
+    assert (Path(stem).parent / "run.lock").exists()  # the saver's lock (flodl/checkpoint/lock.py)
     # plain averaging keeps no controller-side state (cpu_async's EASGD blend is the ranks'):
     # no controller shard; outer=nesterov's is in test_resume
     assert "controller" not in payload

@@ -116,6 +116,11 @@ def test_two_hosts_train_together(tmp_path, make_test_hosts, capfd, mode):
     assert result.summary.eval_value > 0.8
     log = (tmp_path / mode / "rank_1.log").read_text()
     assert "Traceback" not in log and "model built on rank 1" in log
+    # the network path a second machine takes (was: the fake hosts' ranks used the launcher's
+    # /dev/shm for checkpoints and cpu_* averages)
+    for rank in (0, 1):
+        text = (tmp_path / mode / f"rank_{rank}.log").read_text()
+        assert "bulk tensors to and from the launcher go over TCP" in text, text[-2000:]
     console = capfd.readouterr().err
     for rank in (0, 1):
         assert f"[{hosts.addresses[rank]}:{rank}] model built on rank {rank}" in console

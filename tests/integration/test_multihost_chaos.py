@@ -7,6 +7,8 @@ the run. The whole matrix through ssh: ``python -m bench.chaos.matrix --cohort s
 
 from __future__ import annotations
 
+import subprocess
+import threading
 import time
 from functools import partial
 
@@ -115,4 +117,76 @@ def test_a_remote_rank_lost_in_cpu_async_averaging_or_regroup(
     result, wall_s = chaos_on_hosts(tmp_path, monkeypatch, hosts, faults, mode="cpu_async")
     assert_survived(result, {"average": [1], "regroup": [1, 2]}[moment])
     assert wall_s < START_S + 60.0
+    assert_no_rank_left(hosts)
+
+
+def _set_link(hosts, i: int, state: str) -> None:
+    subprocess.run(
+        ["ip", "netns", "exec", hosts.namespaces[i], "ip", "link", "set", hosts.interface, state],
+        check=True,
+        timeout=10,
+    )
+
+
+@pytest.mark.parametrize("cut_s", [12.0, 1.0])
+def test_a_cut_link_stops_the_cut_off_rank_itself(tmp_path, make_test_hosts, caplog, cut_s):
+    """Host 1's link goes down mid-run. Longer than the heartbeat timeout (12 s): the
+    controller drops rank 2 and closes its channel, the survivors finish, and rank 2 stops
+    itself while the link is still down, in about the heartbeat timeout (its channel's bound:
+    nothing acknowledged), well before the suite's sshd (ClientAliveInterval 5, 3 probes: 15 s)
+    would end its session (was: alive 127 s after a 60 s cut, its sockets open, the controller
+    still holding its connection). Shorter (1 s): nothing is lost."""
+    hosts = make_test_hosts(2)
+    cluster = cluster_for(
+        hosts, ranks=(2, 1), speeds=[[1.0, 0.7], [0.5]], heartbeat_timeout_s=HEARTBEAT_S
+    )
+    cut: dict[str, float] = {}
+    watcher: list[threading.Thread] = []
+
+    def cut_once(m):  # after the first epoch: host 1 off the network for cut_s
+        if cut:
+            return
+        cut["at"] = time.monotonic()
+        _set_link(hosts, 1, "down")
+
+        def restore() -> None:
+            cut["remote"] = float(len(rank_processes(hosts, 1)))
+            while rank_processes(hosts, 1) and time.monotonic() - cut["at"] < cut_s:
+                time.sleep(0.1)
+            if not rank_processes(hosts, 1):
+                cut["gone_after"] = time.monotonic() - cut["at"]
+            time.sleep(max(0.0, cut_s - (time.monotonic() - cut["at"])))
+            _set_link(hosts, 1, "up")
+
+        watcher.append(threading.Thread(target=restore, daemon=True))
+        watcher[0].start()
+
+    handle = (
+        Trainer.builder(model_factory, optim_factory, classification_step)
+        .dataset(partial(data, "train", N_TRAIN))
+        .batch_size(32)
+        .num_epochs(6)
+        .elche(ElCheConfig(mode="nccl_cadence"))
+        .cluster(cluster)
+        .logger(LoggerConfig(progress="off", tensorboard=False))
+        .metrics_fn(cut_once)
+        .output_dir(tmp_path / "job")
+        .run()
+    )
+    try:
+        handle.join(timeout=240)
+    finally:
+        if watcher:  # the cut lasts cut_s whenever the run ends: the cut-off rank is watched
+            watcher[0].join(timeout=cut_s + 10)
+    result = handle.result
+    assert cut.get("remote") == 1.0, cut  # rank 2 was running on host 1 when the link went
+    assert result.summary.status == "ok", result.summary.error
+    assert result.coverage_exact and result.summary.samples_seen == 6 * N_TRAIN
+    if cut_s < HEARTBEAT_S:
+        assert result.summary.lost_ranks == []
+        return
+    assert result.summary.lost_ranks == [2]
+    assert f"rank 2: no heartbeat for {HEARTBEAT_S:.0f} s; dropping it" in caplog.text
+    assert "gone_after" in cut, "rank 2 was still running when the link came back"
+    assert cut["gone_after"] < 2 * HEARTBEAT_S + 3.0, cut  # its own bound, not sshd's 15 s
     assert_no_rank_left(hosts)

@@ -65,6 +65,7 @@ def test_two_hosts(tmp_path: Path) -> None:
         _check_addresses(hosts)
         _check_tcp_host_to_host(hosts)
         _check_tcp_host_to_controller(hosts)
+        _check_own_shm(hosts)
         _check_kill_host(hosts)
     namespaces, bridge, sshd_pids = names
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
@@ -72,6 +73,21 @@ def test_two_hosts(tmp_path: Path) -> None:
     assert not [ns for ns in namespaces if ns in listed], listed
     assert bridge not in links, links
     assert all(not Path(f"/proc/{pid}").exists() for pid in sshd_pids)
+
+
+def _check_own_shm(hosts: TestHosts) -> None:
+    """No /dev/shm shared with the launcher or the other host (was: one /dev/shm for all, so
+    remote ranks sent bulk tensors through shared memory, never the network)."""
+    mine = Path("/dev/shm") / f"flodl-test-host-probe-{os.getpid()}"
+    mine.write_text("launcher")
+    try:
+        for i in range(len(hosts.addresses)):
+            there = hosts.ssh(i, f"ls /dev/shm; echo host{i} > /dev/shm/probe-{i}")
+            assert there.returncode == 0, there.stderr
+            assert mine.name not in there.stdout and "probe-" not in there.stdout, there.stdout
+        assert not list(Path("/dev/shm").glob("probe-*"))
+    finally:
+        mine.unlink()
 
 
 def test_fixture_makes_hosts(make_test_hosts: Callable[..., TestHosts]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from functools import partial
 from pathlib import Path
@@ -79,6 +80,9 @@ def test_stop_after_epoch_k_and_resume_equals_uninterrupted(tmp_path, request, o
     assert (payload["outer"] is not None) == (outer == "nesterov")  # the outer momentum
     resumed, state = run(tmp_path, "resumed", 3, outer=outer, resume_from=stem)
     assert [m.epoch for m in resumed.result.epochs] == [2, 3]  # the 2nd and 3rd epochs
+    # the summary counts as the console and the bundle do (was: 2, this run's epochs only)
+    summary = json.loads((tmp_path / "resumed" / "summary.json").read_text())
+    assert summary["epochs"] == 3 == resumed.result.summary.epochs
     for key, value in straight.params.items():
         assert torch.allclose(state.params[key], value, atol=1e-5), key
     # the scheduler continued where it stopped: 1e-2 x2 (two ranks) x0.7 per epoch

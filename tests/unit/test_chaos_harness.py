@@ -10,10 +10,13 @@ import sys
 import time
 
 import psutil
+import pytest
 
 from bench.chaos import matrix
 from flodl import ClusterBuilder, SshConfig
 from flodl.placement.remote import shell_line, ssh_argv
+from flodl.runtime.controller.events import Exited
+from flodl.runtime.rank import chaos
 from flodl.runtime.rank import env as rank_env
 from tests.integration.helpers import is_rank_itself, rank_pid
 
@@ -51,6 +54,27 @@ def test_matrix_cells_name_their_faults_and_victims():
     assert matrix.classify({**ok, "lost_ranks": [2]}, {1, 2}, False, aimed={1}) == "not-reached"
     assert matrix.classify({**ok, "lost_ranks": [2, 1]}, {1, 2}, False, aimed={1}) == "completed"
     assert matrix.classify(ok, {1, 2}, False, aimed={1}) == "broken"  # the set-up loss is missing
+
+
+def test_start_up_cells_and_timed_kills():
+    """A kill at each start-up moment, and one a set time after a moment: inside
+    init_process_group, which no named point reaches."""
+    assert matrix.faults("1", "form") == "1:form:1"
+    assert matrix.faults("1+2", "forming") == "1:form:1:kill@0.015,2:form:1:kill@0.015"
+    assert {"hello", "join", "form", "forming"} <= set(matrix.MOMENTS)
+    (fault,) = chaos.parse("0:join:1:kill@0.25")
+    assert (fault.moment, fault.action, fault.delay_s) == ("join", "kill", 0.25)
+    for bad in ("1:join:1:kill@x", "1:join:1:stop@1", "1:join:1:kill@-1"):
+        with pytest.raises(ValueError, match="bad fault"):
+            chaos.parse(bad)
+
+
+def test_an_exit_status_is_told_as_a_signal_or_a_code():
+    assert Exited(-9).describe() == "killed by SIGKILL — out of memory?"
+    assert Exited(-11).describe() == "killed by SIGSEGV"
+    assert Exited(137).describe() == "killed by SIGKILL — out of memory? (exit code 137)"
+    assert Exited(3).describe() == "exited with code 3"
+    assert Exited(0).describe() == "exited with code 0"
 
 
 def test_rank_lookup_skips_a_loader_worker_that_inherited_the_rank(monkeypatch):

@@ -75,3 +75,29 @@ def test_garbage_that_stays_is_named_after_the_timeout():
     inner.set("peer", b"short")
     with pytest.raises(PermissionError, match="not signed with this run's secret"):
         store.get("peer")
+
+
+def test_a_blocking_read_gives_up_once_doomed_and_waits_otherwise():
+    """gloo's exchange of addresses reads through this store: a peer killed while the group
+    forms never writes its key, and the read must end once a newer membership is announced
+    (was: until the store's timeout, start_timeout_s)."""
+    import threading
+    import time
+    from datetime import timedelta
+
+    from flodl.runtime.wire.signed_store import GivenUp, SignedStore
+
+    doomed = threading.Event()
+    store = SignedStore(dist.HashStore(), b"s" * 32, timeout_s=30.0, doomed=doomed.is_set)
+    threading.Timer(0.3, doomed.set).start()
+    t0 = time.monotonic()
+    with pytest.raises(GivenUp):
+        store.get("rank_1")
+    with pytest.raises(GivenUp):
+        store.wait(["rank_1"], timedelta(seconds=30))
+    assert time.monotonic() - t0 < 5.0
+    alive = SignedStore(dist.HashStore(), b"s" * 32, timeout_s=30.0, doomed=lambda: False)
+    threading.Timer(0.2, alive.set, ("rank_1", b"addr")).start()
+    assert alive.get("rank_1") == b"addr"  # a value that comes is waited for
+    with pytest.raises(TimeoutError):
+        alive.wait(["rank_2"], timedelta(seconds=0.3))

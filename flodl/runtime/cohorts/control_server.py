@@ -140,6 +140,8 @@ class ControlPlane:
             hello = channel.recv()
             if not isinstance(hello, Hello) or not 0 <= hello.rank < self._spec.world_size:
                 raise AuthError(f"unexpected first message {type(hello).__name__}")
+            if hello.rank in self._channel_of:  # a rank connects once: a dropped one stays out
+                raise AuthError(f"rank {hello.rank} already joined this run (or was dropped)")
         except (AuthError, OSError, EOFError, ValueError) as exc:
             self._rejects.rejected(_peer_address(sock), exc)
             channel.close()
@@ -161,8 +163,10 @@ class ControlPlane:
             try:
                 msg = channel.recv(route=self.controller.route)  # cpu_*: snapshots summed
             except (OSError, EOFError, ConnectionError) as exc:
-                if not self._closing:
+                if not self._closing and not channel.closed:
                     self.controller.post(rank, Disconnected(str(exc) or type(exc).__name__))
+                return
+            if channel.closed:  # the controller dropped this rank: nothing it sends counts
                 return
             self.controller.post(rank, msg)
 

@@ -69,6 +69,7 @@ from flodl.runtime.wire.messages import (
 
 log = logging.getLogger(__name__)
 
+_EXIT_WAIT_S = 0.5  # a closed channel waits this long for its process's exit status
 _DEADLINES_S = 0.005  # how often the deadlines are looked at (see _check_deadlines)
 
 __all__ = ["Controller", "ControllerResult", "Disconnected", "Exited", "Hooks", "RunFailed"]
@@ -118,6 +119,7 @@ class Controller:
         self._t_start = time.perf_counter()
         self._t_train = self._t_end = 0.0  # training began; its last window completed
         self._deadlines_at = -math.inf  # when _check_deadlines last looked
+        self._hung_up: dict[int, tuple[float, str]] = {}  # rank: (when lost, why), awaiting exit
 
     @property
     def alive(self) -> list[int]:
@@ -182,6 +184,8 @@ class Controller:
             return
         self._deadlines_at = now
         self.elastic.excuse_stalls()
+        if self._hung_up:
+            self._hang_ups_due(now)
         self.elastic.failure_due(now)
         timeout = self.cfg.cluster.start_timeout_s
         if self.planner.coverage is None and now - self._t_start > timeout:
@@ -215,7 +219,17 @@ class Controller:
         elif isinstance(msg, Exited):
             self._on_exit(rank, msg)
         elif isinstance(msg, Disconnected) and not self._stop_sent:
-            self.elastic.on_failure(rank, f"rank {rank} lost its control channel ({msg.reason})")
+            # A dead process closes its channel before the supervisor sees it exit: wait a
+            # moment for its exit status, which says more (a signal, an OOM kill).
+            self._hung_up.setdefault(rank, (time.perf_counter() + _EXIT_WAIT_S, msg.reason))
+
+    def _hang_ups_due(self, now: float) -> None:
+        """Channels closed with no exit status after :data:`_EXIT_WAIT_S` (a remote rank
+        whose host went away, a cohort that does not supervise processes): lost as such."""
+        for rank, (due, reason) in list(self._hung_up.items()):
+            if now >= due and not self._stop_sent:
+                del self._hung_up[rank]
+                self.elastic.on_failure(rank, f"rank {rank} lost its control channel ({reason})")
 
     def _on_rank_error(self, msg: RankError) -> None:
         """A rank's own exception. The user's code (or the non-finite policy) failing is the
@@ -230,10 +244,11 @@ class Controller:
     def _on_exit(self, rank: int, msg: Exited) -> None:
         # After Stop, a clean exit is the normal end (rank 0 only once its state arrived).
         head = self.planner.head()
+        self._hung_up.pop(rank, None)  # the exit status says more than the closed channel
         if msg.code == 0 and self._stop_sent and (self.final is not None or rank != head):
             return
         detail = f": {msg.tail}" if msg.tail else ""
-        self.elastic.on_failure(rank, f"rank {rank} exited with code {msg.code}{detail}")
+        self.elastic.on_failure(rank, f"rank {rank} {msg.describe()}{detail}")
 
     def _on_final(self, msg: Final) -> None:
         """The final weights arrived: release the ranks held in case their sender was lost."""

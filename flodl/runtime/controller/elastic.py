@@ -164,10 +164,19 @@ class Elastic:
         else:
             self._lose_early(rank, why)
 
+    def _lose(self, rank: int) -> bool:
+        """Mark ``rank`` lost and cut it off (True: it was a member): its control channel is
+        closed and nothing it sends later is read, so a rank cut off by the network and still
+        running never rejoins the run it was dropped from."""
+        if not self.members.lose(rank):
+            return False
+        self.out.detach(rank)
+        return True
+
     def _lose_early(self, rank: int, why: str) -> None:
         """Lose ``rank`` before the cohort formed: the others re-form without it and meet
         again (the same weights, a new calibration); training then starts without it."""
-        if not self.members.lose(rank):
+        if not self._lose(rank):
             return
         self.host.not_ready(rank)
         if not self.alive:
@@ -190,7 +199,7 @@ class Elastic:
         sender = not self.host.final_in() and rank == self.planner.head()
         if sender and len(self.alive) < 2:
             return False  # the final weights are gone with the last rank: fail with its message
-        if not self.members.lose(rank):
+        if not self._lose(rank):
             return True
         log.warning("lost rank %d while stopping (%s)", rank, why)
         self.planner.lose_after_stop(rank)  # the last epoch may still await its eval shard
@@ -221,7 +230,7 @@ class Elastic:
     # -- losses and regroups -----------------------------------------------------------------------
     def lose(self, rank: int, why: str) -> None:
         """Lose ``rank`` mid-run: its work goes back and the survivors regroup."""
-        if not self.members.lose(rank):
+        if not self._lose(rank):
             return
         log.warning("lost rank %d (%s); %d rank(s) go on", rank, why, len(self.alive))
         if not self.alive:

@@ -5,6 +5,7 @@ ends a run that cannot go on."""
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -21,6 +22,22 @@ class Exited:
 
     code: int
     tail: str = ""
+
+    def describe(self) -> str:
+        """How the process ended, as a lost-rank message says it: ``exited with code 1``,
+        ``killed by SIGKILL — out of memory?`` (the kernel's OOM killer sends SIGKILL; so
+        does ``kill -9``), ``killed by SIGSEGV``. A negative code is the signal (subprocess's
+        and ``os.waitstatus_to_exitcode``'s convention); 128+N is a shell's or ssh's."""
+        number = -self.code if self.code < 0 else self.code - 128 if 128 < self.code < 160 else 0
+        if not number:
+            return f"exited with code {self.code}"
+        try:
+            name = signal.Signals(number).name
+        except ValueError:
+            name = f"signal {number}"
+        hint = " — out of memory?" if number == signal.SIGKILL else ""
+        via = "" if self.code < 0 else f" (exit code {self.code})"
+        return f"killed by {name}{hint}{via}"
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,9 @@
   launcher's controller);
 * ``NTH`` — strike at the NTH time the moment is reached (default 1);
 * ``ACTION`` — ``kill`` (SIGKILL, default), ``stop`` (SIGSTOP: alive but silent) or ``raise``
-  (a ``RuntimeError`` from that point, as a user's code would).
+  (a ``RuntimeError`` from that point, as a user's code would); ``kill@SECONDS`` kills that
+  long after the moment, whatever the process is doing then (``1:join:1:kill@0.05``: inside
+  the group's formation, between the named moments).
 
 Unset — as in every real run — each :func:`point` is one environment lookup. The chaos matrix
 (``bench/chaos/matrix.py``) and its in-suite part (``tests/integration/test_chaos.py``) use it.
@@ -17,12 +19,16 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from collections import Counter
 from dataclasses import dataclass
 
 from flodl.runtime.rank import env as rank_env
 
 RANK_MOMENTS = (
+    "hello",  # the process just started: before it reaches the controller
+    "join",  # the job received, before the process group is formed
+    "form",  # every member present at the group's barrier, before gloo/NCCL connect
     "start",  # model and data built, before Ready
     "calibrate",  # during the warm-up timing, every rank in it together
     "window",  # after the first batch of a window
@@ -46,6 +52,7 @@ class Fault:
     moment: str
     nth: int = 1
     action: str = "kill"
+    delay_s: float = 0.0  # kill@SECONDS
 
 
 def parse(spec: str) -> list[Fault]:
@@ -58,13 +65,24 @@ def parse(spec: str) -> list[Fault]:
         victim, moment = fields[0], fields[1]
         nth = int(fields[2]) if len(fields) > 2 and fields[2] else 1
         action = fields[3] if len(fields) > 3 else "kill"
+        action, _, delay = action.partition("@")
+        delay_s = _seconds(delay) if action == "kill" else (-1.0 if delay else 0.0)
         moments = LAUNCHER_MOMENTS if victim == "launcher" else RANK_MOMENTS
-        if moment not in moments or action not in ("kill", "stop", "raise") or nth < 1:
+        bad = action not in ("kill", "stop", "raise") or nth < 1 or delay_s < 0
+        if moment not in moments or bad:
             raise ValueError(f"FLODL_CHAOS={spec!r}: bad fault {item!r}; moments: {moments}")
         if victim != "launcher" and not victim.isdigit():
             raise ValueError(f"FLODL_CHAOS={spec!r}: victim {victim!r} is not a rank or 'launcher'")
-        faults.append(Fault(victim, moment, nth, action))
+        faults.append(Fault(victim, moment, nth, action, delay_s))
     return faults
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text) if text else 0.0
+    except ValueError:
+        return -1.0
+    return value if value >= 0 else -1.0
 
 
 class _Chaos:
@@ -80,6 +98,11 @@ class _Chaos:
 
 
 def _strike(fault: Fault) -> None:
+    if fault.delay_s > 0:
+        kill = threading.Timer(fault.delay_s, os.kill, (os.getpid(), signal.SIGKILL))
+        kill.daemon = True
+        kill.start()
+        return
     if fault.action == "raise":
         raise RuntimeError(f"chaos: injected failure at {fault.moment}")
     os.kill(os.getpid(), signal.SIGKILL if fault.action == "kill" else signal.SIGSTOP)

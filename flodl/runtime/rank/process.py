@@ -21,7 +21,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any, NoReturn
 
-from flodl.runtime.rank import blame
+from flodl.runtime.rank import blame, chaos
 from flodl.runtime.rank import env as rank_env
 from flodl.runtime.sync import groups
 from flodl.runtime.wire.channel import Channel, connect
@@ -67,6 +67,7 @@ def _start() -> tuple[rank_env.RankEnv, bytes]:
     """A process our launcher started: logging, parent-death signal, role, secret, lifeline."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     _die_with_parent()
+
     role = rank_env.rank_env()
     secret = rank_env.read_secret()
     if role.lifeline:
@@ -116,12 +117,15 @@ def join(
     from flodl.runtime.wire.links import SocketLink, beat_interval_s
 
     spec = channel.recv()
+    chaos.point("join", role.rank)
     if isinstance(spec, Abort):  # another rank failed before this one got the job
         log.info("rank %d: the launcher ended the run (%s); exiting", role.rank, spec.reason)
         if in_launcher:
             raise RuntimeError(f"the run ended before rank {role.rank} started: {spec.reason}")
         os._exit(1)
     cluster = spec.config.cluster
+    if not in_launcher:  # a controller out of reach for the heartbeat timeout: stop (links.py)
+        channel.bound_silence(cluster.heartbeat_timeout_s)
     if role.device == "cpu":
         torch.set_num_threads(cluster.threads_per_rank)
         device = torch.device("cpu")
@@ -138,24 +142,28 @@ def join(
     try:
         groups.form(
             spec.backend,
-            _data_store(spec, secret, "generation0"),
+            _data_store(spec, secret, "generation0", doomed=lambda: link.announced_generation > 0),
             role.rank,
             role.world_size,
             cluster.start_timeout_s,
             doomed=lambda: link.announced_generation > 0,
+            on_present=lambda: chaos.point("form", role.rank),
+            failure_grace_s=_failure_grace_s(cluster),
         )
     except groups.Abandoned:  # a rank was lost before it joined: the worker forms the next one
         log.warning("rank %d: a rank was lost before the group formed; regrouping", role.rank)
     return spec, link, device
 
 
-def _data_store(spec: Any, secret: bytes, generation: str) -> Any:
+def _data_store(
+    spec: Any, secret: bytes, generation: str, doomed: Callable[[], bool] | None = None
+) -> Any:
     """The data plane's rendezvous: the launcher's store, under this job's and generation's keys,
-    every value signed with the run's secret (:mod:`flodl.runtime.wire.signed_store`)."""
+    every value signed with the run's secret (:mod:`flodl.runtime.wire.signed_store`); its
+    blocking reads are given up once ``doomed()`` (a member was lost while the group formed)."""
     prefix = f"{spec.store_prefix}/{generation}"
-    return join_store(
-        spec.store_host, spec.store_port, secret, prefix, spec.config.cluster.start_timeout_s
-    )
+    timeout_s = spec.config.cluster.start_timeout_s
+    return join_store(spec.store_host, spec.store_port, secret, prefix, timeout_s, doomed)
 
 
 def regroup(
@@ -173,12 +181,20 @@ def regroup(
         return  # a lone survivor trains on alone
     groups.form(
         spec.backend,
-        _data_store(spec, secret, f"generation{generation}"),
+        _data_store(spec, secret, f"generation{generation}", doomed),
         members.index(role.rank),
         len(members),
         spec.config.cluster.start_timeout_s,
         doomed=doomed,
+        failure_grace_s=_failure_grace_s(spec.config.cluster),
     )
+
+
+def _failure_grace_s(cluster: Any) -> float:
+    """How long a failed formation waits for the controller to name a lost member before it is
+    taken for the rank's own failure: a silent host is declared lost after the heartbeat
+    timeout."""
+    return float(min(2 * cluster.heartbeat_timeout_s, cluster.start_timeout_s))
 
 
 def leave(link: Any) -> None:
@@ -189,6 +205,7 @@ def leave(link: Any) -> None:
 def run_managed(role: rank_env.RankEnv, secret: bytes, in_launcher: bool = False) -> int:
     """Join the controller as ``role`` and run its plans until it says stop; the exit code.
     ``in_launcher``: this rank is a thread of the launcher's process (never exit the process)."""
+    chaos.point("hello", role.rank)
     channel = _hello(role, secret)
     link = None
     try:

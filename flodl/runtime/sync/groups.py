@@ -73,6 +73,8 @@ def form(
     timeout_s: float,
     doomed: Callable[[], bool] | None = None,
     poll_s: float = POLL_S,
+    on_present: Callable[[], None] | None = None,
+    failure_grace_s: float = GRACE_S,
 ) -> None:
     """Join a new default group (blocks until every member has joined, or the timeout).
 
@@ -80,17 +82,92 @@ def form(
     block), so a formation that a newer membership made pointless — a member died while the
     others were forming, or two died at once — is given up (:class:`Abandoned`) as soon as
     ``doomed()`` says so, instead of waiting out the timeout for a rank that will never come.
-    Only then does ``init_process_group`` run, with every member known to be there."""
-    import torch.distributed as dist
-
+    Only then does ``init_process_group`` run, with every member known to be there. A member
+    lost inside it (published its address, never connected: gloo would wait for it until the
+    timeout) is survived the same way: the store's blocking reads give up once ``doomed()``
+    (a store made with it, :func:`flodl.runtime.wire.store.join_store`), the formation itself
+    runs in a thread (:class:`_Init`) left behind once ``doomed()`` and the grace are over, and a
+    formation that failed (a peer's connection refused or closed) is :class:`Abandoned` when a
+    newer membership is announced within ``failure_grace_s``; any other failure is raised."""
     _await_members(store, rank, world_size, timeout_s, doomed, poll_s)
-    dist.init_process_group(
-        backend,
-        store=store,
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    if on_present is not None:
+        on_present()
+    init = _Init(backend, store, rank, world_size, timeout_s)
+    while not init.done.wait(poll_s):
+        if doomed is not None and doomed():
+            if not init.done.wait(GRACE_S):
+                init.abandoned = True  # blocked on a peer that will never connect: left behind
+                raise Abandoned(settled=False)
+            if init.failure is None:
+                release()  # formed after all, for a membership that is gone
+            raise Abandoned(settled=True)
+    failure = init.failure
+    if failure is not None:
+        if doomed is not None and _announced(doomed, failure_grace_s, poll_s):
+            log.warning("forming the group failed after a member was lost: %s", failure)
+            raise Abandoned(settled=True)
+        raise failure
+
+
+class _Init(threading.Thread):
+    """``init_process_group`` in a thread of its own: gloo connects every pair of members inside
+    it and waits out the group's timeout for a peer killed halfway (it published its address,
+    it never connects), so the caller watches ``doomed()`` meanwhile and may leave it behind.
+    A daemon thread: neither the rank's loop nor its exit waits for it; the blocked
+    formation fails at its timeout, as nothing can complete a mesh with a dead member."""
+
+    def __init__(self, backend: str, store: Any, rank: int, world_size: int, timeout_s: float):
+        super().__init__(name="flodl-form-group", daemon=True)
+        self.args = (backend, store, rank, world_size, timeout_s)
+        self.done = threading.Event()
+        self.failure: BaseException | None = None
+        self.abandoned = False
+        self.start()
+
+    def run(self) -> None:
+        import torch.distributed as dist
+
+        backend, store, rank, world_size, timeout_s = self.args
+        _name_from_zero()
+        try:
+            dist.init_process_group(
+                backend,
+                store=store,
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=timeout_s),
+            )
+        except BaseException as exc:  # whatever gloo/NCCL raised: a lost peer's or not
+            self.failure = exc
+        finally:
+            self.done.set()
+        if self.abandoned and self.failure is None:  # not seen: see the docstring
+            log.error("a group formation given up after %.0f s has completed after all", GRACE_S)
+
+
+def _name_from_zero() -> None:
+    """Name the default group as every member names it. torch names it from a counter
+    (``_world.group_count``, checked against torch 2.13.0) that each formation increments and
+    only ``destroy_process_group`` resets: after a formation that failed or was left behind on
+    this rank but succeeded (and was destroyed) on another, the two would look for each other's
+    addresses under different names, each until the timeout. No default group exists here, so
+    nothing else is named from the counter."""
+    from torch.distributed import distributed_c10d as c10d
+
+    world = getattr(c10d, "_world", None)
+    if world is not None and hasattr(world, "group_count") and not c10d.is_initialized():
+        world.group_count = 0
+
+
+def _announced(doomed: Callable[[], bool], grace_s: float, poll_s: float) -> bool:
+    """Whether ``doomed()`` says so within ``grace_s``: the controller announces a lost member
+    at once when its process exits, after the heartbeat timeout when its host went silent."""
+    deadline = time.monotonic() + grace_s
+    while not doomed():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll_s)
+    return True
 
 
 def _await_members(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import pickle
 import socket
@@ -27,6 +28,8 @@ from functools import partial
 from typing import Any
 
 from flodl.runtime.wire import shm, streaming
+
+log = logging.getLogger(__name__)
 
 PIECE_BYTES = 16 << 20  # a consumed tensor arrives in pieces of this size (aligned)
 Consume = Callable[[int, memoryview], None]
@@ -309,6 +312,35 @@ class Channel:
                 self._recv_into(buf[:k])
                 consume(pos, buf[:k])
                 pos += k
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def bound_silence(self, timeout_s: float) -> None:
+        """Fail this connection once the peer's host has acknowledged nothing for
+        ``timeout_s`` (``TCP_USER_TIMEOUT``, Linux; keep-alive probes keep data in flight when
+        nothing else is): a network cut then ends it whatever ssh or sshd keep-alive settings
+        are. A peer process that is merely frozen (SIGSTOP) still has its kernel acknowledge,
+        so it is not taken for gone."""
+        if self.sock.family not in (socket.AF_INET, socket.AF_INET6):
+            return
+        ms = max(1000, int(timeout_s * 1000))
+        every = max(1, int(timeout_s / 4))
+        opts = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
+        for name, value in (
+            ("TCP_USER_TIMEOUT", ms),
+            ("TCP_KEEPIDLE", every),
+            ("TCP_KEEPINTVL", every),
+            ("TCP_KEEPCNT", 4),
+        ):
+            if hasattr(socket, name):
+                opts.append((socket.IPPROTO_TCP, getattr(socket, name), value))
+        for level, opt, value in opts:
+            try:
+                self.sock.setsockopt(level, opt, value)
+            except OSError as exc:  # not Linux, or not a TCP socket after all
+                log.debug("socket option %s not set: %s", opt, exc)
 
     def close(self) -> None:
         if self._closed:

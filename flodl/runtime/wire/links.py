@@ -6,10 +6,13 @@ single-device path runs the very same loop as a process-per-rank cohort.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import os
 import pickle
 import queue
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -89,6 +92,14 @@ class Outbound:
     def attach(self, rank: int, link: Any) -> None:
         self.links[rank] = link
 
+    def detach(self, rank: int) -> None:
+        """``rank`` was dropped: nothing more goes to it, and its control channel is closed,
+        so a rank that is still alive somewhere (cut off, frozen) finds itself dropped and
+        stops when it can tell (:class:`SocketLink`), and nothing it sends is read."""
+        link = self.links.pop(rank, None)
+        if isinstance(link, Channel):
+            link.close()
+
     def send(self, rank: int, msg: Any) -> None:
         link = self.links.get(rank)
         if link is None:  # never attached (lost before it said hello): nothing to tell it
@@ -154,6 +165,15 @@ def in_process_link(post: Callable[[int, Any], None], rank: int = 0) -> tuple[Qu
     return rank_link, controller_link
 
 
+def _say_unblocked(line: str) -> None:
+    """Write ``line`` to stdout without waiting: a remote rank's stdout is its ssh session, which
+    a network cut stalls; a blocked write (or logging's lock, held by another thread blocked in
+    one) would keep the rank from stopping."""
+    with contextlib.suppress(OSError, ValueError):
+        os.set_blocking(1, False)  # the process ends right after: nothing else writes there
+        os.write(1, line.encode())
+
+
 class SocketLink(_InboxLink):
     """The rank's end of the control channel; a reader thread keeps receiving in the background.
 
@@ -206,8 +226,7 @@ class SocketLink(_InboxLink):
                 msg = self.channel.recv()
             except (OSError, EOFError, ConnectionError) as exc:
                 if not self.stopping and not self.in_launcher:
-                    log.error("rank %d: control channel lost (%s); exiting", self.rank, exc)
-                    os._exit(3)
+                    self._stop_alone(exc)
                 self._inbox.put(_CLOSED)
                 return
             if isinstance(msg, Abort):  # not an error of ours: the launcher said why
@@ -228,6 +247,22 @@ class SocketLink(_InboxLink):
             # Not held while the next message is awaited: an Average (a weight copy) would
             # otherwise live on through the whole next window, at the rank's peak.
             del msg
+
+    def _stop_alone(self, exc: BaseException) -> None:
+        """The controller is gone or out of reach: this rank stops itself, its loader workers
+        with it, whatever it was doing (a collective included). A rank the controller has
+        dropped must not train on beside the survivors: no split brain. A network cut is
+        found by the channel's own bound (:meth:`Channel.bound_silence`: nothing acknowledged
+        for the heartbeat timeout), not by ssh's keep-alive."""
+        if isinstance(exc, OSError) and exc.errno == errno.ETIMEDOUT:
+            why = "the controller's host acknowledged nothing for the heartbeat timeout"
+        else:
+            why = f"control channel lost ({exc})"
+        _say_unblocked(f"ERROR rank {self.rank}: {why}; stopping this rank\n")
+        with contextlib.suppress(OSError):
+            if os.getpgid(0) == os.getpid():  # our own process group: loader workers too
+                os.killpg(os.getpid(), signal.SIGTERM)  # this process too, or _exit next
+        os._exit(3)
 
     def send(self, msg: Any) -> None:
         self.channel.send(msg)

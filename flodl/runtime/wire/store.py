@@ -10,6 +10,7 @@ torchelastic uses), so a loopback run's store is reachable from this machine onl
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -72,11 +73,19 @@ def rendezvous_store(host: str, port: int, world_size: int, serve: bool, timeout
     )
 
 
-def join_store(host: str, port: int, secret: bytes, prefix: str, timeout_s: float = 300.0) -> Any:
-    """A rank's view of the launcher's store: ``prefix``'s keys, values signed with ``secret``."""
+def join_store(
+    host: str,
+    port: int,
+    secret: bytes,
+    prefix: str,
+    timeout_s: float = 300.0,
+    doomed: Callable[[], bool] | None = None,
+) -> Any:
+    """A rank's view of the launcher's store: ``prefix``'s keys, values signed with ``secret``;
+    blocking reads given up once ``doomed()`` (:mod:`flodl.runtime.wire.signed_store`)."""
     from torch.distributed import PrefixStore, TCPStore
 
     from flodl.runtime.wire.signed_store import SignedStore
 
     store = TCPStore(host, port, is_master=False, use_libuv=False)
-    return SignedStore(PrefixStore(prefix, store), secret, timeout_s)
+    return SignedStore(PrefixStore(prefix, store), secret, timeout_s, doomed)
