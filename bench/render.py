@@ -550,7 +550,9 @@ def memory_block(data: dict[str, Any]) -> str:
                 status,
                 _num(r["samples_per_s"], ".1f"),
                 _num(r["vs_solo_T_matched"], ".2f") + ("\u00d7" if r["vs_solo_T_matched"] else ""),
-                _num(r["vs_noplan_T_matched"], ".3f"),
+                _num(
+                    r["vs_noplan_T_matched"] if r["variant"] in ("fits", "noplan") else None, ".3f"
+                ),
                 _num(r["test_accuracy"], ".3f"),
                 _num(r["final_loss"], ".3f"),
                 _list(r.get("peak_mem_mb"), ".0f"),
@@ -569,7 +571,35 @@ def memory_block(data: dict[str, Any]) -> str:
         '"@T": samples per calibrated nominal step, the rig\'s fair comparison across runs '
         "whose calibrated steps differ."
     )
-    return _machine(data) + "\n\n" + setup + "\n\n" + _table(header, rows)
+    by = {r["variant"]: r for r in data["rows"]}
+    verdicts = []
+    solo = by.get("solo") or {}
+    for name, ranks, goal in (("plan3", 3, 1.4), ("plan2", 2, 1.2)):
+        r = by.get(name) or {}
+        if r.get("vs_solo_T_matched") is not None:
+            v = r["vs_solo_T_matched"]
+            verdicts.append(
+                f"{ranks} ranks: {v:.2f}\u00d7 the big rank alone at equal step (goal \u2265 {goal}"
+                f"\u00d7: {'met' if v >= goal else 'missed'}), test accuracy "
+                f"{_num(r.get('test_accuracy'))} against solo's {_num(solo.get('test_accuracy'))}"
+            )
+    fits = (by.get("fits") or {}).get("vs_noplan_T_matched")
+    if fits is not None:
+        verdicts.append(
+            f"the plan where nothing needs one: {fits:.3f} of `memory_plan=none`'s throughput "
+            f"(goal: at most 2 % slower: {'met' if fits >= 0.98 else 'missed'})"
+        )
+    plan3, raw = by.get("plan3") or {}, None
+    if plan3.get("nominal_step_ms") and solo.get("nominal_step_ms"):
+        raw = plan3["nominal_step_ms"] / solo["nominal_step_ms"]
+    note = (
+        f" Raw samples/s are not comparable across these rows: three ranks calibrating at once on "
+        f"this machine's cores measure a step {raw:.2f}\u00d7 longer than one rank alone."
+        if raw
+        else ""
+    )
+    summary = ("; ".join(verdicts) + "." + note) if verdicts else ""
+    return _machine(data) + "\n\n" + setup + "\n\n" + _table(header, rows) + "\n\n" + summary
 
 
 def replace_block(text: str, name: str, body: str) -> str:
