@@ -159,7 +159,7 @@ class Job:
             self._close_outputs()
             if dashboard is not None and not cfg.logger.keep_serving:
                 dashboard.stop()
-        if run.summary.status == "failed":  # a failed save: stopped cleanly, summary written
+        if run.summary.status == "failed":  # a failed save, too many ranks lost: summary written
             raise RunFailed(run.summary.error or "the run failed")
         return run  # ok, or interrupted (a graceful stop: what was trained, what was saved)
 
@@ -302,6 +302,13 @@ class Job:
             summary.status = "failed"
             summary.error = (
                 f"{result.save_error}; the trained state was saved to {self.job_dir / 'model.pt'}"
+            )
+        elif result.stopped == "max_failure":  # a failure, not an interruption: exit 1
+            summary.status = "failed"
+            summary.error = (
+                f"stopped: ranks {result.lost_ranks} lost, more than trainer.max_failure="
+                f"{self.spec.config.max_failure} allows; saved: {result.saved or 'nothing'}, "
+                f"the trained state in {self.job_dir / 'model.pt'}"
             )
         elif result.stopped is not None and result.stopped_early is None:
             summary.status = "interrupted"

@@ -3,6 +3,7 @@ every sample of every epoch is still trained exactly once."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -13,6 +14,7 @@ import torch
 
 from flodl import ClusterConfig, ElCheConfig, LoggerConfig, Trainer
 from flodl.recipes.steps import accuracy, classification_step
+from flodl.runtime.controller.events import RunFailed
 
 from .helpers import bn_model_factory, data, model_factory, optim_factory, rank_pid
 
@@ -113,15 +115,16 @@ def test_max_failure_saves_and_stops(tmp_path):
     handle, _killed = killing_run(
         tmp_path, "nccl_cadence", ranks=3, victim=1, epochs=4, max_failure=0, save_path=stem
     )
-    with pytest.raises(KeyboardInterrupt):
-        handle.join(timeout=300)
+    with pytest.raises(RunFailed, match=r"ranks \[1\] lost, more than trainer.max_failure=0"):
+        handle.join(timeout=300)  # a failure (exit 1), not an interruption (130)
     from flodl.checkpoint.bundle import load_bundle
 
     _, meta = load_bundle(stem)
     assert meta.save_reason == "max_failure"
     assert meta.extra["lost_ranks"] == [1]
-    summary = (tmp_path / "nccl_cadence" / "summary.json").read_text()
-    assert '"status": "interrupted"' in summary
+    summary = json.loads((tmp_path / "nccl_cadence" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["lost_ranks"] == [1]
+    assert (tmp_path / "nccl_cadence" / "model.pt").exists()
 
 
 @pytest.mark.parametrize("victim", [1, 2])

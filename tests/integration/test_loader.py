@@ -17,6 +17,7 @@ from flodl.checkpoint.bundle import load_bundle
 from flodl.data.source import epoch_permutation
 from flodl.recipes.models import MLP
 from flodl.runtime.cohorts import fork_server
+from flodl.runtime.controller.events import RunFailed
 
 from .helpers import CLASSES, SHAPE, data, optim_factory, rank_pid
 
@@ -175,7 +176,7 @@ def test_resume_mid_epoch_with_workers(tmp_path, monkeypatch):
     monkeypatch.setenv("FLODL_CHAOS", "1:window:3")
     stem = str(tmp_path / "ckpt" / "run")
     first = loader_run(tmp_path, "killed", max_failure=0, save_path=stem)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(RunFailed, match="max_failure=0"):
         first.join(timeout=120)
     _, meta = load_bundle(stem)
     assert meta.save_reason == "max_failure" and meta.extra["lost_ranks"] == [1]
