@@ -27,7 +27,6 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from flodl.checkpoint.shards import MODEL, load_shard, process_local, rank_shard, write_shard
-from flodl.config import Mode
 from flodl.data.loader import collate_for, data_path, eval_batches
 from flodl.data.residency import place
 from flodl.data.source import BatchSource, batch_samples, count_batches, resolve_dataset
@@ -37,11 +36,10 @@ from flodl.rig.memory import DeviceMemory, MiB, training_state
 from flodl.rig.pacing import Pacer, measure_step_s, probe_model
 from flodl.runtime.rank import blame, chaos
 from flodl.runtime.rank.spec import JobSpec, state_signature
+from flodl.runtime.rank.sync_modes import SoloSync, sync_for
 from flodl.runtime.sync import groups
-from flodl.runtime.sync.averaging import FlatState, collective_average
+from flodl.runtime.sync.averaging import FlatState
 from flodl.runtime.sync.compress import Compressor
-from flodl.runtime.sync.gradsync import GradSync
-from flodl.runtime.sync.outer import make_outer
 from flodl.runtime.wire.messages import (
     Average,
     EvalResult,
@@ -123,21 +121,14 @@ class Worker:
         self.pacer = Pacer(spec.speeds[rank] if spec.pace else 1.0)
         links.install(links.model_for_rank(self.cfg.cluster, rank))  # cluster.link: the wire
         self._last_sync_ms: float | None = None
-        self._last_divergence: float | None = None
         self._sync_started: float | None = None
         self._eval_ms = 0.0
         self._epoch = -1
-        self._outstanding: list[int] = []
-        self._whole: set[int] = set()  # cpu_async: windows whose average is taken whole
         self._pending: collections.deque[Any] = collections.deque()
         self._nonfinite = 0
         self._unaveraged = -1  # a window whose averaging failed, until the controller knows
         self._step = 0  # this rank's optimizer steps so far (per-step logging)
-        self.grad_sync: GradSync | None = None  # nccl_sync's gradient all-reduce (built later)
-        self.compressor: Compressor | None = None  # elche.compress (built later)
         self.memory: DeviceMemory | None = None  # cluster.memory_mb on the rig (built later)
-        self._grad_window = False  # this window's gradients are all-reduced in backward
-        self._grad_failed = False  # ...and that all-reduce failed (a peer is gone)
 
     # -- set-up ------------------------------------------------------------------------------
     def build(self) -> None:
@@ -158,11 +149,10 @@ class Worker:
         )
         self.optimizer = self.spec.optim_factory(self.model.parameters())
         self._simulate_memory()
-        if self.mode is Mode.NCCL_SYNC and self.spec.world_size > 1:
-            self.grad_sync = GradSync(self.model, doomed=self._doomed, buffers=self.state.buffers)
-        self.outer = make_outer(self.cfg.elche, self.state.n_params)
-        compress = self.cfg.elche.compress
-        self.compressor = Compressor(compress) if compress != "none" else None
+        # How this rank agrees on weights with the others: chosen once, from elche.mode.
+        self.sync: SoloSync = sync_for(self, self.cfg.elche, self.spec.world_size)
+        self.outer = self.sync.outer  # the outer step's state, saved with the weights
+        self.compressor: Compressor | None = self.sync.compressor  # elche.compress
         with self._memory_host():  # read or generated into host memory (placement decides)
             dataset = resolve_dataset(self.spec.dataset)
         self.batch_size = self._own_batch_size(dataset)
@@ -356,7 +346,7 @@ class Worker:
         """A control message that is neither a plan nor a stop: an average (cpu_*), a resume's
         state, a new membership. Shared with the cooperative tier's loop."""
         if isinstance(msg, Average):
-            self._apply_average(msg)
+            self.sync.take(msg)
         elif isinstance(msg, Restore):
             self.restore(msg)
         elif isinstance(msg, Regroup):
@@ -380,8 +370,7 @@ class Worker:
             )
             groups.release(exc.abandoned)
             return None
-        if self.outer is not None:
-            self.outer.reset(self.state.current())  # reset copies
+        self.sync.reset_outer()
         return step_ms
 
     def _together(self, t: torch.Tensor, op: Any = None, broadcast: bool = False) -> None:
@@ -453,10 +442,7 @@ class Worker:
     def finish(self, msg: Stop) -> None:
         """Save and send what Stop asks; a held rank then waits for the controller's next Stop:
         its release, or the order to take over from a lost sender (its weights are the same)."""
-        while self._outstanding:  # cpu_async: take the averages still in flight
-            reply = self.link.recv()
-            if isinstance(reply, Average):
-                self._apply_average(reply)
+        self.sync.drain()  # cpu_async: take the averages still in flight
         saved = ""  # the save this rank's own shard went to (a takeover adds the weights)
         while True:
             if msg.checkpoint:
@@ -631,32 +617,8 @@ class Worker:
             self.log_step(tally)
             if tally.batches == 1:
                 chaos.point("window", self.rank)
-            if self._outstanding:
-                self._take_arrived(tally)
+            self.sync.between_steps(tally)
         self.end_window(window, tally)
-
-    def _take_arrived(self, tally: WindowTally) -> None:
-        """cpu_async: blend in, between two steps, every average that has arrived. The rank
-        keeps training while an average round-trips and blends it in as soon as it is here:
-        taken only when the rank ran out of overshoot, an average lands windows late (the
-        controller plans ahead, so plans queue in front of it), and each blend then pulls the
-        rank back towards weights that many windows old. Plans ahead of an average keep their
-        order for the loop (as :meth:`average` keeps them); anything else (a stop, a regroup)
-        ends the look, and nothing is blended while micro-batches accumulated on the current
-        weights wait for their step."""
-        if self.runner.pending:
-            return
-        t0 = time.perf_counter()
-        while self._outstanding:
-            waiting = self.link.peek()
-            if not waiting or not isinstance(waiting[0], (Average, Plan)):
-                break
-            msg = self.link.recv()
-            if isinstance(msg, Average):
-                self._apply_average(msg)
-            else:
-                self._pending.append(msg)
-        tally.blend_ms += (time.perf_counter() - t0) * 1000.0
 
     def _fetch_train(self, batches: Any, last: bool) -> tuple[float, Any]:
         with blame.user_code("dataset"):
@@ -692,11 +654,7 @@ class Worker:
             elapsed = (time.perf_counter() - self._sync_started) * 1000.0
             self._last_sync_ms = max(0.0, elapsed - self._eval_ms)
         self._eval_ms = 0.0
-        self._grad_window = window.grad_sync and self.grad_sync is not None and self.distributed
-        self._grad_failed = False
-        if self.grad_sync is not None:
-            self.grad_sync.weight = window.weight  # this rank's share of the step's samples
-            self.grad_sync.buffer_weight = window.buffer_weight
+        self.sync.begin(window)
         own = sum(size for _, size in window.chunks)
         self._clock, self._own_done = (window.progress, window.window_samples, own), 0
         return WindowTally(time.perf_counter(), overrun_s=self.pacer.overrun_s)
@@ -708,7 +666,7 @@ class Worker:
         self.check_weights(f"after window {window.index}")
         loss_sum, loss_count, batches = tally.loss_sum, tally.loss_count, tally.batches
         self._sync_started = time.perf_counter() - tally.blend_ms / 1000.0
-        snapshot = self._snapshot() if self.mode.via_controller else None
+        snapshot = self.sync.snapshot()
         self.link.send(
             Report(
                 rank=self.rank,
@@ -722,7 +680,7 @@ class Worker:
                 loss_count=loss_count,
                 scalars=drain_scalars(),
                 prev_sync_ms=self._last_sync_ms,
-                prev_divergence=self._last_divergence,
+                prev_divergence=self.sync.last_divergence,
                 lr=float(self.optimizer.param_groups[0]["lr"]),
                 snapshot=snapshot,
                 data_ms=tally.data_ms,
@@ -733,20 +691,13 @@ class Worker:
         )
         del snapshot  # sent: nothing of it is kept while the average is awaited
         chaos.point("report", self.rank)
-        if self.average(window) and window.settle:
+        if self.sync.average(window) and window.settle:
             self.link.send(Settled(self.rank, window.index))
         if window.checkpoint_after:
             chaos.point("checkpoint", self.rank)
             self.save_shards(window.index, window.save_tag, window.write_weights)
         if window.eval_after:
             self.evaluate(window)
-
-    def _snapshot(self) -> torch.Tensor:
-        """The weights for the controller: the flat storage itself when the link serialises
-        while sending (nothing changes it before ``send`` returns), else a copy."""
-        if getattr(self.link, "serialises", False):
-            return self.state.current().cpu()
-        return self.state.flatten().cpu()
 
     def _simulate_memory(self) -> None:
         """CPU rig with ``cluster.memory_mb``: from here on the rank's allocations count against
@@ -840,8 +791,7 @@ class Worker:
     def train_batch(self, batch: list[torch.Tensor], last: bool = False) -> float:
         """One micro-batch: forward in the run's precision, backward, and the optimizer step once
         ``accumulate_grad_batches`` micro-batches are in (or ``last``: the window ends)."""
-        if self._grad_window and self.grad_sync is not None:  # the step's last micro-batch
-            self.grad_sync.armed = last or self.runner.pending + 1 >= self.runner.accumulate
+        self.sync.arm(last)
         with blame.user_code("train_step"), self.runner.autocast():
             loss = self.spec.train_step(self.train_model, batch)
         value = float(loss.detach())
@@ -856,10 +806,7 @@ class Worker:
     def optimizer_step(self) -> None:
         """Step over the pending micro-batches; one whose gradients are not finite (checked in
         every precision, after the gradient all-reduce of nccl_sync) is skipped and counted."""
-        if self._grad_window and self.grad_sync is not None and not self._grad_failed:
-            t0 = time.perf_counter()
-            self._grad_failed = not self._collective(self.grad_sync.finish, "gradient all-reduce")
-            self.pacer.exempt(time.perf_counter() - t0)
+        self.sync.reduce_gradients()
         if not self.runner.step(self.model, self.optimizer):
             scaler = " (16-mixed: the GradScaler lowered its scale)" if self.runner.scaler else ""
             self._skip_nonfinite("gradients", f"non-finite gradients{scaler}")
@@ -907,84 +854,7 @@ class Worker:
             "from the last one with a lower learning rate or trainer.max_grad_norm"
         )
 
-    # -- averaging -----------------------------------------------------------------------------
-    def average(self, window: Window) -> bool:
-        """Average after ``window``; False when a collective averaging of it failed (the work
-        of a rank lost in it never reached this rank's weights)."""
-        if self.world == 1 or self.mode is Mode.SOLO:
-            return True
-        chaos.point("average", self.rank)
-        if not self.mode.via_controller:
-            # The guard reads divergence; lock-step sync modes never consult it. Without an
-            # outer step it is measured inside the average (no copy of the weights kept).
-            if self._grad_window:  # parameters and float buffers agree: averaged in the step
-                averaged = not self._grad_failed
-                if not averaged:
-                    self._unaveraged = window.index
-                    self._await_regroup()
-                elif self.outer is not None:  # the same update on every rank: still in step
-                    self._outer_step()
-                return averaged
-            guard = not self.mode.is_sync
-            before = self.state.flatten() if guard and self.outer is not None else None
-            if not self._averaged(window.weight, window.buffer_weight, measure=guard):
-                self._unaveraged = window.index  # the lost rank's work there never arrived
-                self._await_regroup()
-                return False
-            if self.outer is not None:
-                self._outer_step()
-                if self.compressor is not None:  # the same step on every rank: still shared
-                    self.compressor.reset(self.state.current())
-            if before is not None:
-                self._last_divergence = self.state.divergence(before, self.state.current())
-            return True
-        self._outstanding.append(window.index)
-        limit = window.max_overshoot if self.mode is Mode.CPU_ASYNC else 0
-        if window.consensus:  # cpu_async, an epoch's end: wait for it, take it whole
-            self._whole.add(window.index)
-            limit = 0
-        while len(self._outstanding) > limit:
-            msg = self.link.recv()
-            if isinstance(msg, Average):
-                self._apply_average(msg)
-            elif isinstance(msg, Regroup):
-                self.regroup(msg)
-            else:  # a plan or stop that arrived ahead of the average: keep it for the loop
-                self._pending.append(msg)
-        return True
-
-    def _outer_step(self) -> None:
-        """The outer (Nesterov) step, in place on the model's own storage when it is shared
-        (no copy of the weights; the outer state itself is the outer optimizer's)."""
-        assert self.outer is not None
-        flat = self.state.current()
-        out = self.outer.step(flat)
-        if out is not self.state.shared():
-            self.state.load(out)
-
     # -- membership ------------------------------------------------------------------------------
-    def _averaged(self, weight: float, buffer_weight: float, measure: bool = False) -> bool:
-        """The collective average; False when a peer is gone (the group is then released) or
-        the controller announced a new membership while it was in flight (abandoned).
-        ``measure``: record the divergence from the average (the guard's signal)."""
-
-        def average() -> None:
-            divergence = collective_average(
-                self.state,
-                weight,
-                buffer_weight,
-                doomed=self._doomed,
-                measure=measure,
-                compressor=self.compressor,
-            )
-            if divergence is not None:
-                self._last_divergence = divergence
-
-        averaged = self._collective(average, "averaging")
-        if not averaged and self.compressor is not None:
-            self.compressor.invalidate()  # the survivors may not share the last average now
-        return averaged
-
     def _collective(self, run: Callable[[], Any], what: str) -> bool:
         """Run one of the step's collectives; False when a peer is gone (the group released)."""
         failure, abandoned = None, False
@@ -1026,7 +896,7 @@ class Worker:
                 self.regroup(msg)
                 return
             if isinstance(msg, Average):
-                self._apply_average(msg)
+                self.sync.take(msg)
             else:
                 self._pending.append(msg)
 
@@ -1036,11 +906,8 @@ class Worker:
             return
         chaos.point("regroup", self.rank)
         self.generation = msg.generation
-        if self.compressor is not None:  # the survivors' next average goes whole
-            self.compressor.invalidate()
+        self.sync.on_regroup(msg)  # the survivors' next average goes whole
         self._void_after = msg.last_window
-        self._outstanding = [w for w in self._outstanding if w <= msg.last_window]
-        self._whole.intersection_update(self._outstanding)
         self.world = len(msg.members)
         if self.regroup_fn is not None:
             try:
@@ -1055,40 +922,12 @@ class Worker:
         if self._doomed():  # lost another rank meanwhile: form the newer membership now, before
             self._await_regroup()  # any window of this plan runs a collective on no group
             return
-        if self.distributed and not self.mode.via_controller:
-            share = msg.weights[self.rank]
-            if not self._averaged(share, share):  # a survivor died while regrouping
-                self._await_regroup()
-                return
-        if self.outer is not None:
-            self.outer.reset(self.state.current())  # reset copies
+        if self.distributed and not self.sync.after_regroup(msg):  # a survivor died meanwhile
+            self._await_regroup()
+            return
+        self.sync.reset_outer()
         self.link.send(Regrouped(self.rank, msg.generation, self._unaveraged))
         self._unaveraged = -1
-
-    def _apply_average(self, msg: Average) -> None:
-        """Take an average: in cpu_async blended in at ``easgd_alpha`` (EASGD's pull towards
-        the centre), except an epoch's last (``Window.consensus``), which every rank takes
-        whole: the epoch ends at the ranks' average, so evaluation, a checkpoint and the final
-        weights see the consensus and not one rank's local weights halfway to it (LeNet, 32 a
-        rank, three runs: 0.932-0.953 evaluated on local weights, 0.944-0.962 on the average)."""
-        if msg.window in self._outstanding:
-            self._outstanding.remove(msg.window)
-        whole = msg.window in self._whole
-        self._whole.discard(msg.window)
-        if msg.flat is None:  # the controller could not average this round: keep our weights
-            return
-        center = msg.flat.to(self.device)
-        before = self.state.current()  # read before the load: no copy of the weights
-        alpha = self.cfg.elche.effective_easgd_alpha
-        if alpha is None or whole:
-            # the guard's signal stays the blend's: ||before - blend|| = alpha ||before - centre||
-            divergence = self.state.divergence(before, center)
-            self._last_divergence = divergence * (1.0 if alpha is None else alpha)
-            self.state.load(center)
-            return
-        after = center.mul_(alpha).add_(before, alpha=1 - alpha)
-        self._last_divergence = self.state.divergence(before, after)
-        self.state.load(after)
 
     # -- evaluation ----------------------------------------------------------------------------
     def evaluate(self, window: Window) -> None:
