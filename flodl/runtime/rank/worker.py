@@ -8,12 +8,10 @@ plans the next window while the collective runs.
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import itertools
 import logging
 import math
-import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -24,18 +22,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
-from flodl.checkpoint.shards import MODEL, load_shard, process_local, rank_shard, write_shard
 from flodl.data.loader import collate_for, data_path, eval_batches
 from flodl.data.residency import place
 from flodl.data.source import BatchSource, batch_samples, count_batches, resolve_dataset
 from flodl.monitor.metrics import drain_scalars
 from flodl.rig import links
-from flodl.rig.memory import DeviceMemory, MiB, training_state
+from flodl.rig.memory import DeviceMemory
 from flodl.rig.pacing import Pacer, measure_step_s, probe_model
 from flodl.runtime.rank import blame, chaos
+from flodl.runtime.rank.memory import RankMemory
 from flodl.runtime.rank.spec import JobSpec, state_signature
+from flodl.runtime.rank.state import CheckpointState
 from flodl.runtime.rank.sync_modes import SoloSync, sync_for
 from flodl.runtime.sync import groups
 from flodl.runtime.sync.averaging import FlatState
@@ -45,7 +43,6 @@ from flodl.runtime.wire.messages import (
     EvalResult,
     Final,
     Plan,
-    RankState,
     Ready,
     Regroup,
     Regrouped,
@@ -128,7 +125,13 @@ class Worker:
         self._nonfinite = 0
         self._unaveraged = -1  # a window whose averaging failed, until the controller knows
         self._step = 0  # this rank's optimizer steps so far (per-step logging)
-        self.memory: DeviceMemory | None = None  # cluster.memory_mb on the rig (built later)
+        # The rank's device memory: the rig's simulated device, the plan, the peak.
+        self.device_memory = RankMemory(self.cfg, rank, device, self.pacer, spec.pace)
+
+    @property
+    def memory(self) -> DeviceMemory | None:
+        """The rig's simulated device (``cluster.memory_mb``); None when not simulated."""
+        return self.device_memory.rig
 
     # -- set-up ------------------------------------------------------------------------------
     def build(self) -> None:
@@ -148,12 +151,12 @@ class Worker:
             self.cfg.max_grad_norm,
         )
         self.optimizer = self.spec.optim_factory(self.model.parameters())
-        self._simulate_memory()
+        self.device_memory.simulate(self.model, self.optimizer)
         # How this rank agrees on weights with the others: chosen once, from elche.mode.
         self.sync: SoloSync = sync_for(self, self.cfg.elche, self.spec.world_size)
         self.outer = self.sync.outer  # the outer step's state, saved with the weights
         self.compressor: Compressor | None = self.sync.compressor  # elche.compress
-        with self._memory_host():  # read or generated into host memory (placement decides)
+        with self.device_memory.host():  # read or generated into host memory (placement decides)
             dataset = resolve_dataset(self.spec.dataset)
         self.batch_size = self._own_batch_size(dataset)
         if self.batch_size > len(dataset):
@@ -167,14 +170,31 @@ class Worker:
         collate = collate_for(self.loader_cfg, self.spec.collate_fn)
         self.source = BatchSource(dataset, self.batch_size, self.cfg.seed, self.device, collate)
         self.resident = place(self.source, self.loader_cfg)
-        self._place_on_rig()  # resident data counts against the device, before the plan
-        self._plan_memory()  # before the LR scaling: offload replaces the optimizer
+        # resident data counts against the device, before the plan
+        self.device_memory.place(self.source, self.loader_cfg)
+        # before the LR scaling: offload replaces the optimizer
+        self.memory_plan = self.device_memory.plan(self)
         self._scale_lr()
         self.data = data_path(self.source, self.loader_cfg)
         self._build_scheduler()
+        self.checkpoint = CheckpointState(  # after the plan's optimizer and the scheduler
+            self.rank,
+            self.model,
+            self.state,
+            self.optimizer,
+            self.scheduler,
+            self.runner,
+            self.outer,
+            self.compressor,
+            link=self.link,
+            device=self.device,
+            save_path=self.cfg.save_path,
+            memory=self.memory,
+            check_weights=self.check_weights,
+        )
         self.eval_source = None
         if self.spec.has_eval:
-            with self._memory_host():  # its batches count as they are cut
+            with self.device_memory.host():  # its batches count as they are cut
                 eval_set = resolve_dataset(self.spec.eval_dataset, "eval_dataset")
             self.eval_source = BatchSource(
                 eval_set, self.cfg.batch_size, self.cfg.seed, self.device, collate
@@ -258,7 +278,10 @@ class Worker:
         plans from the ranks' reports; a probe copy of a large model would only raise the peak)."""
         if not self.spec.pace:
             return 0.0
-        with self._unplanned(), probe_model(self.model, self.spec.optim_factory) as pair:
+        with (
+            self.device_memory.unplanned(self.model),
+            probe_model(self.model, self.spec.optim_factory) as pair,
+        ):
             step_s = self._time_steps(*pair)
         t = torch.tensor([step_s], dtype=torch.float64)
         self._together(t, op=dist.ReduceOp.MAX)
@@ -276,7 +299,7 @@ class Worker:
         from flodl.step.memory import recompute_off
 
         on, off = [], []
-        with self._memory_host(), probe_model(self.model, self.spec.optim_factory) as pair:
+        with self.device_memory.host(), probe_model(self.model, self.spec.optim_factory) as pair:
             step = self._plain_step(*pair)
             for _ in range(3):
                 on.append(measure_step_s(step, max(1, self.cfg.cluster.warmup_steps // 3)))
@@ -284,9 +307,6 @@ class Worker:
                     off.append(measure_step_s(step, max(1, self.cfg.cluster.warmup_steps // 3)))
         cost = statistics.median(on) / max(statistics.median(off), 1e-9)
         return min(max(cost, 1.0), 3.0)
-
-    def _memory_host(self) -> Any:
-        return self.memory.host() if self.memory is not None else contextlib.nullcontext()
 
     def _time_steps(self, probe: nn.Module, optimizer: torch.optim.Optimizer) -> float:
         step = self._plain_step(probe, optimizer)
@@ -324,7 +344,7 @@ class Worker:
             self.start()
             self._loop()
         finally:
-            self.close_memory()
+            self.device_memory.close()
             data = getattr(self, "data", None)
             if data is not None:
                 data.close()  # the loader's worker processes end with the rank
@@ -348,7 +368,9 @@ class Worker:
         if isinstance(msg, Average):
             self.sync.take(msg)
         elif isinstance(msg, Restore):
-            self.restore(msg)
+            self.checkpoint.restore(msg)
+            # The scheduler steps when a new epoch begins; the saved one had not stepped yet.
+            self._epoch = msg.epoch - 1
         elif isinstance(msg, Regroup):
             self.regroup(msg)
 
@@ -449,12 +471,12 @@ class Worker:
                 if msg.write_weights:
                     chaos.point("final_save", self.rank)
                 own = saved != msg.save_tag
-                self.save_shards(-1, msg.save_tag, msg.write_weights, own=own)
+                self.checkpoint.save_shards(-1, msg.save_tag, msg.write_weights, own=own)
                 saved = msg.save_tag
             if msg.send_state:
                 chaos.point("final", self.rank)
                 self.check_weights("at the end of the run")
-                params, buffers = self.weights()
+                params, buffers = self.checkpoint.weights()
                 self.link.send(Final(rank=self.rank, params=params, buffers=buffers))
             if not msg.hold:
                 return
@@ -465,116 +487,6 @@ class Worker:
             msg = self.next_message()
             if isinstance(msg, Stop):
                 return msg
-
-    def weights(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """Parameters and buffers by name, on CPU (the model's own tensors when the link
-        serialises them while sending: no copy of the weights; else copies)."""
-        buffer_names = {n for n, _ in self.model.named_buffers()}
-        serialises = getattr(self.link, "serialises", False)
-        state = {
-            k: v.detach().cpu() if serialises else v.detach().cpu().clone()
-            for k, v in self.model.state_dict().items()
-        }
-        params = {k: v for k, v in state.items() if k not in buffer_names}
-        return params, {k: v for k, v in state.items() if k in buffer_names}
-
-    # -- checkpoints ---------------------------------------------------------------------------
-    def save_shards(self, window: int, tag: str, write_weights: bool, own: bool = True) -> None:
-        """Write this rank's shard (``own``) and the weights, if asked; tell the controller."""
-        stem = self.cfg.save_path
-        assert stem is not None
-        relay = process_local(stem)  # the launcher's own store: stream the payloads there
-        try:
-            if write_weights:  # never a bundle of non-finite weights over a good one
-                self.check_weights("at a checkpoint")
-            payloads = {rank_shard(self.rank): self.rank_payload()} if own else {}
-            if write_weights:
-                payloads[MODEL] = self.model_payload(copy=relay)
-            shards: dict[str, Any] = (
-                payloads
-                if relay
-                else {name: write_shard(stem, tag, name, p) for name, p in payloads.items()}
-            )
-        except Exception as exc:
-            from flodl.monitor.failures import describe
-
-            self.link.send(RankState(self.rank, window, tag, {}, error=describe(exc)))
-            return
-        self.link.send(RankState(self.rank, window, tag, shards))
-
-    def rank_payload(self) -> dict[str, Any]:
-        """This rank's own resumable state: optimizer, scheduler, RNG (CUDA too) and ``extra``."""
-        payload: dict[str, Any] = {
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "rng": torch.get_rng_state(),
-            "cuda_rng": None,
-            "extra": self.extra_state(),
-            "scaler": self.runner.state_dict(),  # 16-mixed: the GradScaler's state
-        }
-        if self.device.type == "cuda":
-            payload["cuda_rng"] = torch.cuda.get_rng_state(self.device)
-        return payload
-
-    def extra_state(self) -> dict[str, Any]:
-        """Per-rank state of other features (e.g. a GradScaler) for the shard; see restore."""
-        return {}
-
-    def load_extra_state(self, extra: dict[str, Any]) -> None:
-        """Counterpart of :meth:`extra_state`."""
-
-    def model_payload(self, copy: bool) -> dict[str, Any]:
-        """The consensus weights and the collective outer momentum (identical on every rank)."""
-        buffer_names = {n for n, _ in self.model.named_buffers()}
-        state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
-        if copy:
-            state = {k: v.clone() for k, v in state.items()}
-        outer = None
-        if self.outer is not None and self.outer.buffer is not None:
-            outer = {"buffer": self.outer.buffer.detach().cpu().clone()}
-        return {
-            "params": {k: v for k, v in state.items() if k not in buffer_names},
-            "buffers": {k: v for k, v in state.items() if k in buffer_names},
-            "outer": outer,
-        }
-
-    def restore(self, msg: Restore) -> None:
-        """Continue a saved run: weights, outer momentum, this rank's optimizer/scheduler/RNG."""
-        with self._memory_host():  # a bundle is read into host memory, then copied in
-            model = load_shard(msg.model) if isinstance(msg.model, str) else msg.model
-            state = load_shard(msg.state) if isinstance(msg.state, str) else msg.state
-        self.model.load_state_dict({**model["params"], **model["buffers"]})
-        if self.compressor is not None:
-            self.compressor.invalidate()
-        if self.outer is not None:
-            self.outer.reset(self.state.current())  # reset copies
-            saved = model.get("outer") or {}
-            if saved.get("buffer") is not None:
-                self.outer.buffer = saved["buffer"].to(self.device).clone()
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.scheduler is not None and state.get("scheduler") is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        self._rescale_lr(msg.lr_factor)
-        self.runner.load_state_dict(state.get("scaler"))
-        torch.set_rng_state(state["rng"])
-        if self.device.type == "cuda" and state.get("cuda_rng") is not None:
-            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
-        self.load_extra_state(state.get("extra") or {})
-        if self.memory is not None:  # the optimizer state now on the device (not offloaded)
-            self.memory.adopt(training_state(self.model, self.optimizer))
-        # The scheduler steps when a new epoch begins; the saved one had not stepped yet.
-        self._epoch = msg.epoch - 1
-
-    def _rescale_lr(self, factor: float) -> None:
-        """Resumed on another world size: the saved lr carries the old world's scaling."""
-        if factor == 1.0:
-            return
-        for group in self.optimizer.param_groups:
-            group["lr"] *= factor
-            if "initial_lr" in group:
-                group["initial_lr"] *= factor
-        if self.scheduler is not None and hasattr(self.scheduler, "base_lrs"):
-            self.scheduler.base_lrs = [lr * factor for lr in self.scheduler.base_lrs]
 
     def _start_epoch(self, epoch: int) -> None:
         if self._epoch >= 0 and self.scheduler is not None and not self.per_step:
@@ -685,7 +597,7 @@ class Worker:
                 snapshot=snapshot,
                 data_ms=tally.data_ms,
                 overrun_ms=(self.pacer.overrun_s - tally.overrun_s) * 1000.0,
-                peak_mem=self.peak_memory(),
+                peak_mem=self.device_memory.peak(),
                 steps=tuple(tally.steps),
             )
         )
@@ -695,98 +607,9 @@ class Worker:
             self.link.send(Settled(self.rank, window.index))
         if window.checkpoint_after:
             chaos.point("checkpoint", self.rank)
-            self.save_shards(window.index, window.save_tag, window.write_weights)
+            self.checkpoint.save_shards(window.index, window.save_tag, window.write_weights)
         if window.eval_after:
             self.evaluate(window)
-
-    def _simulate_memory(self) -> None:
-        """CPU rig with ``cluster.memory_mb``: from here on the rank's allocations count against
-        its simulated device (flodl/rig/memory.py); past it, torch.OutOfMemoryError."""
-        budget = self.cfg.cluster.rank_memory_mb(self.rank) if self.spec.pace else None
-        if budget is None or self.device.type != "cpu":
-            return
-        self.memory = DeviceMemory(int(budget * MiB), name=f"rank {self.rank}")
-        self.memory.adopt(training_state(self.model, self.optimizer))
-        self.memory.__enter__()
-
-    def _place_on_rig(self) -> None:
-        """The rig's simulated device: a dataset already in memory (tensors) is resident on it
-        as ``loader.placement`` decides on a GPU (``auto``: when it fits ``resident_fraction``
-        of the free budget), and then counts; otherwise it stays in host memory and only the
-        batches cut from it count."""
-        from flodl.data.residency import tree_bytes
-
-        tree = getattr(self.source, "_tree", None)
-        if self.memory is None or self.memory.budget is None or tree is None:
-            return
-        need = tree_bytes(tree)
-        self.memory.sweep()
-        free = self.memory.budget - self.memory.current
-        placement = self.loader_cfg.placement
-        if placement == "resident" or (
-            placement == "auto" and need <= self.loader_cfg.resident_fraction * free
-        ):
-            self.memory.adopt(tensors for tensors in tree_leaves(tree))
-            log.info(
-                "rank %d: dataset resident on the rig's device (%.1f MiB)", self.rank, need / MiB
-            )
-
-    def _plan_memory(self) -> None:
-        """``cluster.memory_plan``: choose (auto: probe) and apply this rank's plan
-        (flodl/runtime/rank/memory.py); announced by the controller from Ready."""
-        from flodl.config.cluster import parse_memory_plan
-        from flodl.runtime.rank.memory import choose_plan
-        from flodl.step.memory import HostOptimizer, recompute, set_recompute
-
-        requested = parse_memory_plan(self.cfg.cluster.rank_memory_plan(self.rank))
-        self.memory_plan = choose_plan(self, requested)
-        self.batch_size = self.source.batch_size = self.memory_plan.batch_size
-        if "recompute" in self.memory_plan.elements:
-            recompute(self.model)
-        else:
-            set_recompute(self.model, False)
-        if "offload" in self.memory_plan.elements:
-            host = self.memory.host if self.memory is not None else contextlib.nullcontext
-            charge = self._charge_offload if self.spec.pace else None
-            del self.optimizer
-            self.optimizer = HostOptimizer(
-                self.model.parameters(),
-                self.spec.optim_factory,
-                host=host,
-                charge=charge,
-                watch=lambda: [self.state.shared()],  # averages land through the flat buffer
-            )
-
-    def _charge_offload(self, moved: int, stepped: int) -> None:
-        """The rig: an offloaded step's host traffic and host step, in simulated time."""
-        from flodl.rig.memory import offload_step_s
-
-        self.pacer.charge(offload_step_s(moved, stepped))
-
-    def _unplanned(self) -> Any:
-        """Steps as the device runs them without a plan (calibration's nominal step): nothing
-        recomputed, nothing counted against the rig's memory (a measurement, not training)."""
-        from flodl.step.memory import recompute_off
-
-        stack = contextlib.ExitStack()
-        stack.enter_context(recompute_off(self.model))
-        if self.memory is not None:
-            stack.enter_context(self.memory.host())
-        return stack
-
-    def close_memory(self) -> None:
-        if self.memory is not None:
-            self.memory.__exit__(None, None, None)
-            self.memory = None
-
-    def peak_memory(self) -> int:
-        """Peak device memory in bytes: CUDA's max allocated, the rig's simulated device's,
-        else this process's peak RSS."""
-        if self.memory is not None:
-            return self.memory.peak
-        if self.device.type == "cuda":
-            return int(torch.cuda.max_memory_allocated(self.device))
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
     def train_batch(self, batch: list[torch.Tensor], last: bool = False) -> float:
         """One micro-batch: forward in the run's precision, backward, and the optimizer step once
