@@ -98,7 +98,7 @@ class CooperativeWorker:
                 if self._pending_loss is None:
                     raise RuntimeError("call worker.step(loss) once for every batch")
                 self._tally.add(self._pending_loss)
-                self._core.tick(batch)
+                self._core.schedule.tick(batch)
                 self._core.log_step(self._tally)
             if self._core.runner.pending:  # worker.backward's last group: step before averaging
                 self._core.optimizer_step()

@@ -12,7 +12,6 @@ import dataclasses
 import itertools
 import logging
 import math
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,12 +24,14 @@ from torch import nn
 
 from flodl.data.loader import collate_for, data_path, eval_batches
 from flodl.data.residency import place
-from flodl.data.source import BatchSource, batch_samples, count_batches, resolve_dataset
+from flodl.data.source import BatchSource, count_batches, resolve_dataset
 from flodl.monitor.metrics import drain_scalars
 from flodl.rig import links
 from flodl.rig.memory import DeviceMemory
-from flodl.rig.pacing import Pacer, measure_step_s, probe_model
+from flodl.rig.pacing import Pacer
 from flodl.runtime.rank import blame, chaos
+from flodl.runtime.rank.calibration import Calibration
+from flodl.runtime.rank.lr_schedule import LrSchedule, scale_lr
 from flodl.runtime.rank.memory import RankMemory
 from flodl.runtime.rank.spec import JobSpec, state_signature
 from flodl.runtime.rank.state import CheckpointState
@@ -52,7 +53,7 @@ from flodl.runtime.wire.messages import (
     Stop,
     Window,
 )
-from flodl.step import evaluation, schedules
+from flodl.step import evaluation
 from flodl.step.precision import StepRunner, compiled
 
 log = logging.getLogger(__name__)
@@ -174,9 +175,10 @@ class Worker:
         self.device_memory.place(self.source, self.loader_cfg)
         # before the LR scaling: offload replaces the optimizer
         self.memory_plan = self.device_memory.plan(self)
-        self._scale_lr()
+        scale_lr(self.optimizer, self.spec.world_size, self.cfg.lr_scale_ratio)
         self.data = data_path(self.source, self.loader_cfg)
-        self._build_scheduler()
+        self.schedule = LrSchedule(self)
+        self.scheduler = self.schedule.scheduler
         self.checkpoint = CheckpointState(  # after the plan's optimizer and the scheduler
             self.rank,
             self.model,
@@ -206,17 +208,6 @@ class Worker:
             # dearer than torch's), which would delay every rank's first step. The import then
             # lands in that evaluation, outside the paced steps.
 
-    def _build_scheduler(self) -> None:
-        self.per_step = self.spec.scheduler_interval == "step"
-        self.run_length = schedules.RunLength(
-            self.cfg.num_epochs * len(self.source), self._global_batch()
-        )
-        total = self.run_length.total_steps if self.per_step else self.cfg.num_epochs
-        factory = self.spec.scheduler_factory
-        self.scheduler = schedules.build(factory, self.optimizer, total) if factory else None
-        self._clock = (0, 0, 0)  # (progress before the window, its samples, this rank's share)
-        self._own_done = 0
-
     def _own_batch_size(self, dataset: Any) -> int:
         sizes = self.spec.batch_sizes
         if not sizes or self.rank >= len(sizes):
@@ -234,109 +225,9 @@ class Worker:
             )
         return size
 
-    def _rank_sizes(self) -> list[int]:
-        """Every rank's batch size; probed ones are gathered, so all ranks agree on the sum."""
-        sizes = list(self.spec.batch_sizes or [self.cfg.batch_size] * self.spec.world_size)
-        varies = any(b is None for b in sizes) or self.cfg.cluster.plans_choose_batches()
-        if varies and self.distributed:
-            gathered = torch.zeros(self.spec.world_size, dtype=torch.int64, device=self.device)
-            gathered[self.rank] = self.batch_size
-            dist.all_reduce(gathered)
-            return [int(b) for b in gathered]
-        return [
-            self.batch_size if b is None or r == self.rank else int(b) for r, b in enumerate(sizes)
-        ]
-
-    def _global_batch(self) -> int:
-        """Samples of one global step: every rank's batch, times the micro-batches per step."""
-        return sum(self._rank_sizes()) * self.cfg.accumulate_grad_batches
-
-    def tick(self, batch: Any) -> None:
-        """Advance a per-step scheduler to the global progress after this batch."""
-        if self.scheduler is None or not self.per_step:
-            return
-        before, in_window, own_total = self._clock
-        samples = batch_samples(batch)
-        self._own_done += samples if samples is not None else self.batch_size
-        done = schedules.global_samples(before, in_window, self._own_done, own_total)
-        schedules.advance_to(self.scheduler, self.run_length.target_step(done))
-
-    def _scale_lr(self) -> None:
-        factor = 1.0 + (self.spec.world_size - 1) * self.cfg.lr_scale_ratio
-        if factor != 1.0:
-            for group in self.optimizer.param_groups:
-                group["lr"] *= factor
-
     def signature(self) -> str:
         shapes = [(n, tuple(t.shape), str(t.dtype)) for n, t in self.model.state_dict().items()]
         return state_signature(shapes)
-
-    def calibrate(self) -> float:
-        """Time warm-up steps that leave the weights as they were (``pacing.probe_model``: at
-        lr=0 on the model itself, else on a copy); agree on one nominal step time (CPU rig).
-        Nothing paced (a GPU, a solo run without rig speeds): no steps, 0.0 (the controller
-        plans from the ranks' reports; a probe copy of a large model would only raise the peak)."""
-        if not self.spec.pace:
-            return 0.0
-        with (
-            self.device_memory.unplanned(self.model),
-            probe_model(self.model, self.spec.optim_factory) as pair,
-        ):
-            step_s = self._time_steps(*pair)
-        t = torch.tensor([step_s], dtype=torch.float64)
-        self._together(t, op=dist.ReduceOp.MAX)
-        step_s = float(t.item())
-        if self.spec.pace:
-            self.pacer.set_nominal(step_s * self.cfg.cluster.pace_margin)
-            if "recompute" in self.memory_plan.elements:
-                self.pacer.cost = self._recompute_cost()
-        drain_scalars()
-        return step_s * 1000.0
-
-    def _recompute_cost(self) -> float:
-        """How much longer a step with activations recomputed takes than one without, on this
-        rank (interleaved medians): its simulated device is slowed by as much."""
-        from flodl.step.memory import recompute_off
-
-        on, off = [], []
-        with self.device_memory.host(), probe_model(self.model, self.spec.optim_factory) as pair:
-            step = self._plain_step(*pair)
-            for _ in range(3):
-                on.append(measure_step_s(step, max(1, self.cfg.cluster.warmup_steps // 3)))
-                with recompute_off(self.model):
-                    off.append(measure_step_s(step, max(1, self.cfg.cluster.warmup_steps // 3)))
-        cost = statistics.median(on) / max(statistics.median(off), 1e-9)
-        return min(max(cost, 1.0), 3.0)
-
-    def _time_steps(self, probe: nn.Module, optimizer: torch.optim.Optimizer) -> float:
-        step = self._plain_step(probe, optimizer)
-        # Measure together: a rank still importing or loading data would otherwise steal the
-        # other's core and inflate the nominal step every rank is then paced to.
-        self._together(torch.zeros(1))
-        chaos.point("calibrate", self.rank)
-        return measure_step_s(step, self.cfg.cluster.warmup_steps)
-
-    def _plain_step(self, probe: nn.Module, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
-        """One timed warm-up step of ``probe`` (a forward, backward, check and step)."""
-        n = self.cfg.cluster.warmup_steps
-        chunk = ((0, min(len(self.source), self.batch_size * n)),)
-        # Loading in the training thread (num_workers=0, not resident) is part of every step,
-        # so the nominal step covers it; workers and resident data load outside the step.
-        batches: Any
-        if not self.source.fast and self.loader_cfg.num_workers == 0:
-            batches = (b for _ in itertools.count() for b in self.source.batches(0, chunk))
-        else:
-            batches = itertools.cycle(list(self.source.batches(0, chunk)))
-
-        def step() -> None:
-            optimizer.zero_grad(set_to_none=True)
-            with blame.user_code("train_step"), self.runner.autocast():
-                loss = self.spec.train_step(probe, next(batches))
-            loss.backward()
-            self.runner.check_gradients(probe)  # every step pays it: timed too (verdict unused)
-            optimizer.step()
-
-        return step
 
     # -- loop ----------------------------------------------------------------------------------
     def run(self) -> None:
@@ -383,7 +274,7 @@ class Worker:
                 self._together(flat, broadcast=True)
                 self.state.load(flat)
                 del flat  # not held through the calibration steps (the rank's peak)
-            step_ms = self.calibrate()
+            step_ms = Calibration(self).calibrate()
         except _CohortBroke as exc:
             log.warning(
                 "rank %d: a member was lost before training (%s); waiting to regroup",
@@ -488,11 +379,6 @@ class Worker:
             if isinstance(msg, Stop):
                 return msg
 
-    def _start_epoch(self, epoch: int) -> None:
-        if self._epoch >= 0 and self.scheduler is not None and not self.per_step:
-            self.scheduler.step()
-        self._epoch = epoch
-
     def is_void(self, window: Window) -> bool:
         """Planned for an older membership after the window the cohort broke on: skip it."""
         return window.generation < self.generation and window.index > self._void_after
@@ -525,7 +411,7 @@ class Worker:
             # overlaps device compute on a real rig; it is not added on top of the deadline.
             loss, batch = self.pacer.run(partial(self._fetch_train, batches, i == n - 1))
             tally.add(loss)
-            self.tick(batch)
+            self.schedule.tick(batch)
             self.log_step(tally)
             if tally.batches == 1:
                 chaos.point("window", self.rank)
@@ -561,14 +447,15 @@ class Worker:
     def begin_window(self, window: Window) -> WindowTally:
         """Account the sync that just ended and start timing this window's compute."""
         if window.epoch != self._epoch:
-            self._start_epoch(window.epoch)
+            if self._epoch >= 0:
+                self.schedule.new_epoch()
+            self._epoch = window.epoch
         if self._sync_started is not None:
             elapsed = (time.perf_counter() - self._sync_started) * 1000.0
             self._last_sync_ms = max(0.0, elapsed - self._eval_ms)
         self._eval_ms = 0.0
         self.sync.begin(window)
-        own = sum(size for _, size in window.chunks)
-        self._clock, self._own_done = (window.progress, window.window_samples, own), 0
+        self.schedule.begin(window)
         return WindowTally(time.perf_counter(), overrun_s=self.pacer.overrun_s)
 
     def end_window(self, window: Window, tally: WindowTally) -> None:
