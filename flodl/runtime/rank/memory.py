@@ -76,6 +76,24 @@ def probe_batch_size(worker: Any, dataset: Any) -> int:
         worker.model.load_state_dict(saved)
 
 
+def own_batch_size(worker: Any, dataset: Any) -> int:
+    """This rank's batch size: ``cluster.batch_sizes`` (``None``: probed here), else
+    ``trainer.batch_size``; a memory plan may still halve it."""
+    sizes = worker.spec.batch_sizes
+    if not sizes or worker.rank >= len(sizes):
+        return int(worker.cfg.batch_size)
+    size = sizes[worker.rank]
+    if size is None:  # cluster.batch_sizes=auto: the largest that fits, probed here
+        size = probe_batch_size(worker, dataset)
+        log.info(
+            "rank %d: batch size %d (probed, memory_fraction %.2f)",
+            worker.rank,
+            size,
+            worker.cfg.cluster.memory_fraction,
+        )
+    return int(size)
+
+
 def _search(worker: Any, dataset: Any, budget: float, total: int) -> int:
     limit = min(len(dataset), _MAX_PROBE)
     good, bad = 0, None

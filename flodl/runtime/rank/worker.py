@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import logging
 import math
 import time
@@ -22,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flodl.data.loader import collate_for, data_path, eval_batches
+from flodl.data.loader import collate_for, data_path
 from flodl.data.residency import place
 from flodl.data.source import BatchSource, count_batches, resolve_dataset
 from flodl.monitor.metrics import drain_scalars
@@ -31,17 +30,19 @@ from flodl.rig.memory import DeviceMemory
 from flodl.rig.pacing import Pacer
 from flodl.runtime.rank import blame, chaos
 from flodl.runtime.rank.calibration import Calibration
+from flodl.runtime.rank.eval_shard import EvalShard
 from flodl.runtime.rank.lr_schedule import LrSchedule, scale_lr
-from flodl.runtime.rank.memory import RankMemory
+from flodl.runtime.rank.memory import RankMemory, own_batch_size
 from flodl.runtime.rank.spec import JobSpec, state_signature
 from flodl.runtime.rank.state import CheckpointState
+from flodl.runtime.rank.stepping import RankStep
 from flodl.runtime.rank.sync_modes import SoloSync, sync_for
+from flodl.runtime.rank.window_feed import WindowFeed
 from flodl.runtime.sync import groups
 from flodl.runtime.sync.averaging import FlatState
 from flodl.runtime.sync.compress import Compressor
 from flodl.runtime.wire.messages import (
     Average,
-    EvalResult,
     Final,
     Plan,
     Ready,
@@ -53,7 +54,6 @@ from flodl.runtime.wire.messages import (
     Stop,
     Window,
 )
-from flodl.step import evaluation
 from flodl.step.precision import StepRunner, compiled
 
 log = logging.getLogger(__name__)
@@ -79,11 +79,6 @@ class WindowTally:
         if math.isfinite(loss):
             self.loss_sum += loss
             self.loss_count += 1
-
-
-def _key(window: Window) -> tuple[int, int]:
-    """A window's identity for the loader: its index within its membership generation."""
-    return (window.index, window.generation)
 
 
 class _CohortBroke(RuntimeError):
@@ -123,7 +118,6 @@ class Worker:
         self._eval_ms = 0.0
         self._epoch = -1
         self._pending: collections.deque[Any] = collections.deque()
-        self._nonfinite = 0
         self._unaveraged = -1  # a window whose averaging failed, until the controller knows
         self._step = 0  # this rank's optimizer steps so far (per-step logging)
         # The rank's device memory: the rig's simulated device, the plan, the peak.
@@ -159,7 +153,7 @@ class Worker:
         self.compressor: Compressor | None = self.sync.compressor  # elche.compress
         with self.device_memory.host():  # read or generated into host memory (placement decides)
             dataset = resolve_dataset(self.spec.dataset)
-        self.batch_size = self._own_batch_size(dataset)
+        self.batch_size = own_batch_size(self, dataset)
         if self.batch_size > len(dataset):
             key = (
                 f"trainer.batch_size={self.batch_size}"
@@ -177,8 +171,10 @@ class Worker:
         self.memory_plan = self.device_memory.plan(self)
         scale_lr(self.optimizer, self.spec.world_size, self.cfg.lr_scale_ratio)
         self.data = data_path(self.source, self.loader_cfg)
+        self.loading = WindowFeed(self.data, self.link, self._pending, self.is_void)
         self.schedule = LrSchedule(self)
         self.scheduler = self.schedule.scheduler
+        self.steps = RankStep(self, epoch=lambda: self._epoch)
         self.checkpoint = CheckpointState(  # after the plan's optimizer and the scheduler
             self.rank,
             self.model,
@@ -192,7 +188,7 @@ class Worker:
             device=self.device,
             save_path=self.cfg.save_path,
             memory=self.memory,
-            check_weights=self.check_weights,
+            check_weights=self.steps.check_weights,
         )
         self.eval_source = None
         if self.spec.has_eval:
@@ -207,27 +203,15 @@ class Worker:
             # never evaluates (elected policy) never pays torchmetrics' import (~1.6 s CPU,
             # dearer than torch's), which would delay every rank's first step. The import then
             # lands in that evaluation, outside the paced steps.
-
-    def _own_batch_size(self, dataset: Any) -> int:
-        sizes = self.spec.batch_sizes
-        if not sizes or self.rank >= len(sizes):
-            return self.cfg.batch_size
-        size = sizes[self.rank]
-        if size is None:  # cluster.batch_sizes=auto: the largest that fits, probed here
-            from flodl.runtime.rank.memory import probe_batch_size
-
-            size = probe_batch_size(self, dataset)
-            log.info(
-                "rank %d: batch size %d (probed, memory_fraction %.2f)",
-                self.rank,
-                size,
-                self.cfg.cluster.memory_fraction,
-            )
-        return size
-
-    def signature(self) -> str:
-        shapes = [(n, tuple(t.shape), str(t.dtype)) for n, t in self.model.state_dict().items()]
-        return state_signature(shapes)
+        self.evaluation = EvalShard(
+            self.rank,
+            self.model,
+            self.eval_source,
+            self.loader_cfg,
+            self.spec.evaluation,
+            self.device,
+            self.link,
+        )
 
     # -- loop ----------------------------------------------------------------------------------
     def run(self) -> None:
@@ -244,7 +228,7 @@ class Worker:
         while True:
             msg = self.next_message()
             if isinstance(msg, Plan):
-                self.feed(msg.windows)
+                self.loading.feed(msg.windows)
                 for window in msg.windows:
                     self.run_window(window)
             elif isinstance(msg, Stop):
@@ -338,10 +322,11 @@ class Worker:
                 if step_ms is not None and not self._doomed():
                     break
             self._next_regroup()
+        shapes = [(n, tuple(t.shape), str(t.dtype)) for n, t in self.model.state_dict().items()]
         self.link.send(
             Ready(
                 rank=self.rank,
-                signature=self.signature(),
+                signature=state_signature(shapes),
                 n_params=self.state.n_params,
                 step_ms=step_ms,
                 device=str(self.device),
@@ -366,7 +351,7 @@ class Worker:
                 saved = msg.save_tag
             if msg.send_state:
                 chaos.point("final", self.rank)
-                self.check_weights("at the end of the run")
+                self.steps.check_weights("at the end of the run")
                 params, buffers = self.checkpoint.weights()
                 self.link.send(Final(rank=self.rank, params=params, buffers=buffers))
             if not msg.hold:
@@ -384,27 +369,12 @@ class Worker:
         return window.generation < self.generation and window.index > self._void_after
 
     # -- data ---------------------------------------------------------------------------------
-    def feed(self, windows: Any = ()) -> None:
-        """Hand ``windows`` and every planned window already waiting in the inbox to the loader,
-        in the order they will run, so its workers load ahead (a no-op without workers)."""
-        if not self.data.prefetches:
-            return
-        inbox = itertools.chain(self._pending, self.link.peek())
-        waiting = [m for m in inbox if isinstance(m, Plan)]
-        for window in itertools.chain(windows, *(m.windows for m in waiting)):
-            if not self.is_void(window):
-                self.data.feed(_key(window), window.epoch, window.chunks)
-
-    def window_batches(self, window: Window) -> Any:
-        """``window``'s batches from the loader (planned chunks only, in plan order)."""
-        return self.data.batches(_key(window), window.epoch, window.chunks)
-
     def run_window(self, window: Window) -> None:
         if self.is_void(window):
-            self.data.cancel(_key(window))
+            self.loading.cancel(window)
             return
         tally = self.begin_window(window)
-        batches = self.timed(self.window_batches(window), tally)
+        batches = self.loading.timed(self.loading.window_batches(window), tally)
         n = count_batches(window.chunks, self.batch_size)
         for i in range(n):
             # Paced from the request for the batch: loading overlaps the padded step, as it
@@ -421,20 +391,7 @@ class Worker:
     def _fetch_train(self, batches: Any, last: bool) -> tuple[float, Any]:
         with blame.user_code("dataset"):
             batch = next(batches)
-        return self.train_batch(batch, last), batch
-
-    def timed(self, batches: Any, tally: WindowTally) -> Any:
-        """Yield ``batches``, adding the time spent waiting for each to the tally's data time
-        (and feeding windows planned meanwhile to the loader)."""
-        iterator = iter(batches)
-        while True:
-            self.feed()
-            t0 = time.perf_counter()
-            batch = next(iterator, None)
-            tally.data_ms += (time.perf_counter() - t0) * 1000.0
-            if batch is None:
-                return
-            yield batch
+        return self.steps.train_batch(batch, last), batch
 
     def log_step(self, tally: WindowTally) -> None:
         """Every ``logger.log_every_n_steps``-th step: keep its loss and LR for the report."""
@@ -462,7 +419,7 @@ class Worker:
         """Report the window (before averaging, so planning overlaps it), average, evaluate."""
         # time spent blending in averages is averaging time, not compute: it goes to the sync
         compute_ms = (time.perf_counter() - tally.start) * 1000.0 - tally.blend_ms
-        self.check_weights(f"after window {window.index}")
+        self.steps.check_weights(f"after window {window.index}")
         loss_sum, loss_count, batches = tally.loss_sum, tally.loss_count, tally.batches
         self._sync_started = time.perf_counter() - tally.blend_ms / 1000.0
         snapshot = self.sync.snapshot()
@@ -496,73 +453,7 @@ class Worker:
             chaos.point("checkpoint", self.rank)
             self.checkpoint.save_shards(window.index, window.save_tag, window.write_weights)
         if window.eval_after:
-            self.evaluate(window)
-
-    def train_batch(self, batch: list[torch.Tensor], last: bool = False) -> float:
-        """One micro-batch: forward in the run's precision, backward, and the optimizer step once
-        ``accumulate_grad_batches`` micro-batches are in (or ``last``: the window ends)."""
-        self.sync.arm(last)
-        with blame.user_code("train_step"), self.runner.autocast():
-            loss = self.spec.train_step(self.train_model, batch)
-        value = float(loss.detach())
-        if not math.isfinite(value):
-            value = self._skip_nonfinite("loss", f"non-finite loss ({value})")
-        else:
-            self.runner.backward(loss)
-        if self.runner.due or last:
-            self.optimizer_step()
-        return value
-
-    def optimizer_step(self) -> None:
-        """Step over the pending micro-batches; one whose gradients are not finite (checked in
-        every precision, after the gradient all-reduce of nccl_sync) is skipped and counted."""
-        self.sync.reduce_gradients()
-        if not self.runner.step(self.model, self.optimizer):
-            scaler = " (16-mixed: the GradScaler lowered its scale)" if self.runner.scaler else ""
-            self._skip_nonfinite("gradients", f"non-finite gradients{scaler}")
-
-    def _skip_nonfinite(self, kind: str, what: str) -> float:
-        """NaN/inf loss or gradients: skip the step (no update; its gradients are dropped) with
-        a warning; past ``trainer.max_nonfinite`` such steps the job fails, naming this rank
-        and the kind (``loss`` or ``gradients``)."""
-        self._nonfinite += 1
-        limit = self.cfg.max_nonfinite
-        log.warning(
-            "rank %d: %s in epoch %d; step skipped (%d of %d allowed)",
-            self.rank,
-            what,
-            self._epoch,
-            self._nonfinite,
-            limit,
-        )
-        if self._nonfinite > limit:
-            verb = "was" if kind == "loss" else "were"
-            advice = (
-                "Lower the learning rate or set trainer.max_grad_norm"
-                if self.cfg.max_grad_norm is None
-                else f"Lower the learning rate (trainer.max_grad_norm={self.cfg.max_grad_norm} "
-                "is set: clipping cannot mend NaN/inf)"
-            )
-            raise blame.NonFiniteError(
-                f"{kind} {verb} NaN/inf {self._nonfinite} times (trainer.max_nonfinite={limit}) "
-                f"on rank {self.rank}; stopping. {advice}; bundles saved earlier are untouched"
-            )
-        return math.nan
-
-    def check_weights(self, when: str) -> None:
-        """Non-finite weights never leave this rank: not into an average, a checkpoint or the
-        final model. Design (issue 41): such a rank fails the job, named with the kind
-        ``weights`` (``trainer.on_rank_error=drop`` drops it instead, and the others go on
-        from their own average); it is never averaged in, and no bundle is written over the
-        last good one. Skipped non-finite steps make this rare: what is left is an update
-        that overflowed, or a step that wrote into the weights itself."""
-        if self.state.finite():
-            return
-        raise blame.NonFiniteError(
-            f"the weights of rank {self.rank} are NaN/inf {when} (epoch {self._epoch + 1}); "
-            "they are not averaged in nor saved, bundles saved earlier are untouched. Resume "
-            "from the last one with a lower learning rate or trainer.max_grad_norm"
-        )
+            self._eval_ms += self.evaluation.evaluate(window)
 
     # -- membership ------------------------------------------------------------------------------
     def _collective(self, run: Callable[[], Any], what: str) -> bool:
@@ -640,21 +531,3 @@ class Worker:
         self._unaveraged = -1
 
     # -- evaluation ----------------------------------------------------------------------------
-    def evaluate(self, window: Window) -> None:
-        """Update the task's metrics over this rank's eval shard and send their states."""
-        assert self.eval_source is not None
-        chaos.point("eval", self.rank)
-        t0 = time.perf_counter()
-        shard, shards = window.eval_shard
-        start, stop = evaluation.shard_range(len(self.eval_source), shard, shards)
-        with blame.user_code("evaluation"):  # the eval step, metrics and eval dataset
-            parts = evaluation.evaluate(
-                self.model,
-                eval_batches(self.eval_source, self.loader_cfg, start, stop),
-                self.spec.evaluation,
-                self.device,
-            )
-        drain_scalars()  # an eval step that records scalars must not leak them into training
-        ms = (time.perf_counter() - t0) * 1000.0
-        self._eval_ms += ms
-        self.link.send(EvalResult(self.rank, window.epoch, window.index, parts, ms, shard))
