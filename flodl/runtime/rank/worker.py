@@ -149,8 +149,7 @@ class Worker:
         self.device_memory.simulate(self.model, self.optimizer)
         # How this rank agrees on weights with the others: chosen once, from elche.mode.
         self.sync: SoloSync = sync_for(self, self.cfg.elche, self.spec.world_size)
-        self.outer = self.sync.outer  # the outer step's state, saved with the weights
-        self.compressor: Compressor | None = self.sync.compressor  # elche.compress
+        self.compressor: Compressor | None = self.sync.compressor  # the plan's probe reads it
         with self.device_memory.host():  # read or generated into host memory (placement decides)
             dataset = resolve_dataset(self.spec.dataset)
         self.batch_size = own_batch_size(self, dataset)
@@ -170,20 +169,24 @@ class Worker:
         # before the LR scaling: offload replaces the optimizer
         self.memory_plan = self.device_memory.plan(self)
         scale_lr(self.optimizer, self.spec.world_size, self.cfg.lr_scale_ratio)
+        self._build_parts(collate)
+
+    def _build_parts(self, collate: Any) -> None:
+        """The parts built on the final optimizer and batch size (after the memory plan and
+        the LR scaling): data path, schedule, step, checkpoint state, evaluation."""
         self.data = data_path(self.source, self.loader_cfg)
         self.loading = WindowFeed(self.data, self.link, self._pending, self.is_void)
         self.schedule = LrSchedule(self)
-        self.scheduler = self.schedule.scheduler
         self.steps = RankStep(self, epoch=lambda: self._epoch)
         self.checkpoint = CheckpointState(  # after the plan's optimizer and the scheduler
             self.rank,
             self.model,
             self.state,
             self.optimizer,
-            self.scheduler,
+            self.schedule.scheduler,
             self.runner,
-            self.outer,
-            self.compressor,
+            self.sync.outer,
+            self.sync.compressor,
             link=self.link,
             device=self.device,
             save_path=self.cfg.save_path,
@@ -368,7 +371,7 @@ class Worker:
         """Planned for an older membership after the window the cohort broke on: skip it."""
         return window.generation < self.generation and window.index > self._void_after
 
-    # -- data ---------------------------------------------------------------------------------
+    # -- windows ------------------------------------------------------------------------------
     def run_window(self, window: Window) -> None:
         if self.is_void(window):
             self.loading.cancel(window)
@@ -490,7 +493,8 @@ class Worker:
         (Stop goes out once every window is reported, which is before the last average; a rank
         lost in that average is lost while stopping, and no new membership follows).
         A cpu_* average that arrives meanwhile is taken now: queued behind, it would be out of
-        reach of the wait for it that this regroup may have interrupted (:meth:`average`)."""
+        reach of the wait for it that this regroup may have interrupted
+        (:meth:`ControllerSync.average`)."""
         while not any(isinstance(m, Stop) for m in self._pending):
             msg = self.link.recv(timeout=self.cfg.cluster.heartbeat_timeout_s * 2)
             if isinstance(msg, Regroup):
