@@ -12,7 +12,8 @@ row, its accuracy means nothing. Variants: ``solo-fast`` (speed 1.0), ``solo-slo
 and the five modes on the 2-rank rig. Per row: final training loss (mean of the last epoch),
 eval on the test split (accuracy; MSE for conv_ae), total seconds (the job's wall: rank start-up,
 calibration, training, final eval, teardown), training seconds, syncs. Hydra presets from
-conf/elche/, ``lr_scale_ratio`` 0 (the Python API default).
+conf/elche/, ``lr_scale_ratio`` 0 (no LR scaling; the default is 1.0, the linear rule: the
+bench compares the modes at one LR).
 """
 
 from __future__ import annotations

@@ -29,7 +29,6 @@ def _worker(rank: int, cfg: dict[str, Any], rendezvous: str, out: str) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from bench.common import ModelFactory, OptimFactory, dataset_factory, evaluate_state, step_fn
     from bench.startup import stamp_first_step
     from flodl.config.cluster import LinkConfig
     from flodl.data.source import epoch_permutation
@@ -40,7 +39,7 @@ def _worker(rank: int, cfg: dict[str, Any], rendezvous: str, out: str) -> None:
     torch.set_num_threads(1)
     speeds = cfg["speeds"]
     world = len(speeds)
-    name, batch, seed = cfg["workload"], cfg["batch_size"], cfg["seed"]
+    batch, seed = cfg["batch_size"], cfg["seed"]
     dist.init_process_group(
         "gloo",
         init_method=rendezvous,
@@ -50,12 +49,8 @@ def _worker(rank: int, cfg: dict[str, Any], rendezvous: str, out: str) -> None:
     )
     try:
         torch.manual_seed(seed)
-        model = ModelFactory(name)()
+        model, make_optim, train_step, n, batch_at, evaluate = _parts(cfg)
         model.train()
-        make_optim = OptimFactory(cfg["optimizer"])
-        train_step = step_fn(name)
-        inputs, target = dataset_factory(name, "train")().tensors
-        n = len(target)
 
         # calibration: a throwaway copy, as flodl's Worker.calibrate; all ranks at once (flodl's
         # ranks start calibrating together too, right after their initial broadcast)
@@ -64,7 +59,7 @@ def _worker(rank: int, cfg: dict[str, Any], rendezvous: str, out: str) -> None:
         probe_opt = make_optim(probe.parameters())
         warm = cfg["warmup_steps"]
         first = epoch_permutation(n, seed, 0)[: batch * warm]
-        probe_batches = itertools.cycle([(inputs[i], target[i]) for i in first.split(batch)])
+        probe_batches = itertools.cycle([batch_at(i) for i in first.split(batch)])
 
         def probe_step() -> None:
             stamp_first_step()  # bench/startup.py's launch -> first step (a no-op elsewhere)
@@ -89,9 +84,9 @@ def _worker(rank: int, cfg: dict[str, Any], rendezvous: str, out: str) -> None:
             memory.adopt(training_state(ddp.module, optimizer))
             memory.__enter__()
 
-        def train_batch(x: torch.Tensor, y: torch.Tensor) -> float:
+        def train_batch(b: Any) -> float:
             optimizer.zero_grad(set_to_none=True)
-            loss = train_step(ddp, (x, y))
+            loss = train_step(ddp, b)
             loss.backward()
             optimizer.step()
             return float(loss.detach())
@@ -103,8 +98,8 @@ def _worker(rank: int, cfg: dict[str, Any], rendezvous: str, out: str) -> None:
         for epoch in range(cfg["epochs"]):
             shard = epoch_permutation(n, seed, epoch)[shard_lo:shard_hi]
             for idx in shard.split(batch):
-                x, y = inputs[idx], target[idx]
-                loss = pacer.run(lambda x=x, y=y: train_batch(x, y))
+                b = batch_at(idx)
+                loss = pacer.run(lambda b=b: train_batch(b))
                 steps += 1
                 samples += len(idx)
                 if epoch == cfg["epochs"] - 1:
@@ -123,7 +118,7 @@ def _worker(rank: int, cfg: dict[str, Any], rendezvous: str, out: str) -> None:
                 "train_s": train_s,
                 "syncs": steps,
                 "final_loss": loss_sum / max(last_steps, 1),
-                "test_metric": evaluate_state(name, ddp.module.state_dict()),
+                "test_metric": evaluate(ddp.module.state_dict()),
                 "calibrated_step_ms": float(step_s.item()) * 1000.0,
                 "nominal_step_ms": nominal * 1000.0,
                 # Nominal busy time per rank: its steps x T / speed_r (pacing is the device).
@@ -141,6 +136,32 @@ def _worker(rank: int, cfg: dict[str, Any], rendezvous: str, out: str) -> None:
     end_process(0)
 
 
+def _parts(cfg: dict[str, Any]) -> tuple[Any, Any, Any, int, Any, Any]:
+    """The model, optimizer factory, train step, sample count, ``batch_at(indices)`` and
+    ``evaluate(state_dict)`` of a bench workload (bench/common.py), or of ``cfg["parts"]``
+    (``"module:function"``, called with ``cfg``: a benchmark's own workload, bench/hf_lora.py)."""
+    if cfg.get("parts"):
+        import importlib
+
+        module, _, function = cfg["parts"].partition(":")
+        parts: tuple[Any, Any, Any, int, Any, Any] = getattr(
+            importlib.import_module(module), function
+        )(cfg)
+        return parts
+    from bench.common import ModelFactory, OptimFactory, dataset_factory, evaluate_state, step_fn
+
+    name = cfg["workload"]
+    inputs, target = dataset_factory(name, "train")().tensors
+    return (
+        ModelFactory(name)(),
+        OptimFactory(cfg["optimizer"]),
+        step_fn(name),
+        len(target),
+        lambda idx: (inputs[idx], target[idx]),
+        lambda state: evaluate_state(name, state),
+    )
+
+
 def run_ddp(
     speeds: list[float],
     *,
@@ -152,10 +173,13 @@ def run_ddp(
     warmup_steps: int = 8,
     link: str | dict[str, Any] | None = None,
     memory_mb: list[float] | None = None,
+    parts: str | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Train with DDP on the paced rig; rank 0's numbers (samples/s over all ranks). ``link``:
     a ``cluster.link`` value; every bucket's all-reduce then pays the modelled wire through a
-    DDP communication hook, as flodl's collectives do."""
+    DDP communication hook, as flodl's collectives do. ``parts``: a benchmark's own workload
+    (see :func:`_parts`; ``extra`` reaches it in the config)."""
     import torch.multiprocessing as mp
 
     from bench.common import WORKLOADS
@@ -164,7 +188,9 @@ def run_ddp(
         "speeds": list(speeds),
         "epochs": epochs,
         "workload": workload,
-        "optimizer": WORKLOADS[workload].optimizer,
+        "optimizer": WORKLOADS[workload].optimizer if parts is None else None,
+        "parts": parts,
+        **(extra or {}),
         "batch_size": batch_size,
         "seed": seed,
         "pace_margin": pace_margin,

@@ -573,10 +573,11 @@ def memory_block(data: dict[str, Any]) -> str:
 
 
 def replace_block(text: str, name: str, body: str) -> str:
-    pattern = re.compile(rf"(<!-- {name}:begin -->\n).*?(\n<!-- {name}:end -->)", re.DOTALL)
+    # An empty block (begin right above end, as a new block starts) matches too.
+    pattern = re.compile(rf"(<!-- {name}:begin -->\n)(?:.*?\n)?(<!-- {name}:end -->)", re.DOTALL)
     if not pattern.search(text):
         raise SystemExit(f"no <!-- {name}:begin --> / end markers for the {name} block")
-    return pattern.sub(lambda m: m.group(1) + body + m.group(2), text)
+    return pattern.sub(lambda m: m.group(1) + body + "\n" + m.group(2), text)
 
 
 def _ddp_bench() -> str:
@@ -667,9 +668,18 @@ def render() -> dict[str, str]:
         "scale_sim": scale_sim_block(sim) if sim else missing,
         "comm_heavy": comm_heavy_block(comm) if comm else missing,
         "comm_heavy_equal": _block("comm_heavy_equal", comm_heavy_block, missing),
+        "comm_heavy_1gbe": _block("comm_heavy_1gbe", comm_heavy_block, missing),
         "startup": _startup(missing),
         "memory": _block("memory", memory_block, missing),
+        "hf_lora": _hf_lora(missing),
     }
+
+
+def _hf_lora(missing: str) -> str:
+    from bench.hf_lora import hf_lora_block
+
+    data = _load("hf_lora") or _load("hf_lora_quick")  # the full run when there is one
+    return hf_lora_block(data, _machine(data)) if data else missing
 
 
 def _loader(missing: str) -> str:

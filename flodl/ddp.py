@@ -38,6 +38,7 @@ from torch import nn
 from flodl.elche.weights import averaging_weights
 from flodl.rig import links
 from flodl.runtime.sync.averaging import FlatState, collective_average
+from flodl.runtime.sync.trainable import trainable
 from flodl.runtime.wire.store import rendezvous_store
 
 _BACKENDS = ("gloo", "nccl")
@@ -167,11 +168,14 @@ class Ddp:
 
     # -- collectives -----------------------------------------------------------------------------
     @torch.no_grad()
-    def sync_params(self, src: int = 0) -> None:
-        """Broadcast all parameters and buffers (integer ones too) from rank ``src``."""
+    def sync_params(self, src: int = 0, frozen: bool = False) -> None:
+        """Broadcast the trainable parameters and all buffers (integer ones too) from rank
+        ``src``; ``frozen``: the parameters that do not require grad too (a frozen base every
+        rank built from the same weights need not travel)."""
         self._require_open()
         _check_rank(src, self._world_size, key="src")
-        tensors = [*self._model.parameters(), *self._model.buffers()]
+        params = self._model.parameters() if frozen else trainable(self._model)
+        tensors = [*params, *self._model.buffers()]
         if not tensors:
             return
         flat = _flatten(tensors, _wire_dtype(tensors), self._device)

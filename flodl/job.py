@@ -268,7 +268,8 @@ class Job:
     def _finish(self, result: ControllerResult) -> RunResult:
         if result.final is None:
             raise RuntimeError("the run ended without a final state")
-        state = TrainedState(params=result.final.params, buffers=result.final.buffers)
+        final = result.final
+        state = TrainedState(params=final.params, buffers=final.buffers, base=final.base)
         self._result_state = state
         write_atomic(self.job_dir / "model.pt", state.save)
         summary = self._summary(result)

@@ -62,6 +62,9 @@ _COST_S = {  # the whole run of r4-suite-time at load ~6 (1178 s), over 1.97 (90
     "test_rig_memory.py": 20,
     "test_full_disk.py": 11,
     "test_training_features.py": 4,
+    "test_hf_lora.py": 50,
+    "test_hf_modes.py": 25,
+    "test_hf_adapters.py": 17,
 }
 _DEFAULT_S = 10
 _UNIT_AND_LIGHT_S = 194  # the whole of group "b"'s first part (measured as _COST_S)

@@ -129,14 +129,22 @@ def train(cfg: Any, checked: CheckedJob | None = None) -> Objective:
         )
         say_error(f"{exc}{where}")
         sys.exit(2)
+    outputs_error = None
     try:
-        handle.join()
+        state = handle.join()
+        try:
+            _hf_outputs(run_cfg, state, job_dir)
+        except Exception as exc:  # the run trained, its Hugging Face outputs are not readable
+            outputs_error = f"Hugging Face outputs: {exc}"
+            raise
     except Exception as exc:
         log.error("job %s failed: %s (outputs in %s)", run_info["job"], exc, job_dir)
         if os.environ.get("FLODL_FULL_ERROR"):
             log.exception("full traceback")
     summary = handle.summary
     written = summary.to_dict() if summary is not None else _NO_SUMMARY
+    if outputs_error is not None:
+        written = written | {"status": "failed", "error": outputs_error}
     row = written | {"job": run_info["job"]}
     return Objective(objective(row, run_cfg.task), row)
 
@@ -178,6 +186,23 @@ def _start(
         eval_metric=task.eval_metric,
         run_info=run_info,
     )
+
+
+def _hf_outputs(run_cfg: RunConfig, state: Any, job_dir: Path) -> None:
+    """A Hugging Face model's ``save_pretrained`` outputs (``flodl.hf.export``), after a run
+    that ended with a trained state."""
+    from flodl.hf.export import is_hf_model
+
+    if state is None or not is_hf_model(run_cfg.model):
+        return
+    from flodl.hf.data import dataset_tokenizer
+    from flodl.hf.export import export
+
+    dataset = run_cfg.dataset
+    tokenizer = None
+    if dataset.target == "flodl.hf.data.text_dataset":
+        tokenizer = dataset_tokenizer(dataset.kwargs())
+    export(run_cfg.model, state, job_dir, run_cfg.trainer_config().seed, tokenizer)
 
 
 def evaluation_kwargs(task: schema.TaskConfig) -> dict[str, Any]:
@@ -388,11 +413,30 @@ def hydra_error_line(exc: BaseException) -> str | None:
     if "not in struct" in head and head.startswith("Could not override"):
         key = head.split("'")[1] if head.count("'") >= 2 else "KEY"
         group = key.split(".")[0]
+        missing = str(getattr(exc.__cause__, "key", "") or "")
+        known = _sibling_keys(exc.__cause__) if "." in key and missing == key.split(".")[-1] else []
+        if known:  # the section is there, the key in it is not: a misspelt key
+            parent, _, leaf = key.rpartition(".")
+            hint = did_you_mean(leaf, known, f"{parent}." if parent else "")
+            return (
+                f"{key}: no such key{hint}; {parent or 'the config'} has "
+                f"{', '.join(known)}; a new key is added with +{key}=VALUE"
+            )
         head += (
             f"; your config has no such key: list flodl's `{group}: default` (or another "
             f"{group} option) in its defaults, or add the key with +{key}=VALUE"
         )
     return head
+
+
+def _sibling_keys(cause: BaseException | None) -> list[str]:
+    """The keys beside a missing one (OmegaConf's error knows the section it looked in)."""
+    from omegaconf import DictConfig
+
+    parent = getattr(cause, "parent_node", None)
+    if not isinstance(parent, DictConfig):
+        return []
+    return [str(k) for k in parent if not str(k).startswith("_")]
 
 
 _INFO_FLAGS = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "--shell-completion")

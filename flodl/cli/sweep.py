@@ -130,7 +130,7 @@ def check_job(job_cfg: Any, warm: bool = False) -> app.CheckedJob:
     before torch is imported, and only a good job imports its metrics (torchmetrics, scipy).
     ``warm``: once the pure-config checks passed, start the fork server of a CPU-rig job's ranks,
     so their imports overlap the checks that need torch (:func:`_warm_ranks`)."""
-    from flodl.config.extras import check_recipe_data
+    from flodl.config.extras import check_hf, check_recipe_data
     from flodl.preflight import check_config, check_factories, check_task_targets
 
     data = app.plain_config(job_cfg)
@@ -138,6 +138,8 @@ def check_job(job_cfg: Any, warm: bool = False) -> app.CheckedJob:
     config = run_cfg.trainer_config()
     check_config(config)
     check_recipe_data(run_cfg.dataset.target)
+    peft = run_cfg.model.kwargs().get("peft") is not None
+    check_hf(run_cfg.model.target, run_cfg.dataset.target, peft)
     if warm:
         _warm_ranks(run_cfg.cluster)
     signature = check_factories(run_cfg)

@@ -6,6 +6,7 @@
     flodl[report]    matplotlib: the A/B report's plot (ab_report.png) after a sweep
     flodl[progress]  rich: the live progress bar (logger.progress=bar; auto falls back to lines)
     flodl[slurm]     submitit: cluster.kind=slurm
+    flodl[hf]        transformers, datasets, tokenizers, peft, safetensors: model=hf, dataset=hf
     flodl[all]       all of the above
 
 Found without importing (``importlib.util.find_spec``): the check costs nothing at start-up.
@@ -24,6 +25,9 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "matplotlib": ("matplotlib", "report"),
     "rich": ("rich", "progress"),
     "submitit": ("submitit", "slurm"),
+    "transformers": ("transformers", "hf"),
+    "datasets": ("datasets", "hf"),
+    "peft": ("peft", "hf"),
 }
 
 
@@ -65,6 +69,17 @@ def check_recipe_data(target: str) -> None:
         require(
             module, f"dataset={name} (its data ships with {EXTRAS[module][0]})", "dataset=synthetic"
         )
+
+
+def check_hf(model_target: str, dataset_target: str, peft: bool) -> None:
+    """``model=hf`` / ``dataset=hf`` (``flodl.hf``) need the hf extra; ``model.peft``, peft."""
+    if model_target.startswith("flodl.hf.") or dataset_target.startswith("flodl.hf."):
+        which = "model=hf" if model_target.startswith("flodl.hf.") else "dataset=hf"
+        require("transformers", which)
+        if dataset_target.startswith("flodl.hf."):
+            require("datasets", "dataset=hf")
+        if peft:
+            require("peft", "model.peft")
 
 
 def check_extras(cluster_kind: str, progress: str) -> None:

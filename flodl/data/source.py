@@ -26,7 +26,10 @@ SHARD_API = (
 
 def resolve_dataset(source: Any, what: str = "dataset") -> Any:
     """Return a map-style dataset from a dataset or a factory; fail with a clear message."""
-    dataset = source() if callable(source) and not hasattr(source, "__getitem__") else source
+    # A factory: a function, a partial, or a Dataset class itself (its instances index; the
+    # class only has the unbound method).
+    factory = isinstance(source, type) or (callable(source) and not hasattr(source, "__getitem__"))
+    dataset = source() if factory else source
     if isinstance(dataset, IterableDataset):
         raise TypeError(
             f"{what} is an IterableDataset without shards: flodl's controller plans which "

@@ -100,11 +100,7 @@ def _left_to_ranks(what: str) -> str | None:
 
 def _needs_cuda(exc: BaseException | None) -> bool:
     """Whether the build reached for CUDA (Hydra wraps the constructor's exception)."""
-    while exc is not None:
-        if isinstance(exc, _NeedsCuda):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
+    return any(isinstance(e, _NeedsCuda) for e in _chain(exc))
 
 
 def _build_all(
@@ -131,8 +127,27 @@ def _refusal(name: tuple[str, str], build: Callable[[], Any], explain: bool) -> 
     except Exception as exc:
         if not explain or _needs_cuda(exc):
             raise
+        refusal = _config_error(exc)
+        if refusal is not None:  # the factory's own refusal already names the key and the fix
+            raise ConfigError(
+                str(refusal)
+            ) from None  # a new one: re-raising it would loop its chain
         what, fix = name
         raise ConfigError(f"{what} refused on a dry build: {describe(exc)}; {fix}") from exc
+
+
+def _config_error(exc: BaseException | None) -> ConfigError | None:
+    """A :class:`ConfigError` the factory raised (Hydra wraps it in its own exception)."""
+    return next((e for e in _chain(exc) if isinstance(e, ConfigError)), None)
+
+
+def _chain(exc: BaseException | None) -> Iterator[BaseException]:
+    """``exc`` and its causes, innermost last, each once (a chain may loop back on itself)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
 
 
 def _name(fn: Any) -> str:

@@ -97,3 +97,18 @@ def test_the_progress_bar_falls_back_to_lines_without_rich(monkeypatch):
     check_extras("cpu_rig", "auto")  # auto needs nothing
     with pytest.raises(ConfigError, match=r"logger\.progress=bar needs rich"):
         check_extras("cpu_rig", "bar")
+
+
+@pytest.mark.parametrize(
+    ("hidden", "args", "expected"),
+    [
+        (["peft"], ["experiment=hf_lora"], "model.peft needs peft"),
+        (["transformers"], ["model=hf"], "model=hf needs transformers"),
+    ],
+)
+def test_hugging_face_groups_without_the_hf_extra_are_refused(tmp_path, hidden, args, expected):
+    project = tmp_path / "empty"  # flodl's own groups: model=hf, experiment=hf_lora
+    project.mkdir()
+    out = train_without(project, hidden, *args)
+    assert_refused(out, f"{expected}, which is not installed: pip install 'flodl[hf]'")
+    assert not list(project.glob("out/**/rank_*.log"))

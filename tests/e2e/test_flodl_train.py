@@ -8,6 +8,7 @@ the failed-job count come from flodl's entry itself.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -319,3 +320,32 @@ def test_flodls_groups_compose_from_a_projects_own_config_dir(tmp_path):
         assert check_job(cfg).run.elche.mode == "nccl_cadence"  # and it validates
     finally:
         sys.path.remove(str(project))
+
+
+@pytest.mark.light
+def test_another_hydra_app_in_the_environment_does_not_see_flodls_groups(tmp_path):
+    """A Hydra app that never runs flodl's entry: its search path is its own (no
+    pkg://flodl.conf), so ``+model=mlp`` there is a plain value, not flodl's model group."""
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    (conf / "config.yaml").write_text("x: 1\n")
+    app = tmp_path / "app.py"
+    app.write_text(
+        "import hydra\n"
+        f"@hydra.main(version_base='1.3', config_path={str(conf)!r}, config_name='config')\n"
+        "def main(cfg):\n    print('composed', dict(cfg))\n"
+        "main()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    info = subprocess.run(
+        [sys.executable, str(app), "--info", "searchpath"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert info.returncode == 0, info.stderr[-2000:]
+    assert "pkg://flodl.conf" not in info.stdout
+    other = subprocess.run(
+        [sys.executable, str(app), "+model=mlp"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    # A plain value, not flodl's model group (whose option would compose a _target_ node).
+    assert other.returncode == 0 and "'model': 'mlp'" in other.stdout, other.stderr[-2000:]

@@ -77,6 +77,11 @@ def test_a_refusal_after_the_config_checks_exits_2_through_run_py(tmp_path):
             "trainer.nmu_epochs: unknown key (did you mean trainer.num_epochs?)",
         ),
         ("model=nonexistent", "model"),
+        (  # a section's key misspelt without Hydra's +: the section's keys and the likely one
+            "model.hiden=3",
+            "model.hiden: no such key (did you mean model.hidden?); model has input_shape, "
+            "num_classes, hidden; a new key is added with +model.hiden=VALUE",
+        ),
     ],
 )
 def test_hydra_composition_errors_exit_2_through_run_py(tmp_path, override, expected):

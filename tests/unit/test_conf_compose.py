@@ -47,6 +47,12 @@ def test_option_composes_and_validates(group, option):
         overrides += ["dataset=synthetic", "dataset.input_shape=[3,32,32]"]
     if (group, option) in {("dataset", "shakespeare"), ("task", "language_model")}:
         overrides += ["model=char_rnn"]  # text data has no input_shape for the default MLP
+    if (group, option) in {
+        ("dataset", "hf"),
+        ("task", "causal_lm"),
+        ("task", "seq_classification"),
+    }:
+        overrides += ["model=hf"]  # Hugging Face text: the MLP has nothing to read
     cfg = _compose(overrides)
     run = validate_run_config(plain_config(cfg))
     if group == "elche":
@@ -55,6 +61,14 @@ def test_option_composes_and_validates(group, option):
         assert run.task.train_step.endswith("reconstruction_step")
     if group == "experiment" and option == "ddp_bench":
         assert run.cluster.speeds == [1.0, 0.4] and run.trainer.lr_scale_ratio == 0.0
+    if group == "experiment" and option == "hf_lora":
+        assert run.model.target == "flodl.hf.models.auto_model"
+        assert run.model.kwargs()["peft"]["r"] == 4 and run.model.kwargs()["dtype"] == "bfloat16"
+        assert run.task.train_step == "flodl.hf.steps.causal_lm_step"
+        assert run.cluster.ranks == 2 and run.trainer.checkpoint_every == 1
+    if group == "model" and option == "hf":
+        assert run.dataset.target == "flodl.hf.data.text_dataset"
+        assert run.model.kwargs()["config"]["vocab_size"] == 512  # the tokenizer it trains
     if group == "model" and option in {"char_rnn", "gpt_nano"}:
         assert run.task.train_step.endswith("language_model_step")
         assert run.dataset.target == "flodl.recipes.text.shakespeare"

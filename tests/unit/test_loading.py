@@ -301,3 +301,21 @@ def test_a_host_workers_loader_overrides_its_ranks() -> None:
         ("resident", 0),
         ("auto", 3),
     ]
+
+
+class _Squares(Dataset):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return torch.tensor([float(i * i)]), i % 2
+
+
+def test_a_dataset_class_a_factory_or_an_instance_resolve_alike() -> None:
+    """``.dataset(MyDataset)``: the class is a factory, as a function is (its instances index;
+    the class itself only has the unbound ``__getitem__``)."""
+    from flodl.data.source import resolve_dataset
+
+    for given in (_Squares, lambda: _Squares(), _Squares()):
+        dataset = resolve_dataset(given)
+        assert isinstance(dataset, _Squares) and len(dataset) == 8

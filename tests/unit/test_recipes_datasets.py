@@ -300,7 +300,12 @@ def test_cifar10_refuses_pickles_that_are_not_plain_data(tmp_path, monkeypatch) 
 # --- config group ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", sorted((CONF / "dataset").glob("*.yaml")), ids=lambda p: p.stem)
+# dataset=hf (tokenized text of the Hugging Face stack) has its own tests: tests/unit/test_hf.py
+@pytest.mark.parametrize(
+    "path",
+    [p for p in sorted((CONF / "dataset").glob("*.yaml")) if p.stem != "hf"],
+    ids=lambda p: p.stem,
+)
 def test_dataset_config_matches_its_factory(path: Path) -> None:
     from hydra.utils import get_method
 

@@ -107,6 +107,13 @@ class Opening:
         if len(signatures) > 1:
             detail = ", ".join(f"rank {r}: {m.signature}" for r, m in sorted(self.ready.items()))
             raise RunFailed(f"ranks built different model architectures ({detail})")
+        bases = {r.base for r in self.ready.values()}
+        if len(bases) > 1:  # adapters averaged across different frozen bases mean nothing
+            detail = ", ".join(f"rank {r}: {m.base}" for r, m in sorted(self.ready.items()))
+            raise RunFailed(
+                f"ranks built different frozen bases ({detail}); every rank must load the same "
+                "base weights (the same model.pretrained files, or the same config and seed)"
+            )
         sizes = {r.n_samples for r in self.ready.values()}
         if len(sizes) > 1:
             raise RunFailed(f"ranks loaded datasets of different sizes: {sorted(sizes)}")

@@ -17,9 +17,11 @@ from torch import nn
 
 from flodl.checkpoint.shards import MODEL, load_shard, process_local, rank_shard, write_shard
 from flodl.rig.memory import DeviceMemory, training_state
+from flodl.runtime.rank import blame
 from flodl.runtime.sync.averaging import FlatState
 from flodl.runtime.sync.compress import Compressor
 from flodl.runtime.sync.outer import NesterovOuter
+from flodl.runtime.sync.trainable import load_trainable, trainable_state
 from flodl.runtime.wire.messages import RankState, Restore
 from flodl.step.precision import StepRunner
 
@@ -44,6 +46,7 @@ class CheckpointState:
         save_path: str | None,
         memory: DeviceMemory | None,
         check_weights: Callable[[str], None],
+        base: str | None = None,
     ) -> None:
         self.rank = rank
         self.model = model
@@ -58,21 +61,16 @@ class CheckpointState:
         self.save_path = save_path
         self.memory = memory  # the rig's simulated device (None: not simulated)
         self.check_weights = check_weights  # the loop's: names the epoch
+        self.base = base  # the frozen parameters' fingerprint (None: all train)
 
     def _memory_host(self) -> Any:
         return self.memory.host() if self.memory is not None else contextlib.nullcontext()
 
     def weights(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """Parameters and buffers by name, on CPU (the model's own tensors when the link
-        serialises them while sending: no copy of the weights; else copies)."""
-        buffer_names = {n for n, _ in self.model.named_buffers()}
-        serialises = getattr(self.link, "serialises", False)
-        state = {
-            k: v.detach().cpu() if serialises else v.detach().cpu().clone()
-            for k, v in self.model.state_dict().items()
-        }
-        params = {k: v for k, v in state.items() if k not in buffer_names}
-        return params, {k: v for k, v in state.items() if k in buffer_names}
+        """Trainable parameters and buffers by name, on CPU (the model's own tensors when the
+        link serialises them while sending: no copy of the weights; else copies). A frozen base
+        stays here: :attr:`base` stands for it."""
+        return trainable_state(self.model, copy=not getattr(self.link, "serialises", False))
 
     def save_shards(self, window: int, tag: str, write_weights: bool, own: bool = True) -> None:
         """Write this rank's shard (``own``) and the weights, if asked; tell the controller."""
@@ -120,25 +118,27 @@ class CheckpointState:
 
     def model_payload(self, copy: bool) -> dict[str, Any]:
         """The consensus weights and the collective outer momentum (identical on every rank)."""
-        buffer_names = {n for n, _ in self.model.named_buffers()}
-        state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
-        if copy:
-            state = {k: v.clone() for k, v in state.items()}
+        params, buffers = trainable_state(self.model, copy=copy)
         outer = None
         if self.outer is not None and self.outer.buffer is not None:
             outer = {"buffer": self.outer.buffer.detach().cpu().clone()}
-        return {
-            "params": {k: v for k, v in state.items() if k not in buffer_names},
-            "buffers": {k: v for k, v in state.items() if k in buffer_names},
-            "outer": outer,
-        }
+        # A frozen base is not saved: its fingerprint is, so a resume refuses another base.
+        return {"params": params, "buffers": buffers, "outer": outer, "base": self.base}
 
     def restore(self, msg: Restore) -> None:
         """Continue a saved run: weights, outer momentum, this rank's optimizer/scheduler/RNG."""
         with self._memory_host():  # a bundle is read into host memory, then copied in
             model = load_shard(msg.model) if isinstance(msg.model, str) else msg.model
             state = load_shard(msg.state) if isinstance(msg.state, str) else msg.state
-        self.model.load_state_dict({**model["params"], **model["buffers"]})
+        # A bundle that does not fit the configured model (adapters saved on another frozen
+        # base) fails every rank alike: the job fails with it, no rank is "lost" over it.
+        with blame.user_code("resume"):
+            load_trainable(
+                self.model,
+                {**model["params"], **model["buffers"]},
+                model.get("base"),
+                f"checkpoint {msg.model if isinstance(msg.model, str) else 'state'}",
+            )
         if self.compressor is not None:
             self.compressor.invalidate()
         if self.outer is not None:

@@ -41,6 +41,7 @@ from flodl.runtime.rank.window_feed import WindowFeed
 from flodl.runtime.sync import groups
 from flodl.runtime.sync.averaging import FlatState
 from flodl.runtime.sync.compress import Compressor
+from flodl.runtime.sync.trainable import base_fingerprint
 from flodl.runtime.wire.messages import (
     Average,
     Final,
@@ -137,6 +138,7 @@ class Worker:
         self.model.to(self.device).train()
         # Before the optimizer: parameters move into one buffer the collectives use in place.
         self.state = FlatState(self.model, share_storage=True)
+        self.base = base_fingerprint(self.model)  # the frozen parameters' (None: all train)
         # What the step runs; averaging, checkpoints and the final state read self.model.
         self.train_model: nn.Module = compiled(self.model) if self.cfg.compile else self.model
         self.runner = StepRunner(
@@ -192,6 +194,7 @@ class Worker:
             save_path=self.cfg.save_path,
             memory=self.memory,
             check_weights=self.steps.check_weights,
+            base=self.base,
         )
         self.eval_source = None
         if self.spec.has_eval:
@@ -336,6 +339,7 @@ class Worker:
                 n_samples=len(self.source),
                 batch_size=self.batch_size,
                 memory_plan=self.memory_plan.describe(self.rank),
+                base=self.base,
                 shard_sizes=tuple(getattr(self.source.dataset, "shard_sizes", ())),
             )
         )
@@ -356,7 +360,8 @@ class Worker:
                 chaos.point("final", self.rank)
                 self.steps.check_weights("at the end of the run")
                 params, buffers = self.checkpoint.weights()
-                self.link.send(Final(rank=self.rank, params=params, buffers=buffers))
+                final = Final(rank=self.rank, params=params, buffers=buffers, base=self.base)
+                self.link.send(final)
             if not msg.hold:
                 return
             msg = self._next_stop()

@@ -1,7 +1,8 @@
 """How ranks agree on one set of weights: weighted parameter averaging (collective or controller).
 
-Parameters are averaged weighted by the work each rank did (weights from ``flodl.elche``); float
-buffers (BatchNorm statistics) equally among the ranks that stepped; integer buffers stay local.
+Parameters that train (``requires_grad``: a frozen base never travels, see :mod:`.trainable`) are
+averaged weighted by the work each rank did (weights from ``flodl.elche``); float buffers
+(BatchNorm statistics) equally among the ranks that stepped; integer buffers stay local.
 Everything travels as one flat vector: one collective per window, whatever the model's size.
 """
 
@@ -17,12 +18,14 @@ from torch import nn
 from flodl.rig import links
 from flodl.runtime.sync import groups
 from flodl.runtime.sync.compress import Compressor
+from flodl.runtime.sync.trainable import trainable
 
 _SPAN = 1 << 20  # elements per span of a span-by-span pass (4 MiB of float32 temporaries)
 
 
 class FlatState:
-    """A model's parameters and float buffers viewed as one flat vector.
+    """A model's trainable parameters and float buffers viewed as one flat vector: what every
+    mode averages and sends (frozen parameters are not in it: :mod:`.trainable`).
 
     With ``share_storage`` (the runtime's own replicas) the tensors are re-pointed into one
     contiguous buffer, so averaging is a scale and one in-place all-reduce: no gather, no copy
@@ -31,7 +34,7 @@ class FlatState:
     """
 
     def __init__(self, model: nn.Module, share_storage: bool = False) -> None:
-        self.params = [p for p in model.parameters()]
+        self.params = trainable(model)
         self.buffers = [b for b in model.buffers() if b.is_floating_point()]
         self.n_params = sum(p.numel() for p in self.params)
         self.storage: torch.Tensor | None = None

@@ -86,6 +86,7 @@ class GradSync:
         self._next = 0
         self._works: list[tuple[int, torch.Tensor, Any]] = []
         self._link_s = 0.0  # unpaced: the buckets' modelled time (cluster.link), paid at the end
+        self._link_bytes = 0  # ... and their bytes
 
     def _ready(self, param: torch.Tensor) -> None:
         if not self.armed:
@@ -117,6 +118,7 @@ class GradSync:
                 link.reserve(seconds, nbytes)
             else:
                 self._link_s += seconds
+                self._link_bytes += nbytes
 
     def _flat(self, b: int, grads: list[torch.Tensor]) -> torch.Tensor:
         """``grads`` concatenated into bucket ``b``'s kept buffer (a new one when the bucket's
@@ -152,7 +154,7 @@ class GradSync:
                     work.wait()
             link = links.installed()
             if link is not None and self._link_s:  # unpaced: after the real reductions
-                link.charge(self._link_s)
+                link.charge(self._link_s, self._link_bytes)
             for b, flat, _ in self._works:
                 self._write_back(b, flat)
             if self.buffers:  # landed only once every collective of the step succeeded

@@ -28,6 +28,7 @@ class Ready:
     batch_size: int = 0  # this rank's batch size (configured or probed); 0: trainer.batch_size
     shard_sizes: tuple[int, ...] = ()  # a sharded dataset's samples per shard (flodl.data.streams)
     memory_plan: str = ""  # what the rank gave up to fit its device (cluster.memory_plan), said
+    base: str | None = None  # its frozen parameters' fingerprint (runtime/sync/trainable.py)
 
 
 @dataclass(frozen=True)
@@ -218,8 +219,9 @@ class Restore:
 @dataclass(frozen=True)
 class Final:
     rank: int
-    params: dict[str, Any]
+    params: dict[str, Any]  # the trainable parameters (a frozen base stays on the ranks)
     buffers: dict[str, Any]
+    base: str | None = None  # the frozen base's fingerprint (runtime/sync/trainable.py)
 
 
 @dataclass(frozen=True)
