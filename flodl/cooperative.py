@@ -90,18 +90,18 @@ class CooperativeWorker:
         while self._window is not None and self._window.epoch == epoch:
             window = self._window
             self._tally = self._core.begin_window(window)
-            batches = self._core.window_batches(window)
-            for batch in self._core.timed(batches, self._tally):
+            batches = self._core.loading.window_batches(window)
+            for batch in self._core.loading.timed(batches, self._tally):
                 self._pending_loss = None
                 self._step_started = time.perf_counter()
                 yield batch
                 if self._pending_loss is None:
                     raise RuntimeError("call worker.step(loss) once for every batch")
                 self._tally.add(self._pending_loss)
-                self._core.tick(batch)
+                self._core.schedule.tick(batch)
                 self._core.log_step(self._tally)
             if self._core.runner.pending:  # worker.backward's last group: step before averaging
-                self._core.optimizer_step()
+                self._core.steps.optimizer_step()
             self._core.end_window(window, self._tally)
             self._window = self._next_window()
 
@@ -117,7 +117,7 @@ class CooperativeWorker:
         runner.backward(loss)
         if not runner.due:
             return False
-        self._core.optimizer_step()
+        self._core.steps.optimizer_step()
         return True
 
     def step(self, loss: torch.Tensor | float) -> None:
@@ -145,7 +145,7 @@ class CooperativeWorker:
             msg = self._core.next_message()
             if isinstance(msg, Plan):
                 self._queue.extend(w for w in msg.windows if not self._core.is_void(w))
-                self._core.feed(self._queue)  # the loader's workers start on them now
+                self._core.loading.feed(self._queue)  # the loader's workers start on them now
             elif isinstance(msg, Stop):
                 self._core.finish(msg)
                 self._core.data.close()

@@ -104,8 +104,7 @@ def measure_step_s(step: Callable[[], object], n: int) -> float:
 #
 # The model the calibration steps run on, without a second copy of the weights when that is safe.
 #
-# Timing warm-up steps (:meth:`flodl.runtime.rank.worker.Worker.calibrate`) must not move the
-# weights
+# Timing warm-up steps (flodl/runtime/rank/calibration.py) must not move the weights
 # every rank starts from. A deep copy of the model does that at the cost of one copy of the
 # weights *at the rank's peak* (the copy's optimizer step runs while the real model exists). For
 # the optimizers of ``torch.optim`` whose every parameter update is scaled by the learning rate,

@@ -1,5 +1,5 @@
 """cpu_async: an average that arrives while the rank trains is blended in between two steps, not
-at the end of the windows the rank ran meanwhile (``Worker._take_arrived``)."""
+at the end of the windows the rank ran meanwhile (``ControllerSync.between_steps``)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from flodl.runtime.rank.sync_modes import ControllerSync
 from flodl.runtime.rank.worker import WindowTally, Worker
 from flodl.runtime.sync.averaging import FlatState
 from flodl.runtime.wire.links import QueueLink
@@ -32,14 +33,15 @@ def _rank(outstanding: list[int], inbox: list, pending_micro_batches: int = 0):
         applied.append(msg.window)
         rank._outstanding.remove(msg.window)
 
-    rank._apply_average = apply
+    rank.take = apply
+    rank.sync = SimpleNamespace(take=apply)  # the rank's sync mode, for Worker._await_regroup
     return rank, applied, box
 
 
 def test_every_average_at_the_head_of_the_inbox_is_blended_in_and_timed() -> None:
     rank, applied, box = _rank([3, 4], [Average(3, None), Average(4, None)])
     tally = WindowTally(0.0)
-    Worker._take_arrived(rank, tally)
+    ControllerSync.between_steps(rank, tally)
     assert applied == [3, 4] and rank._outstanding == [] and box.empty()
     assert tally.blend_ms >= 0.0
 
@@ -49,7 +51,7 @@ def test_plans_queued_ahead_of_an_average_do_not_hold_it_back() -> None:
     loop's pending messages in their order, and the average behind them is blended in now."""
     first, second = Plan(windows=()), Plan(windows=())
     rank, applied, box = _rank([3], [first, second, Average(3, None)])
-    Worker._take_arrived(rank, WindowTally(0.0))
+    ControllerSync.between_steps(rank, WindowTally(0.0))
     assert applied == [3] and box.empty()
     assert list(rank._pending) == [first, second]
     assert rank._pending[0] is first
@@ -58,20 +60,20 @@ def test_plans_queued_ahead_of_an_average_do_not_hold_it_back() -> None:
 def test_a_stop_ahead_of_an_average_keeps_both_in_order() -> None:
     stop = Stop("done")
     rank, applied, box = _rank([3], [stop, Average(3, None)])
-    Worker._take_arrived(rank, WindowTally(0.0))
+    ControllerSync.between_steps(rank, WindowTally(0.0))
     assert applied == [] and rank._outstanding == [3]
     assert box.get_nowait() is stop and isinstance(box.get_nowait(), Average)
 
 
 def test_nothing_is_blended_while_micro_batches_wait_for_their_step() -> None:
     rank, applied, box = _rank([3], [Average(3, None)], pending_micro_batches=1)
-    Worker._take_arrived(rank, WindowTally(0.0))
+    ControllerSync.between_steps(rank, WindowTally(0.0))
     assert applied == [] and box.qsize() == 1
 
 
 def test_an_empty_inbox_returns_at_once() -> None:
     rank, applied, _ = _rank([3], [])
-    Worker._take_arrived(rank, WindowTally(0.0))
+    ControllerSync.between_steps(rank, WindowTally(0.0))
     assert applied == [] and rank._outstanding == [3]
 
 
@@ -83,10 +85,10 @@ def _holder(alpha: float, whole: set[int], share_storage: bool):
     return SimpleNamespace(
         state=FlatState(model, share_storage=share_storage),
         device=torch.device("cpu"),
-        cfg=SimpleNamespace(elche=SimpleNamespace(effective_easgd_alpha=alpha)),
+        alpha=alpha,
         _outstanding=[4, 5],
         _whole=set(whole),
-        _last_divergence=None,
+        last_divergence=None,
     )
 
 
@@ -98,25 +100,25 @@ def test_an_average_is_blended_in_but_an_epochs_last_is_taken_whole(share_storag
     does not read as a jump."""
     rank = _holder(0.25, {5}, share_storage)
     n = rank.state.n_params
-    Worker._apply_average(rank, Average(4, torch.full((n,), 3.0)))
+    ControllerSync.take(rank, Average(4, torch.full((n,), 3.0)))
     assert torch.allclose(rank.state.flatten(), torch.full((n,), 1.5))  # 0.25 * 3 + 0.75 * 1
-    blended = rank._last_divergence
+    blended = rank.last_divergence
     assert blended == pytest.approx(0.5 / 1.5)  # ||1 - 1.5|| / ||1.5||
-    Worker._apply_average(rank, Average(5, torch.full((n,), 3.5)))
+    ControllerSync.take(rank, Average(5, torch.full((n,), 3.5)))
     assert torch.equal(rank.state.flatten(), torch.full((n,), 3.5))
-    assert rank._last_divergence == pytest.approx(0.25 * 2.0 / 3.5)
+    assert rank.last_divergence == pytest.approx(0.25 * 2.0 / 3.5)
     assert rank._outstanding == [] and rank._whole == set()
 
 
 def test_a_void_whole_average_keeps_the_weights_and_is_forgotten():
     rank = _holder(0.5, {4}, True)
-    Worker._apply_average(rank, Average(4, None))
+    ControllerSync.take(rank, Average(4, None))
     assert torch.equal(rank.state.flatten(), torch.ones(rank.state.n_params))
     assert rank._outstanding == [5] and rank._whole == set()
 
 
 def test_an_average_arriving_while_a_regroup_is_awaited_is_taken_not_queued() -> None:
-    """A regroup can interrupt the wait for an epoch's last average (:meth:`Worker.average`,
+    """A regroup can interrupt the wait for an epoch's last average (:meth:`ControllerSync.average`,
     ``limit`` 0). Queued behind, an average that arrives while the rank awaits the new
     membership was out of that wait's reach: the rank blocked on its socket for an average
     already in hand, and the run hung (the ssh chaos test, 1 run in ~10)."""

@@ -156,7 +156,7 @@ class Aggregator:
                 self.outer = make_outer(self.cfg.elche, self.sums.n_params)
             mean = self.outer.step(mean)
         # The round's average goes out as it is: cpu_async's ranks blend it into their own
-        # weights on arrival (EASGD, ``Worker._apply_average``). It is not kept (holding it
+        # weights on arrival (EASGD, ``ControllerSync.take``). It is not kept (holding it
         # would overlap the next round's snapshots); with outer=nesterov the state is the
         # outer step's own, ``outer.previous``.
         self.out.send_each([r.rank for r in reports], Average(track.index, mean))

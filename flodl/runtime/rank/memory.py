@@ -1,4 +1,7 @@
-"""``cluster.batch_sizes: auto``: the largest batch whose probe step fits in this rank's memory.
+"""A rank's device memory: the rig's simulated device (:class:`RankMemory`), the memory plan
+(``cluster.memory_plan``) and ``cluster.batch_sizes: auto``.
+
+``cluster.batch_sizes: auto``: the largest batch whose probe step fits in this rank's memory.
 
 Runs on the rank, before training, on its own CUDA device (the launcher refuses ``auto`` for CPU
 ranks). A probe step is one forward, backward and optimizer step of the rank's model (its weights
@@ -14,14 +17,16 @@ import contextlib
 import copy
 import logging
 import math
+import resource
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from flodl.config import TrainerConfig
 from flodl.config.cluster import PLAN_ELEMENTS
-from flodl.rig.memory import DeviceMemory
+from flodl.rig.memory import DeviceMemory, MiB, training_state
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +74,24 @@ def probe_batch_size(worker: Any, dataset: Any) -> int:
         return _search(worker, dataset, budget, total)
     finally:  # the probes stepped the model: put back the weights (and BatchNorm statistics)
         worker.model.load_state_dict(saved)
+
+
+def own_batch_size(worker: Any, dataset: Any) -> int:
+    """This rank's batch size: ``cluster.batch_sizes`` (``None``: probed here), else
+    ``trainer.batch_size``; a memory plan may still halve it."""
+    sizes = worker.spec.batch_sizes
+    if not sizes or worker.rank >= len(sizes):
+        return int(worker.cfg.batch_size)
+    size = sizes[worker.rank]
+    if size is None:  # cluster.batch_sizes=auto: the largest that fits, probed here
+        size = probe_batch_size(worker, dataset)
+        log.info(
+            "rank %d: batch size %d (probed, memory_fraction %.2f)",
+            worker.rank,
+            size,
+            worker.cfg.cluster.memory_fraction,
+        )
+    return int(size)
 
 
 def _search(worker: Any, dataset: Any, budget: float, total: int) -> int:
@@ -286,3 +309,116 @@ def _choose(worker: Any, meter: _Meter, size: int) -> MemoryPlan:
         f"{_size(state)}, their gradients as much); give the rank more memory or train a "
         "smaller model"
     )
+
+
+# -- the rank's memory -----------------------------------------------------------------------------
+class RankMemory:
+    """One rank's device memory: on the CPU rig with ``cluster.memory_mb``, the simulated device
+    its allocations count against (:attr:`rig`); the plan that makes the rank fit; its peak."""
+
+    def __init__(
+        self, cfg: TrainerConfig, rank: int, device: torch.device, pacer: Any, paced: bool
+    ) -> None:
+        self.cfg = cfg
+        self.rank = rank
+        self.device = device
+        self.pacer = pacer
+        self.paced = paced  # the CPU rig paces its ranks: its memory and offload are simulated
+        self.rig: DeviceMemory | None = None  # cluster.memory_mb on the rig (built later)
+
+    def simulate(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """CPU rig with ``cluster.memory_mb``: from here on the rank's allocations count against
+        its simulated device (flodl/rig/memory.py); past it, torch.OutOfMemoryError."""
+        budget = self.cfg.cluster.rank_memory_mb(self.rank) if self.paced else None
+        if budget is None or self.device.type != "cpu":
+            return
+        self.rig = DeviceMemory(int(budget * MiB), name=f"rank {self.rank}")
+        self.rig.adopt(training_state(model, optimizer))
+        self.rig.__enter__()
+
+    def place(self, source: Any, loader_cfg: Any) -> None:
+        """The rig's simulated device: a dataset already in memory (tensors) is resident on it
+        as ``loader.placement`` decides on a GPU (``auto``: when it fits ``resident_fraction``
+        of the free budget), and then counts; otherwise it stays in host memory and only the
+        batches cut from it count."""
+        from torch.utils._pytree import tree_leaves
+
+        from flodl.data.residency import tree_bytes
+
+        tree = getattr(source, "_tree", None)
+        if self.rig is None or self.rig.budget is None or tree is None:
+            return
+        need = tree_bytes(tree)
+        self.rig.sweep()
+        free = self.rig.budget - self.rig.current
+        placement = loader_cfg.placement
+        if placement == "resident" or (
+            placement == "auto" and need <= loader_cfg.resident_fraction * free
+        ):
+            self.rig.adopt(tensors for tensors in tree_leaves(tree))
+            log.info(
+                "rank %d: dataset resident on the rig's device (%.1f MiB)", self.rank, need / MiB
+            )
+
+    def plan(self, worker: Any) -> MemoryPlan:
+        """``cluster.memory_plan``: choose (auto: probe) and apply this rank's plan to
+        ``worker`` (its model, batch size and optimizer); announced by the controller from
+        Ready."""
+        from flodl.config.cluster import parse_memory_plan
+        from flodl.step.memory import HostOptimizer, recompute, set_recompute
+
+        requested = parse_memory_plan(self.cfg.cluster.rank_memory_plan(self.rank))
+        plan = choose_plan(worker, requested)
+        worker.batch_size = worker.source.batch_size = plan.batch_size
+        if "recompute" in plan.elements:
+            recompute(worker.model)
+        else:
+            set_recompute(worker.model, False)
+        if "offload" in plan.elements:
+            host = self.rig.host if self.rig is not None else contextlib.nullcontext
+            charge = self._charge_offload if self.paced else None
+            del worker.optimizer
+            state = worker.state
+            worker.optimizer = HostOptimizer(
+                worker.model.parameters(),
+                worker.spec.optim_factory,
+                host=host,
+                charge=charge,
+                watch=lambda: [state.shared()],  # averages land through the flat buffer
+            )
+        return plan
+
+    def _charge_offload(self, moved: int, stepped: int) -> None:
+        """The rig: an offloaded step's host traffic and host step, in simulated time."""
+        from flodl.rig.memory import offload_step_s
+
+        self.pacer.charge(offload_step_s(moved, stepped))
+
+    def unplanned(self, model: torch.nn.Module) -> Any:
+        """Steps as the device runs them without a plan (calibration's nominal step): nothing
+        recomputed, nothing counted against the rig's memory (a measurement, not training)."""
+        from flodl.step.memory import recompute_off
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(recompute_off(model))
+        if self.rig is not None:
+            stack.enter_context(self.rig.host())
+        return stack
+
+    def host(self) -> Any:
+        """Allocations in host memory, not counted against the rig's device."""
+        return self.rig.host() if self.rig is not None else contextlib.nullcontext()
+
+    def close(self) -> None:
+        if self.rig is not None:
+            self.rig.__exit__(None, None, None)
+            self.rig = None
+
+    def peak(self) -> int:
+        """Peak device memory in bytes: CUDA's max allocated, the rig's simulated device's,
+        else this process's peak RSS."""
+        if self.rig is not None:
+            return self.rig.peak
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB

@@ -8,13 +8,9 @@ plans the next window while the collective runs.
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
-import itertools
 import logging
 import math
-import resource
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,31 +20,32 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
-from flodl.checkpoint.shards import MODEL, load_shard, process_local, rank_shard, write_shard
-from flodl.config import Mode
-from flodl.data.loader import collate_for, data_path, eval_batches
+from flodl.data.loader import collate_for, data_path
 from flodl.data.residency import place
-from flodl.data.source import BatchSource, batch_samples, count_batches, resolve_dataset
+from flodl.data.source import BatchSource, count_batches, resolve_dataset
 from flodl.monitor.metrics import drain_scalars
 from flodl.rig import links
-from flodl.rig.memory import DeviceMemory, MiB, training_state
-from flodl.rig.pacing import Pacer, measure_step_s, probe_model
+from flodl.rig.memory import DeviceMemory
+from flodl.rig.pacing import Pacer
 from flodl.runtime.rank import blame, chaos
+from flodl.runtime.rank.calibration import Calibration
+from flodl.runtime.rank.eval_shard import EvalShard
+from flodl.runtime.rank.lr_schedule import LrSchedule, scale_lr
+from flodl.runtime.rank.memory import RankMemory, own_batch_size
 from flodl.runtime.rank.spec import JobSpec, state_signature
+from flodl.runtime.rank.state import CheckpointState
+from flodl.runtime.rank.stepping import RankStep
+from flodl.runtime.rank.sync_modes import SoloSync, sync_for
+from flodl.runtime.rank.window_feed import WindowFeed
 from flodl.runtime.sync import groups
-from flodl.runtime.sync.averaging import FlatState, collective_average
+from flodl.runtime.sync.averaging import FlatState
 from flodl.runtime.sync.compress import Compressor
-from flodl.runtime.sync.gradsync import GradSync
-from flodl.runtime.sync.outer import make_outer
-from flodl.runtime.sync.trainable import base_fingerprint, load_trainable, trainable_state
+from flodl.runtime.sync.trainable import base_fingerprint
 from flodl.runtime.wire.messages import (
     Average,
-    EvalResult,
     Final,
     Plan,
-    RankState,
     Ready,
     Regroup,
     Regrouped,
@@ -58,7 +55,6 @@ from flodl.runtime.wire.messages import (
     Stop,
     Window,
 )
-from flodl.step import evaluation, schedules
 from flodl.step.precision import StepRunner, compiled
 
 log = logging.getLogger(__name__)
@@ -84,11 +80,6 @@ class WindowTally:
         if math.isfinite(loss):
             self.loss_sum += loss
             self.loss_count += 1
-
-
-def _key(window: Window) -> tuple[int, int]:
-    """A window's identity for the loader: its index within its membership generation."""
-    return (window.index, window.generation)
 
 
 class _CohortBroke(RuntimeError):
@@ -124,21 +115,19 @@ class Worker:
         self.pacer = Pacer(spec.speeds[rank] if spec.pace else 1.0)
         links.install(links.model_for_rank(self.cfg.cluster, rank))  # cluster.link: the wire
         self._last_sync_ms: float | None = None
-        self._last_divergence: float | None = None
         self._sync_started: float | None = None
         self._eval_ms = 0.0
         self._epoch = -1
-        self._outstanding: list[int] = []
-        self._whole: set[int] = set()  # cpu_async: windows whose average is taken whole
         self._pending: collections.deque[Any] = collections.deque()
-        self._nonfinite = 0
         self._unaveraged = -1  # a window whose averaging failed, until the controller knows
         self._step = 0  # this rank's optimizer steps so far (per-step logging)
-        self.grad_sync: GradSync | None = None  # nccl_sync's gradient all-reduce (built later)
-        self.compressor: Compressor | None = None  # elche.compress (built later)
-        self.memory: DeviceMemory | None = None  # cluster.memory_mb on the rig (built later)
-        self._grad_window = False  # this window's gradients are all-reduced in backward
-        self._grad_failed = False  # ...and that all-reduce failed (a peer is gone)
+        # The rank's device memory: the rig's simulated device, the plan, the peak.
+        self.device_memory = RankMemory(self.cfg, rank, device, self.pacer, spec.pace)
+
+    @property
+    def memory(self) -> DeviceMemory | None:
+        """The rig's simulated device (``cluster.memory_mb``); None when not simulated."""
+        return self.device_memory.rig
 
     # -- set-up ------------------------------------------------------------------------------
     def build(self) -> None:
@@ -159,15 +148,13 @@ class Worker:
             self.cfg.max_grad_norm,
         )
         self.optimizer = self.spec.optim_factory(self.model.parameters())
-        self._simulate_memory()
-        if self.mode is Mode.NCCL_SYNC and self.spec.world_size > 1:
-            self.grad_sync = GradSync(self.model, doomed=self._doomed, buffers=self.state.buffers)
-        self.outer = make_outer(self.cfg.elche, self.state.n_params)
-        compress = self.cfg.elche.compress
-        self.compressor = Compressor(compress) if compress != "none" else None
-        with self._memory_host():  # read or generated into host memory (placement decides)
+        self.device_memory.simulate(self.model, self.optimizer)
+        # How this rank agrees on weights with the others: chosen once, from elche.mode.
+        self.sync: SoloSync = sync_for(self, self.cfg.elche, self.spec.world_size)
+        self.compressor: Compressor | None = self.sync.compressor  # the plan's probe reads it
+        with self.device_memory.host():  # read or generated into host memory (placement decides)
             dataset = resolve_dataset(self.spec.dataset)
-        self.batch_size = self._own_batch_size(dataset)
+        self.batch_size = own_batch_size(self, dataset)
         if self.batch_size > len(dataset):
             key = (
                 f"trainer.batch_size={self.batch_size}"
@@ -179,14 +166,39 @@ class Worker:
         collate = collate_for(self.loader_cfg, self.spec.collate_fn)
         self.source = BatchSource(dataset, self.batch_size, self.cfg.seed, self.device, collate)
         self.resident = place(self.source, self.loader_cfg)
-        self._place_on_rig()  # resident data counts against the device, before the plan
-        self._plan_memory()  # before the LR scaling: offload replaces the optimizer
-        self._scale_lr()
+        # resident data counts against the device, before the plan
+        self.device_memory.place(self.source, self.loader_cfg)
+        # before the LR scaling: offload replaces the optimizer
+        self.memory_plan = self.device_memory.plan(self)
+        scale_lr(self.optimizer, self.spec.world_size, self.cfg.lr_scale_ratio)
+        self._build_parts(collate)
+
+    def _build_parts(self, collate: Any) -> None:
+        """The parts built on the final optimizer and batch size (after the memory plan and
+        the LR scaling): data path, schedule, step, checkpoint state, evaluation."""
         self.data = data_path(self.source, self.loader_cfg)
-        self._build_scheduler()
+        self.loading = WindowFeed(self.data, self.link, self._pending, self.is_void)
+        self.schedule = LrSchedule(self)
+        self.steps = RankStep(self, epoch=lambda: self._epoch)
+        self.checkpoint = CheckpointState(  # after the plan's optimizer and the scheduler
+            self.rank,
+            self.model,
+            self.state,
+            self.optimizer,
+            self.schedule.scheduler,
+            self.runner,
+            self.sync.outer,
+            self.sync.compressor,
+            link=self.link,
+            device=self.device,
+            save_path=self.cfg.save_path,
+            memory=self.memory,
+            check_weights=self.steps.check_weights,
+            base=self.base,
+        )
         self.eval_source = None
         if self.spec.has_eval:
-            with self._memory_host():  # its batches count as they are cut
+            with self.device_memory.host():  # its batches count as they are cut
                 eval_set = resolve_dataset(self.spec.eval_dataset, "eval_dataset")
             self.eval_source = BatchSource(
                 eval_set, self.cfg.batch_size, self.cfg.seed, self.device, collate
@@ -197,138 +209,15 @@ class Worker:
             # never evaluates (elected policy) never pays torchmetrics' import (~1.6 s CPU,
             # dearer than torch's), which would delay every rank's first step. The import then
             # lands in that evaluation, outside the paced steps.
-
-    def _build_scheduler(self) -> None:
-        self.per_step = self.spec.scheduler_interval == "step"
-        self.run_length = schedules.RunLength(
-            self.cfg.num_epochs * len(self.source), self._global_batch()
+        self.evaluation = EvalShard(
+            self.rank,
+            self.model,
+            self.eval_source,
+            self.loader_cfg,
+            self.spec.evaluation,
+            self.device,
+            self.link,
         )
-        total = self.run_length.total_steps if self.per_step else self.cfg.num_epochs
-        factory = self.spec.scheduler_factory
-        self.scheduler = schedules.build(factory, self.optimizer, total) if factory else None
-        self._clock = (0, 0, 0)  # (progress before the window, its samples, this rank's share)
-        self._own_done = 0
-
-    def _own_batch_size(self, dataset: Any) -> int:
-        sizes = self.spec.batch_sizes
-        if not sizes or self.rank >= len(sizes):
-            return self.cfg.batch_size
-        size = sizes[self.rank]
-        if size is None:  # cluster.batch_sizes=auto: the largest that fits, probed here
-            from flodl.runtime.rank.memory import probe_batch_size
-
-            size = probe_batch_size(self, dataset)
-            log.info(
-                "rank %d: batch size %d (probed, memory_fraction %.2f)",
-                self.rank,
-                size,
-                self.cfg.cluster.memory_fraction,
-            )
-        return size
-
-    def _rank_sizes(self) -> list[int]:
-        """Every rank's batch size; probed ones are gathered, so all ranks agree on the sum."""
-        sizes = list(self.spec.batch_sizes or [self.cfg.batch_size] * self.spec.world_size)
-        varies = any(b is None for b in sizes) or self.cfg.cluster.plans_choose_batches()
-        if varies and self.distributed:
-            gathered = torch.zeros(self.spec.world_size, dtype=torch.int64, device=self.device)
-            gathered[self.rank] = self.batch_size
-            dist.all_reduce(gathered)
-            return [int(b) for b in gathered]
-        return [
-            self.batch_size if b is None or r == self.rank else int(b) for r, b in enumerate(sizes)
-        ]
-
-    def _global_batch(self) -> int:
-        """Samples of one global step: every rank's batch, times the micro-batches per step."""
-        return sum(self._rank_sizes()) * self.cfg.accumulate_grad_batches
-
-    def tick(self, batch: Any) -> None:
-        """Advance a per-step scheduler to the global progress after this batch."""
-        if self.scheduler is None or not self.per_step:
-            return
-        before, in_window, own_total = self._clock
-        samples = batch_samples(batch)
-        self._own_done += samples if samples is not None else self.batch_size
-        done = schedules.global_samples(before, in_window, self._own_done, own_total)
-        schedules.advance_to(self.scheduler, self.run_length.target_step(done))
-
-    def _scale_lr(self) -> None:
-        factor = 1.0 + (self.spec.world_size - 1) * self.cfg.lr_scale_ratio
-        if factor != 1.0:
-            for group in self.optimizer.param_groups:
-                group["lr"] *= factor
-
-    def signature(self) -> str:
-        shapes = [(n, tuple(t.shape), str(t.dtype)) for n, t in self.model.state_dict().items()]
-        return state_signature(shapes)
-
-    def calibrate(self) -> float:
-        """Time warm-up steps that leave the weights as they were (``pacing.probe_model``: at
-        lr=0 on the model itself, else on a copy); agree on one nominal step time (CPU rig).
-        Nothing paced (a GPU, a solo run without rig speeds): no steps, 0.0 (the controller
-        plans from the ranks' reports; a probe copy of a large model would only raise the peak)."""
-        if not self.spec.pace:
-            return 0.0
-        with self._unplanned(), probe_model(self.model, self.spec.optim_factory) as pair:
-            step_s = self._time_steps(*pair)
-        t = torch.tensor([step_s], dtype=torch.float64)
-        self._together(t, op=dist.ReduceOp.MAX)
-        step_s = float(t.item())
-        if self.spec.pace:
-            self.pacer.set_nominal(step_s * self.cfg.cluster.pace_margin)
-            if "recompute" in self.memory_plan.elements:
-                self.pacer.cost = self._recompute_cost()
-        drain_scalars()
-        return step_s * 1000.0
-
-    def _recompute_cost(self) -> float:
-        """How much longer a step with activations recomputed takes than one without, on this
-        rank (interleaved medians): its simulated device is slowed by as much."""
-        from flodl.step.memory import recompute_off
-
-        on, off = [], []
-        with self._memory_host(), probe_model(self.model, self.spec.optim_factory) as pair:
-            step = self._plain_step(*pair)
-            for _ in range(3):
-                on.append(measure_step_s(step, max(1, self.cfg.cluster.warmup_steps // 3)))
-                with recompute_off(self.model):
-                    off.append(measure_step_s(step, max(1, self.cfg.cluster.warmup_steps // 3)))
-        cost = statistics.median(on) / max(statistics.median(off), 1e-9)
-        return min(max(cost, 1.0), 3.0)
-
-    def _memory_host(self) -> Any:
-        return self.memory.host() if self.memory is not None else contextlib.nullcontext()
-
-    def _time_steps(self, probe: nn.Module, optimizer: torch.optim.Optimizer) -> float:
-        step = self._plain_step(probe, optimizer)
-        # Measure together: a rank still importing or loading data would otherwise steal the
-        # other's core and inflate the nominal step every rank is then paced to.
-        self._together(torch.zeros(1))
-        chaos.point("calibrate", self.rank)
-        return measure_step_s(step, self.cfg.cluster.warmup_steps)
-
-    def _plain_step(self, probe: nn.Module, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
-        """One timed warm-up step of ``probe`` (a forward, backward, check and step)."""
-        n = self.cfg.cluster.warmup_steps
-        chunk = ((0, min(len(self.source), self.batch_size * n)),)
-        # Loading in the training thread (num_workers=0, not resident) is part of every step,
-        # so the nominal step covers it; workers and resident data load outside the step.
-        batches: Any
-        if not self.source.fast and self.loader_cfg.num_workers == 0:
-            batches = (b for _ in itertools.count() for b in self.source.batches(0, chunk))
-        else:
-            batches = itertools.cycle(list(self.source.batches(0, chunk)))
-
-        def step() -> None:
-            optimizer.zero_grad(set_to_none=True)
-            with blame.user_code("train_step"), self.runner.autocast():
-                loss = self.spec.train_step(probe, next(batches))
-            loss.backward()
-            self.runner.check_gradients(probe)  # every step pays it: timed too (verdict unused)
-            optimizer.step()
-
-        return step
 
     # -- loop ----------------------------------------------------------------------------------
     def run(self) -> None:
@@ -336,7 +225,7 @@ class Worker:
             self.start()
             self._loop()
         finally:
-            self.close_memory()
+            self.device_memory.close()
             data = getattr(self, "data", None)
             if data is not None:
                 data.close()  # the loader's worker processes end with the rank
@@ -345,7 +234,7 @@ class Worker:
         while True:
             msg = self.next_message()
             if isinstance(msg, Plan):
-                self.feed(msg.windows)
+                self.loading.feed(msg.windows)
                 for window in msg.windows:
                     self.run_window(window)
             elif isinstance(msg, Stop):
@@ -358,9 +247,11 @@ class Worker:
         """A control message that is neither a plan nor a stop: an average (cpu_*), a resume's
         state, a new membership. Shared with the cooperative tier's loop."""
         if isinstance(msg, Average):
-            self._apply_average(msg)
+            self.sync.take(msg)
         elif isinstance(msg, Restore):
-            self.restore(msg)
+            self.checkpoint.restore(msg)
+            # The scheduler steps when a new epoch begins; the saved one had not stepped yet.
+            self._epoch = msg.epoch - 1
         elif isinstance(msg, Regroup):
             self.regroup(msg)
 
@@ -373,7 +264,7 @@ class Worker:
                 self._together(flat, broadcast=True)
                 self.state.load(flat)
                 del flat  # not held through the calibration steps (the rank's peak)
-            step_ms = self.calibrate()
+            step_ms = Calibration(self).calibrate()
         except _CohortBroke as exc:
             log.warning(
                 "rank %d: a member was lost before training (%s); waiting to regroup",
@@ -382,8 +273,7 @@ class Worker:
             )
             groups.release(exc.abandoned)
             return None
-        if self.outer is not None:
-            self.outer.reset(self.state.current())  # reset copies
+        self.sync.reset_outer()
         return step_ms
 
     def _together(self, t: torch.Tensor, op: Any = None, broadcast: bool = False) -> None:
@@ -438,10 +328,11 @@ class Worker:
                 if step_ms is not None and not self._doomed():
                     break
             self._next_regroup()
+        shapes = [(n, tuple(t.shape), str(t.dtype)) for n, t in self.model.state_dict().items()]
         self.link.send(
             Ready(
                 rank=self.rank,
-                signature=self.signature(),
+                signature=state_signature(shapes),
                 n_params=self.state.n_params,
                 step_ms=step_ms,
                 device=str(self.device),
@@ -456,22 +347,19 @@ class Worker:
     def finish(self, msg: Stop) -> None:
         """Save and send what Stop asks; a held rank then waits for the controller's next Stop:
         its release, or the order to take over from a lost sender (its weights are the same)."""
-        while self._outstanding:  # cpu_async: take the averages still in flight
-            reply = self.link.recv()
-            if isinstance(reply, Average):
-                self._apply_average(reply)
+        self.sync.drain()  # cpu_async: take the averages still in flight
         saved = ""  # the save this rank's own shard went to (a takeover adds the weights)
         while True:
             if msg.checkpoint:
                 if msg.write_weights:
                     chaos.point("final_save", self.rank)
                 own = saved != msg.save_tag
-                self.save_shards(-1, msg.save_tag, msg.write_weights, own=own)
+                self.checkpoint.save_shards(-1, msg.save_tag, msg.write_weights, own=own)
                 saved = msg.save_tag
             if msg.send_state:
                 chaos.point("final", self.rank)
-                self.check_weights("at the end of the run")
-                params, buffers = self.weights()
+                self.steps.check_weights("at the end of the run")
+                params, buffers = self.checkpoint.weights()
                 final = Final(rank=self.rank, params=params, buffers=buffers, base=self.base)
                 self.link.send(final)
             if not msg.hold:
@@ -484,197 +372,34 @@ class Worker:
             if isinstance(msg, Stop):
                 return msg
 
-    def weights(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """Trainable parameters and buffers by name, on CPU (the model's own tensors when the
-        link serialises them while sending: no copy of the weights; else copies). A frozen base
-        stays here: :attr:`base` stands for it."""
-        return trainable_state(self.model, copy=not getattr(self.link, "serialises", False))
-
-    # -- checkpoints ---------------------------------------------------------------------------
-    def save_shards(self, window: int, tag: str, write_weights: bool, own: bool = True) -> None:
-        """Write this rank's shard (``own``) and the weights, if asked; tell the controller."""
-        stem = self.cfg.save_path
-        assert stem is not None
-        relay = process_local(stem)  # the launcher's own store: stream the payloads there
-        try:
-            if write_weights:  # never a bundle of non-finite weights over a good one
-                self.check_weights("at a checkpoint")
-            payloads = {rank_shard(self.rank): self.rank_payload()} if own else {}
-            if write_weights:
-                payloads[MODEL] = self.model_payload(copy=relay)
-            shards: dict[str, Any] = (
-                payloads
-                if relay
-                else {name: write_shard(stem, tag, name, p) for name, p in payloads.items()}
-            )
-        except Exception as exc:
-            from flodl.monitor.failures import describe
-
-            self.link.send(RankState(self.rank, window, tag, {}, error=describe(exc)))
-            return
-        self.link.send(RankState(self.rank, window, tag, shards))
-
-    def rank_payload(self) -> dict[str, Any]:
-        """This rank's own resumable state: optimizer, scheduler, RNG (CUDA too) and ``extra``."""
-        payload: dict[str, Any] = {
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "rng": torch.get_rng_state(),
-            "cuda_rng": None,
-            "extra": self.extra_state(),
-            "scaler": self.runner.state_dict(),  # 16-mixed: the GradScaler's state
-        }
-        if self.device.type == "cuda":
-            payload["cuda_rng"] = torch.cuda.get_rng_state(self.device)
-        return payload
-
-    def extra_state(self) -> dict[str, Any]:
-        """Per-rank state of other features (e.g. a GradScaler) for the shard; see restore."""
-        return {}
-
-    def load_extra_state(self, extra: dict[str, Any]) -> None:
-        """Counterpart of :meth:`extra_state`."""
-
-    def model_payload(self, copy: bool) -> dict[str, Any]:
-        """The consensus weights and the collective outer momentum (identical on every rank)."""
-        params, buffers = trainable_state(self.model, copy=copy)
-        outer = None
-        if self.outer is not None and self.outer.buffer is not None:
-            outer = {"buffer": self.outer.buffer.detach().cpu().clone()}
-        # A frozen base is not saved: its fingerprint is, so a resume refuses another base.
-        return {"params": params, "buffers": buffers, "outer": outer, "base": self.base}
-
-    def restore(self, msg: Restore) -> None:
-        """Continue a saved run: weights, outer momentum, this rank's optimizer/scheduler/RNG."""
-        with self._memory_host():  # a bundle is read into host memory, then copied in
-            model = load_shard(msg.model) if isinstance(msg.model, str) else msg.model
-            state = load_shard(msg.state) if isinstance(msg.state, str) else msg.state
-        # A bundle that does not fit the configured model (adapters saved on another frozen
-        # base) fails every rank alike: the job fails with it, no rank is "lost" over it.
-        with blame.user_code("resume"):
-            load_trainable(
-                self.model,
-                {**model["params"], **model["buffers"]},
-                model.get("base"),
-                f"checkpoint {msg.model if isinstance(msg.model, str) else 'state'}",
-            )
-        if self.compressor is not None:
-            self.compressor.invalidate()
-        if self.outer is not None:
-            self.outer.reset(self.state.current())  # reset copies
-            saved = model.get("outer") or {}
-            if saved.get("buffer") is not None:
-                self.outer.buffer = saved["buffer"].to(self.device).clone()
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.scheduler is not None and state.get("scheduler") is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        self._rescale_lr(msg.lr_factor)
-        self.runner.load_state_dict(state.get("scaler"))
-        torch.set_rng_state(state["rng"])
-        if self.device.type == "cuda" and state.get("cuda_rng") is not None:
-            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
-        self.load_extra_state(state.get("extra") or {})
-        if self.memory is not None:  # the optimizer state now on the device (not offloaded)
-            self.memory.adopt(training_state(self.model, self.optimizer))
-        # The scheduler steps when a new epoch begins; the saved one had not stepped yet.
-        self._epoch = msg.epoch - 1
-
-    def _rescale_lr(self, factor: float) -> None:
-        """Resumed on another world size: the saved lr carries the old world's scaling."""
-        if factor == 1.0:
-            return
-        for group in self.optimizer.param_groups:
-            group["lr"] *= factor
-            if "initial_lr" in group:
-                group["initial_lr"] *= factor
-        if self.scheduler is not None and hasattr(self.scheduler, "base_lrs"):
-            self.scheduler.base_lrs = [lr * factor for lr in self.scheduler.base_lrs]
-
-    def _start_epoch(self, epoch: int) -> None:
-        if self._epoch >= 0 and self.scheduler is not None and not self.per_step:
-            self.scheduler.step()
-        self._epoch = epoch
-
     def is_void(self, window: Window) -> bool:
         """Planned for an older membership after the window the cohort broke on: skip it."""
         return window.generation < self.generation and window.index > self._void_after
 
-    # -- data ---------------------------------------------------------------------------------
-    def feed(self, windows: Any = ()) -> None:
-        """Hand ``windows`` and every planned window already waiting in the inbox to the loader,
-        in the order they will run, so its workers load ahead (a no-op without workers)."""
-        if not self.data.prefetches:
-            return
-        inbox = itertools.chain(self._pending, self.link.peek())
-        waiting = [m for m in inbox if isinstance(m, Plan)]
-        for window in itertools.chain(windows, *(m.windows for m in waiting)):
-            if not self.is_void(window):
-                self.data.feed(_key(window), window.epoch, window.chunks)
-
-    def window_batches(self, window: Window) -> Any:
-        """``window``'s batches from the loader (planned chunks only, in plan order)."""
-        return self.data.batches(_key(window), window.epoch, window.chunks)
-
+    # -- windows ------------------------------------------------------------------------------
     def run_window(self, window: Window) -> None:
         if self.is_void(window):
-            self.data.cancel(_key(window))
+            self.loading.cancel(window)
             return
         tally = self.begin_window(window)
-        batches = self.timed(self.window_batches(window), tally)
+        batches = self.loading.timed(self.loading.window_batches(window), tally)
         n = count_batches(window.chunks, self.batch_size)
         for i in range(n):
             # Paced from the request for the batch: loading overlaps the padded step, as it
             # overlaps device compute on a real rig; it is not added on top of the deadline.
             loss, batch = self.pacer.run(partial(self._fetch_train, batches, i == n - 1))
             tally.add(loss)
-            self.tick(batch)
+            self.schedule.tick(batch)
             self.log_step(tally)
             if tally.batches == 1:
                 chaos.point("window", self.rank)
-            if self._outstanding:
-                self._take_arrived(tally)
+            self.sync.between_steps(tally)
         self.end_window(window, tally)
-
-    def _take_arrived(self, tally: WindowTally) -> None:
-        """cpu_async: blend in, between two steps, every average that has arrived. The rank
-        keeps training while an average round-trips and blends it in as soon as it is here:
-        taken only when the rank ran out of overshoot, an average lands windows late (the
-        controller plans ahead, so plans queue in front of it), and each blend then pulls the
-        rank back towards weights that many windows old. Plans ahead of an average keep their
-        order for the loop (as :meth:`average` keeps them); anything else (a stop, a regroup)
-        ends the look, and nothing is blended while micro-batches accumulated on the current
-        weights wait for their step."""
-        if self.runner.pending:
-            return
-        t0 = time.perf_counter()
-        while self._outstanding:
-            waiting = self.link.peek()
-            if not waiting or not isinstance(waiting[0], (Average, Plan)):
-                break
-            msg = self.link.recv()
-            if isinstance(msg, Average):
-                self._apply_average(msg)
-            else:
-                self._pending.append(msg)
-        tally.blend_ms += (time.perf_counter() - t0) * 1000.0
 
     def _fetch_train(self, batches: Any, last: bool) -> tuple[float, Any]:
         with blame.user_code("dataset"):
             batch = next(batches)
-        return self.train_batch(batch, last), batch
-
-    def timed(self, batches: Any, tally: WindowTally) -> Any:
-        """Yield ``batches``, adding the time spent waiting for each to the tally's data time
-        (and feeding windows planned meanwhile to the loader)."""
-        iterator = iter(batches)
-        while True:
-            self.feed()
-            t0 = time.perf_counter()
-            batch = next(iterator, None)
-            tally.data_ms += (time.perf_counter() - t0) * 1000.0
-            if batch is None:
-                return
-            yield batch
+        return self.steps.train_batch(batch, last), batch
 
     def log_step(self, tally: WindowTally) -> None:
         """Every ``logger.log_every_n_steps``-th step: keep its loss and LR for the report."""
@@ -687,28 +412,25 @@ class Worker:
     def begin_window(self, window: Window) -> WindowTally:
         """Account the sync that just ended and start timing this window's compute."""
         if window.epoch != self._epoch:
-            self._start_epoch(window.epoch)
+            if self._epoch >= 0:
+                self.schedule.new_epoch()
+            self._epoch = window.epoch
         if self._sync_started is not None:
             elapsed = (time.perf_counter() - self._sync_started) * 1000.0
             self._last_sync_ms = max(0.0, elapsed - self._eval_ms)
         self._eval_ms = 0.0
-        self._grad_window = window.grad_sync and self.grad_sync is not None and self.distributed
-        self._grad_failed = False
-        if self.grad_sync is not None:
-            self.grad_sync.weight = window.weight  # this rank's share of the step's samples
-            self.grad_sync.buffer_weight = window.buffer_weight
-        own = sum(size for _, size in window.chunks)
-        self._clock, self._own_done = (window.progress, window.window_samples, own), 0
+        self.sync.begin(window)
+        self.schedule.begin(window)
         return WindowTally(time.perf_counter(), overrun_s=self.pacer.overrun_s)
 
     def end_window(self, window: Window, tally: WindowTally) -> None:
         """Report the window (before averaging, so planning overlaps it), average, evaluate."""
         # time spent blending in averages is averaging time, not compute: it goes to the sync
         compute_ms = (time.perf_counter() - tally.start) * 1000.0 - tally.blend_ms
-        self.check_weights(f"after window {window.index}")
+        self.steps.check_weights(f"after window {window.index}")
         loss_sum, loss_count, batches = tally.loss_sum, tally.loss_count, tally.batches
         self._sync_started = time.perf_counter() - tally.blend_ms / 1000.0
-        snapshot = self._snapshot() if self.mode.via_controller else None
+        snapshot = self.sync.snapshot()
         self.link.send(
             Report(
                 rank=self.rank,
@@ -722,269 +444,26 @@ class Worker:
                 loss_count=loss_count,
                 scalars=drain_scalars(),
                 prev_sync_ms=self._last_sync_ms,
-                prev_divergence=self._last_divergence,
+                prev_divergence=self.sync.last_divergence,
                 lr=float(self.optimizer.param_groups[0]["lr"]),
                 snapshot=snapshot,
                 data_ms=tally.data_ms,
                 overrun_ms=(self.pacer.overrun_s - tally.overrun_s) * 1000.0,
-                peak_mem=self.peak_memory(),
+                peak_mem=self.device_memory.peak(),
                 steps=tuple(tally.steps),
             )
         )
         del snapshot  # sent: nothing of it is kept while the average is awaited
         chaos.point("report", self.rank)
-        if self.average(window) and window.settle:
+        if self.sync.average(window) and window.settle:
             self.link.send(Settled(self.rank, window.index))
         if window.checkpoint_after:
             chaos.point("checkpoint", self.rank)
-            self.save_shards(window.index, window.save_tag, window.write_weights)
+            self.checkpoint.save_shards(window.index, window.save_tag, window.write_weights)
         if window.eval_after:
-            self.evaluate(window)
-
-    def _snapshot(self) -> torch.Tensor:
-        """The weights for the controller: the flat storage itself when the link serialises
-        while sending (nothing changes it before ``send`` returns), else a copy."""
-        if getattr(self.link, "serialises", False):
-            return self.state.current().cpu()
-        return self.state.flatten().cpu()
-
-    def _simulate_memory(self) -> None:
-        """CPU rig with ``cluster.memory_mb``: from here on the rank's allocations count against
-        its simulated device (flodl/rig/memory.py); past it, torch.OutOfMemoryError."""
-        budget = self.cfg.cluster.rank_memory_mb(self.rank) if self.spec.pace else None
-        if budget is None or self.device.type != "cpu":
-            return
-        self.memory = DeviceMemory(int(budget * MiB), name=f"rank {self.rank}")
-        self.memory.adopt(training_state(self.model, self.optimizer))
-        self.memory.__enter__()
-
-    def _place_on_rig(self) -> None:
-        """The rig's simulated device: a dataset already in memory (tensors) is resident on it
-        as ``loader.placement`` decides on a GPU (``auto``: when it fits ``resident_fraction``
-        of the free budget), and then counts; otherwise it stays in host memory and only the
-        batches cut from it count."""
-        from flodl.data.residency import tree_bytes
-
-        tree = getattr(self.source, "_tree", None)
-        if self.memory is None or self.memory.budget is None or tree is None:
-            return
-        need = tree_bytes(tree)
-        self.memory.sweep()
-        free = self.memory.budget - self.memory.current
-        placement = self.loader_cfg.placement
-        if placement == "resident" or (
-            placement == "auto" and need <= self.loader_cfg.resident_fraction * free
-        ):
-            self.memory.adopt(tensors for tensors in tree_leaves(tree))
-            log.info(
-                "rank %d: dataset resident on the rig's device (%.1f MiB)", self.rank, need / MiB
-            )
-
-    def _plan_memory(self) -> None:
-        """``cluster.memory_plan``: choose (auto: probe) and apply this rank's plan
-        (flodl/runtime/rank/memory.py); announced by the controller from Ready."""
-        from flodl.config.cluster import parse_memory_plan
-        from flodl.runtime.rank.memory import choose_plan
-        from flodl.step.memory import HostOptimizer, recompute, set_recompute
-
-        requested = parse_memory_plan(self.cfg.cluster.rank_memory_plan(self.rank))
-        self.memory_plan = choose_plan(self, requested)
-        self.batch_size = self.source.batch_size = self.memory_plan.batch_size
-        if "recompute" in self.memory_plan.elements:
-            recompute(self.model)
-        else:
-            set_recompute(self.model, False)
-        if "offload" in self.memory_plan.elements:
-            host = self.memory.host if self.memory is not None else contextlib.nullcontext
-            charge = self._charge_offload if self.spec.pace else None
-            del self.optimizer
-            self.optimizer = HostOptimizer(
-                self.model.parameters(),
-                self.spec.optim_factory,
-                host=host,
-                charge=charge,
-                watch=lambda: [self.state.shared()],  # averages land through the flat buffer
-            )
-
-    def _charge_offload(self, moved: int, stepped: int) -> None:
-        """The rig: an offloaded step's host traffic and host step, in simulated time."""
-        from flodl.rig.memory import offload_step_s
-
-        self.pacer.charge(offload_step_s(moved, stepped))
-
-    def _unplanned(self) -> Any:
-        """Steps as the device runs them without a plan (calibration's nominal step): nothing
-        recomputed, nothing counted against the rig's memory (a measurement, not training)."""
-        from flodl.step.memory import recompute_off
-
-        stack = contextlib.ExitStack()
-        stack.enter_context(recompute_off(self.model))
-        if self.memory is not None:
-            stack.enter_context(self.memory.host())
-        return stack
-
-    def close_memory(self) -> None:
-        if self.memory is not None:
-            self.memory.__exit__(None, None, None)
-            self.memory = None
-
-    def peak_memory(self) -> int:
-        """Peak device memory in bytes: CUDA's max allocated, the rig's simulated device's,
-        else this process's peak RSS."""
-        if self.memory is not None:
-            return self.memory.peak
-        if self.device.type == "cuda":
-            return int(torch.cuda.max_memory_allocated(self.device))
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-
-    def train_batch(self, batch: list[torch.Tensor], last: bool = False) -> float:
-        """One micro-batch: forward in the run's precision, backward, and the optimizer step once
-        ``accumulate_grad_batches`` micro-batches are in (or ``last``: the window ends)."""
-        if self._grad_window and self.grad_sync is not None:  # the step's last micro-batch
-            self.grad_sync.armed = last or self.runner.pending + 1 >= self.runner.accumulate
-        with blame.user_code("train_step"), self.runner.autocast():
-            loss = self.spec.train_step(self.train_model, batch)
-        value = float(loss.detach())
-        if not math.isfinite(value):
-            value = self._skip_nonfinite("loss", f"non-finite loss ({value})")
-        else:
-            self.runner.backward(loss)
-        if self.runner.due or last:
-            self.optimizer_step()
-        return value
-
-    def optimizer_step(self) -> None:
-        """Step over the pending micro-batches; one whose gradients are not finite (checked in
-        every precision, after the gradient all-reduce of nccl_sync) is skipped and counted."""
-        if self._grad_window and self.grad_sync is not None and not self._grad_failed:
-            t0 = time.perf_counter()
-            self._grad_failed = not self._collective(self.grad_sync.finish, "gradient all-reduce")
-            self.pacer.exempt(time.perf_counter() - t0)
-        if not self.runner.step(self.model, self.optimizer):
-            scaler = " (16-mixed: the GradScaler lowered its scale)" if self.runner.scaler else ""
-            self._skip_nonfinite("gradients", f"non-finite gradients{scaler}")
-
-    def _skip_nonfinite(self, kind: str, what: str) -> float:
-        """NaN/inf loss or gradients: skip the step (no update; its gradients are dropped) with
-        a warning; past ``trainer.max_nonfinite`` such steps the job fails, naming this rank
-        and the kind (``loss`` or ``gradients``)."""
-        self._nonfinite += 1
-        limit = self.cfg.max_nonfinite
-        log.warning(
-            "rank %d: %s in epoch %d; step skipped (%d of %d allowed)",
-            self.rank,
-            what,
-            self._epoch,
-            self._nonfinite,
-            limit,
-        )
-        if self._nonfinite > limit:
-            verb = "was" if kind == "loss" else "were"
-            advice = (
-                "Lower the learning rate or set trainer.max_grad_norm"
-                if self.cfg.max_grad_norm is None
-                else f"Lower the learning rate (trainer.max_grad_norm={self.cfg.max_grad_norm} "
-                "is set: clipping cannot mend NaN/inf)"
-            )
-            raise blame.NonFiniteError(
-                f"{kind} {verb} NaN/inf {self._nonfinite} times (trainer.max_nonfinite={limit}) "
-                f"on rank {self.rank}; stopping. {advice}; bundles saved earlier are untouched"
-            )
-        return math.nan
-
-    def check_weights(self, when: str) -> None:
-        """Non-finite weights never leave this rank: not into an average, a checkpoint or the
-        final model. Design (issue 41): such a rank fails the job, named with the kind
-        ``weights`` (``trainer.on_rank_error=drop`` drops it instead, and the others go on
-        from their own average); it is never averaged in, and no bundle is written over the
-        last good one. Skipped non-finite steps make this rare: what is left is an update
-        that overflowed, or a step that wrote into the weights itself."""
-        if self.state.finite():
-            return
-        raise blame.NonFiniteError(
-            f"the weights of rank {self.rank} are NaN/inf {when} (epoch {self._epoch + 1}); "
-            "they are not averaged in nor saved, bundles saved earlier are untouched. Resume "
-            "from the last one with a lower learning rate or trainer.max_grad_norm"
-        )
-
-    # -- averaging -----------------------------------------------------------------------------
-    def average(self, window: Window) -> bool:
-        """Average after ``window``; False when a collective averaging of it failed (the work
-        of a rank lost in it never reached this rank's weights)."""
-        if self.world == 1 or self.mode is Mode.SOLO:
-            return True
-        chaos.point("average", self.rank)
-        if not self.mode.via_controller:
-            # The guard reads divergence; lock-step sync modes never consult it. Without an
-            # outer step it is measured inside the average (no copy of the weights kept).
-            if self._grad_window:  # parameters and float buffers agree: averaged in the step
-                averaged = not self._grad_failed
-                if not averaged:
-                    self._unaveraged = window.index
-                    self._await_regroup()
-                elif self.outer is not None:  # the same update on every rank: still in step
-                    self._outer_step()
-                return averaged
-            guard = not self.mode.is_sync
-            before = self.state.flatten() if guard and self.outer is not None else None
-            if not self._averaged(window.weight, window.buffer_weight, measure=guard):
-                self._unaveraged = window.index  # the lost rank's work there never arrived
-                self._await_regroup()
-                return False
-            if self.outer is not None:
-                self._outer_step()
-                if self.compressor is not None:  # the same step on every rank: still shared
-                    self.compressor.reset(self.state.current())
-            if before is not None:
-                self._last_divergence = self.state.divergence(before, self.state.current())
-            return True
-        self._outstanding.append(window.index)
-        limit = window.max_overshoot if self.mode is Mode.CPU_ASYNC else 0
-        if window.consensus:  # cpu_async, an epoch's end: wait for it, take it whole
-            self._whole.add(window.index)
-            limit = 0
-        while len(self._outstanding) > limit:
-            msg = self.link.recv()
-            if isinstance(msg, Average):
-                self._apply_average(msg)
-            elif isinstance(msg, Regroup):
-                self.regroup(msg)
-            else:  # a plan or stop that arrived ahead of the average: keep it for the loop
-                self._pending.append(msg)
-        return True
-
-    def _outer_step(self) -> None:
-        """The outer (Nesterov) step, in place on the model's own storage when it is shared
-        (no copy of the weights; the outer state itself is the outer optimizer's)."""
-        assert self.outer is not None
-        flat = self.state.current()
-        out = self.outer.step(flat)
-        if out is not self.state.shared():
-            self.state.load(out)
+            self._eval_ms += self.evaluation.evaluate(window)
 
     # -- membership ------------------------------------------------------------------------------
-    def _averaged(self, weight: float, buffer_weight: float, measure: bool = False) -> bool:
-        """The collective average; False when a peer is gone (the group is then released) or
-        the controller announced a new membership while it was in flight (abandoned).
-        ``measure``: record the divergence from the average (the guard's signal)."""
-
-        def average() -> None:
-            divergence = collective_average(
-                self.state,
-                weight,
-                buffer_weight,
-                doomed=self._doomed,
-                measure=measure,
-                compressor=self.compressor,
-            )
-            if divergence is not None:
-                self._last_divergence = divergence
-
-        averaged = self._collective(average, "averaging")
-        if not averaged and self.compressor is not None:
-            self.compressor.invalidate()  # the survivors may not share the last average now
-        return averaged
-
     def _collective(self, run: Callable[[], Any], what: str) -> bool:
         """Run one of the step's collectives; False when a peer is gone (the group released)."""
         failure, abandoned = None, False
@@ -1019,14 +498,15 @@ class Worker:
         (Stop goes out once every window is reported, which is before the last average; a rank
         lost in that average is lost while stopping, and no new membership follows).
         A cpu_* average that arrives meanwhile is taken now: queued behind, it would be out of
-        reach of the wait for it that this regroup may have interrupted (:meth:`average`)."""
+        reach of the wait for it that this regroup may have interrupted
+        (:meth:`ControllerSync.average`)."""
         while not any(isinstance(m, Stop) for m in self._pending):
             msg = self.link.recv(timeout=self.cfg.cluster.heartbeat_timeout_s * 2)
             if isinstance(msg, Regroup):
                 self.regroup(msg)
                 return
             if isinstance(msg, Average):
-                self._apply_average(msg)
+                self.sync.take(msg)
             else:
                 self._pending.append(msg)
 
@@ -1036,11 +516,8 @@ class Worker:
             return
         chaos.point("regroup", self.rank)
         self.generation = msg.generation
-        if self.compressor is not None:  # the survivors' next average goes whole
-            self.compressor.invalidate()
+        self.sync.on_regroup(msg)  # the survivors' next average goes whole
         self._void_after = msg.last_window
-        self._outstanding = [w for w in self._outstanding if w <= msg.last_window]
-        self._whole.intersection_update(self._outstanding)
         self.world = len(msg.members)
         if self.regroup_fn is not None:
             try:
@@ -1055,57 +532,11 @@ class Worker:
         if self._doomed():  # lost another rank meanwhile: form the newer membership now, before
             self._await_regroup()  # any window of this plan runs a collective on no group
             return
-        if self.distributed and not self.mode.via_controller:
-            share = msg.weights[self.rank]
-            if not self._averaged(share, share):  # a survivor died while regrouping
-                self._await_regroup()
-                return
-        if self.outer is not None:
-            self.outer.reset(self.state.current())  # reset copies
+        if self.distributed and not self.sync.after_regroup(msg):  # a survivor died meanwhile
+            self._await_regroup()
+            return
+        self.sync.reset_outer()
         self.link.send(Regrouped(self.rank, msg.generation, self._unaveraged))
         self._unaveraged = -1
 
-    def _apply_average(self, msg: Average) -> None:
-        """Take an average: in cpu_async blended in at ``easgd_alpha`` (EASGD's pull towards
-        the centre), except an epoch's last (``Window.consensus``), which every rank takes
-        whole: the epoch ends at the ranks' average, so evaluation, a checkpoint and the final
-        weights see the consensus and not one rank's local weights halfway to it (LeNet, 32 a
-        rank, three runs: 0.932-0.953 evaluated on local weights, 0.944-0.962 on the average)."""
-        if msg.window in self._outstanding:
-            self._outstanding.remove(msg.window)
-        whole = msg.window in self._whole
-        self._whole.discard(msg.window)
-        if msg.flat is None:  # the controller could not average this round: keep our weights
-            return
-        center = msg.flat.to(self.device)
-        before = self.state.current()  # read before the load: no copy of the weights
-        alpha = self.cfg.elche.effective_easgd_alpha
-        if alpha is None or whole:
-            # the guard's signal stays the blend's: ||before - blend|| = alpha ||before - centre||
-            divergence = self.state.divergence(before, center)
-            self._last_divergence = divergence * (1.0 if alpha is None else alpha)
-            self.state.load(center)
-            return
-        after = center.mul_(alpha).add_(before, alpha=1 - alpha)
-        self._last_divergence = self.state.divergence(before, after)
-        self.state.load(after)
-
     # -- evaluation ----------------------------------------------------------------------------
-    def evaluate(self, window: Window) -> None:
-        """Update the task's metrics over this rank's eval shard and send their states."""
-        assert self.eval_source is not None
-        chaos.point("eval", self.rank)
-        t0 = time.perf_counter()
-        shard, shards = window.eval_shard
-        start, stop = evaluation.shard_range(len(self.eval_source), shard, shards)
-        with blame.user_code("evaluation"):  # the eval step, metrics and eval dataset
-            parts = evaluation.evaluate(
-                self.model,
-                eval_batches(self.eval_source, self.loader_cfg, start, stop),
-                self.spec.evaluation,
-                self.device,
-            )
-        drain_scalars()  # an eval step that records scalars must not leak them into training
-        ms = (time.perf_counter() - t0) * 1000.0
-        self._eval_ms += ms
-        self.link.send(EvalResult(self.rank, window.epoch, window.index, parts, ms, shard))

@@ -1,0 +1,321 @@
+"""How this rank agrees on weights with the others: one object per ``elche.mode``, chosen once.
+
+As torchft's ``LocalSGD``/``DiLoCo`` are, a sync mode is an object with a small interface the
+rank loop calls at fixed points, not ``if mode`` branches inside the loop:
+
+* :class:`CollectiveSync` (``nccl_sync``, ``nccl_cadence``): the ranks average among themselves
+  in a collective (nccl_sync: gradients all-reduced during backward), then the outer step;
+* :class:`ControllerSync` (``cpu_sync``, ``cpu_cadence``, ``cpu_async``): a snapshot goes to the
+  controller with the report, its average comes back (cpu_async: blended in between steps);
+* :class:`SoloSync` (``solo``, or one rank): nothing to agree on.
+
+Membership (a lost peer, a new group) stays with the rank (:class:`Member`): a mode asks it to run
+a collective, wait for the next membership, or form one.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from flodl.config import ElCheConfig, Mode
+from flodl.runtime.rank import chaos
+from flodl.runtime.sync.averaging import FlatState, collective_average
+from flodl.runtime.sync.compress import Compressor
+from flodl.runtime.sync.gradsync import GradSync
+from flodl.runtime.sync.outer import make_outer
+from flodl.runtime.wire.messages import Average, Plan, Regroup, Window
+
+
+class Member(Protocol):
+    """What a sync mode reads and asks of its rank (:class:`flodl.runtime.rank.worker.Worker`)."""
+
+    rank: int
+    world: int
+    distributed: bool
+    link: Any
+    model: nn.Module
+    state: FlatState
+    device: torch.device
+    runner: Any
+    pacer: Any
+    _pending: collections.deque[Any]
+    _unaveraged: int
+
+    def _collective(self, run: Any, what: str) -> bool: ...
+
+    def _doomed(self) -> bool: ...
+
+    def _await_regroup(self) -> None: ...
+
+    def regroup(self, msg: Regroup) -> None: ...
+
+
+class SoloSync:
+    """No peers (``solo``, or a single rank): every average is trivially done. The base of the
+    other modes: what a mode does not override, it does not need."""
+
+    def __init__(self, member: Member, elche: ElCheConfig) -> None:
+        self.member = member
+        self.state = member.state
+        self.link = member.link
+        self.outer = make_outer(elche, self.state.n_params)
+        self.compressor = Compressor(elche.compress) if elche.compress != "none" else None
+        self.last_divergence: float | None = None  # the guard's signal, sent with the report
+
+    def begin(self, window: Window) -> None:
+        """A window starts (nccl_sync: whether its gradients are all-reduced in backward)."""
+
+    def arm(self, last: bool) -> None:
+        """Before a micro-batch's backward; ``last``: the window's last micro-batch."""
+
+    def reduce_gradients(self) -> None:
+        """Before the optimizer step (nccl_sync: finish the gradient all-reduce)."""
+
+    def snapshot(self) -> torch.Tensor | None:
+        """The weights the report carries to the controller; None where it averages nothing."""
+        return None
+
+    def average(self, window: Window) -> bool:
+        """Average after ``window``; False when a collective averaging of it failed (the work
+        of a rank lost in it never reached this rank's weights)."""
+        return True
+
+    def between_steps(self, tally: Any) -> None:
+        """Between two steps of a window (cpu_async: blend in the averages that arrived)."""
+
+    def take(self, msg: Average) -> None:
+        """An average from the controller (the cpu_* modes)."""
+
+    def drain(self) -> None:
+        """The run ends: take the averages still in flight."""
+
+    def reset_outer(self) -> None:
+        """The ranks agree on the current weights: the outer step starts from them."""
+        if self.outer is not None:
+            self.outer.reset(self.state.current())  # reset copies
+
+    def on_regroup(self, msg: Regroup) -> None:
+        """A new membership is announced: forget what the old one shared."""
+        if self.compressor is not None:  # the survivors' next average goes whole
+            self.compressor.invalidate()
+
+    def after_regroup(self, msg: Regroup) -> bool:
+        """The new group is formed: agree on one set of weights; False when a survivor died
+        meanwhile."""
+        return True
+
+
+class CollectiveSync(SoloSync):
+    """``nccl_sync`` and ``nccl_cadence``: the ranks average in a collective among themselves."""
+
+    def __init__(self, member: Member, elche: ElCheConfig, mode: Mode) -> None:
+        super().__init__(member, elche)
+        self.mode = mode
+        self.grad_sync: GradSync | None = None  # nccl_sync's gradient all-reduce
+        if mode is Mode.NCCL_SYNC:
+            self.grad_sync = GradSync(
+                member.model, doomed=member._doomed, buffers=self.state.buffers
+            )
+        self._grad_window = False  # this window's gradients are all-reduced in backward
+        self._grad_failed = False  # ...and that all-reduce failed (a peer is gone)
+
+    def begin(self, window: Window) -> None:
+        grads = window.grad_sync and self.grad_sync is not None and self.member.distributed
+        self._grad_window = grads
+        self._grad_failed = False
+        if self.grad_sync is not None:
+            self.grad_sync.weight = window.weight  # this rank's share of the step's samples
+            self.grad_sync.buffer_weight = window.buffer_weight
+
+    def arm(self, last: bool) -> None:
+        if self._grad_window and self.grad_sync is not None:  # the step's last micro-batch
+            runner = self.member.runner
+            self.grad_sync.armed = last or runner.pending + 1 >= runner.accumulate
+
+    def reduce_gradients(self) -> None:
+        if self._grad_window and self.grad_sync is not None and not self._grad_failed:
+            t0 = time.perf_counter()
+            run = self.grad_sync.finish
+            self._grad_failed = not self.member._collective(run, "gradient all-reduce")
+            self.member.pacer.exempt(time.perf_counter() - t0)
+
+    def average(self, window: Window) -> bool:
+        member = self.member
+        if member.world == 1:
+            return True
+        chaos.point("average", member.rank)
+        # The guard reads divergence; lock-step sync modes never consult it. Without an
+        # outer step it is measured inside the average (no copy of the weights kept).
+        if self._grad_window:  # parameters and float buffers agree: averaged in the step
+            averaged = not self._grad_failed
+            if not averaged:
+                member._unaveraged = window.index
+                member._await_regroup()
+            elif self.outer is not None:  # the same update on every rank: still in step
+                self._outer_step()
+            return averaged
+        guard = not self.mode.is_sync
+        before = self.state.flatten() if guard and self.outer is not None else None
+        if not self._averaged(window.weight, window.buffer_weight, measure=guard):
+            member._unaveraged = window.index  # the lost rank's work there never arrived
+            member._await_regroup()
+            return False
+        if self.outer is not None:
+            self._outer_step()
+            if self.compressor is not None:  # the same step on every rank: still shared
+                self.compressor.reset(self.state.current())
+        if before is not None:
+            self.last_divergence = self.state.divergence(before, self.state.current())
+        return True
+
+    def _outer_step(self) -> None:
+        """The outer (Nesterov) step, in place on the model's own storage when it is shared
+        (no copy of the weights; the outer state itself is the outer optimizer's)."""
+        assert self.outer is not None
+        flat = self.state.current()
+        out = self.outer.step(flat)
+        if out is not self.state.shared():
+            self.state.load(out)
+
+    def _averaged(self, weight: float, buffer_weight: float, measure: bool = False) -> bool:
+        """The collective average; False when a peer is gone (the group is then released) or
+        the controller announced a new membership while it was in flight (abandoned).
+        ``measure``: record the divergence from the average (the guard's signal)."""
+
+        def average() -> None:
+            divergence = collective_average(
+                self.state,
+                weight,
+                buffer_weight,
+                doomed=self.member._doomed,
+                measure=measure,
+                compressor=self.compressor,
+            )
+            if divergence is not None:
+                self.last_divergence = divergence
+
+        averaged = self.member._collective(average, "averaging")
+        if not averaged and self.compressor is not None:
+            self.compressor.invalidate()  # the survivors may not share the last average now
+        return averaged
+
+    def after_regroup(self, msg: Regroup) -> bool:
+        share = msg.weights[self.member.rank]
+        return self._averaged(share, share)
+
+
+class ControllerSync(SoloSync):
+    """``cpu_sync``, ``cpu_cadence``, ``cpu_async``: the controller averages the snapshots the
+    reports carry and sends the average back; cpu_async keeps training meanwhile, within
+    ``Window.max_overshoot`` windows, and blends each average in at ``easgd_alpha``."""
+
+    def __init__(self, member: Member, elche: ElCheConfig, mode: Mode) -> None:
+        super().__init__(member, elche)
+        self.mode = mode
+        self.runner = member.runner
+        self.device = member.device
+        self.alpha = elche.effective_easgd_alpha
+        self._pending = member._pending  # the loop's inbox of messages kept for later
+        self._outstanding: list[int] = []  # windows whose average has not arrived
+        self._whole: set[int] = set()  # cpu_async: windows whose average is taken whole
+
+    def snapshot(self) -> torch.Tensor:
+        """The weights for the controller: the flat storage itself when the link serialises
+        while sending (nothing changes it before ``send`` returns), else a copy."""
+        if getattr(self.link, "serialises", False):
+            return self.state.current().cpu()
+        return self.state.flatten().cpu()
+
+    def average(self, window: Window) -> bool:
+        if self.member.world == 1:
+            return True
+        chaos.point("average", self.member.rank)
+        self._outstanding.append(window.index)
+        limit = window.max_overshoot if self.mode is Mode.CPU_ASYNC else 0
+        if window.consensus:  # cpu_async, an epoch's end: wait for it, take it whole
+            self._whole.add(window.index)
+            limit = 0
+        while len(self._outstanding) > limit:
+            msg = self.link.recv()
+            if isinstance(msg, Average):
+                self.take(msg)
+            elif isinstance(msg, Regroup):
+                self.member.regroup(msg)
+            else:  # a plan or stop that arrived ahead of the average: keep it for the loop
+                self._pending.append(msg)
+        return True
+
+    def between_steps(self, tally: Any) -> None:
+        """cpu_async: blend in, between two steps, every average that has arrived. The rank
+        keeps training while an average round-trips and blends it in as soon as it is here:
+        taken only when the rank ran out of overshoot, an average lands windows late (the
+        controller plans ahead, so plans queue in front of it), and each blend then pulls the
+        rank back towards weights that many windows old. Plans ahead of an average keep their
+        order for the loop (as :meth:`average` keeps them); anything else (a stop, a regroup)
+        ends the look, and nothing is blended while micro-batches accumulated on the current
+        weights wait for their step."""
+        if not self._outstanding or self.runner.pending:
+            return
+        t0 = time.perf_counter()
+        while self._outstanding:
+            waiting = self.link.peek()
+            if not waiting or not isinstance(waiting[0], (Average, Plan)):
+                break
+            msg = self.link.recv()
+            if isinstance(msg, Average):
+                self.take(msg)
+            else:
+                self._pending.append(msg)
+        tally.blend_ms += (time.perf_counter() - t0) * 1000.0
+
+    def take(self, msg: Average) -> None:
+        """Take an average: in cpu_async blended in at ``easgd_alpha`` (EASGD's pull towards
+        the centre), except an epoch's last (``Window.consensus``), which every rank takes
+        whole: the epoch ends at the ranks' average, so evaluation, a checkpoint and the final
+        weights see the consensus and not one rank's local weights halfway to it (LeNet, 32 a
+        rank, three runs: 0.932-0.953 evaluated on local weights, 0.944-0.962 on the average)."""
+        if msg.window in self._outstanding:
+            self._outstanding.remove(msg.window)
+        whole = msg.window in self._whole
+        self._whole.discard(msg.window)
+        if msg.flat is None:  # the controller could not average this round: keep our weights
+            return
+        center = msg.flat.to(self.device)
+        before = self.state.current()  # read before the load: no copy of the weights
+        alpha = self.alpha
+        if alpha is None or whole:
+            # the guard's signal stays the blend's: ||before - blend|| = alpha ||before - centre||
+            divergence = self.state.divergence(before, center)
+            self.last_divergence = divergence * (1.0 if alpha is None else alpha)
+            self.state.load(center)
+            return
+        after = center.mul_(alpha).add_(before, alpha=1 - alpha)
+        self.last_divergence = self.state.divergence(before, after)
+        self.state.load(after)
+
+    def drain(self) -> None:
+        while self._outstanding:  # cpu_async: take the averages still in flight
+            reply = self.link.recv()
+            if isinstance(reply, Average):
+                self.take(reply)
+
+    def on_regroup(self, msg: Regroup) -> None:
+        super().on_regroup(msg)
+        self._outstanding = [w for w in self._outstanding if w <= msg.last_window]
+        self._whole.intersection_update(self._outstanding)
+
+
+def sync_for(member: Member, elche: ElCheConfig, world_size: int) -> SoloSync:
+    """The rank's sync mode, chosen once from ``elche.mode`` (solo, or one rank without the
+    controller: nothing to agree on)."""
+    mode = elche.mode
+    if mode.via_controller:  # even alone: the controller reads the snapshots
+        return ControllerSync(member, elche, mode)
+    if mode is Mode.SOLO or world_size == 1:
+        return SoloSync(member, elche)
+    return CollectiveSync(member, elche, mode)
