@@ -144,40 +144,39 @@ def _collectives(rank: int, rendezvous: str, out: str) -> None:
     state = FlatState(model)
     gbe = SLOW
 
-    def timed(run) -> float:
-        samples = []
-        for _ in range(3):
-            dist.barrier()
-            t0 = time.perf_counter()
-            run()
-            samples.append(time.perf_counter() - t0)
-        return statistics.median(samples)
+    def interleaved(run, link) -> tuple[float, float]:
+        """Medians of 5 runs without the link and 5 with it, alternating: a load spike on a
+        shared machine lands on both sides, not on the baseline alone."""
+        plain, charged = [], []
+        for _ in range(5):
+            for model, samples in ((None, plain), (link, charged)):
+                links.install(model)
+                dist.barrier()
+                t0 = time.perf_counter()
+                run()
+                samples.append(time.perf_counter() - t0)
+        links.install(None)
+        return statistics.median(plain), statistics.median(charged)
 
     result = {}
-    links.install(None)
-    plain = timed(lambda: collective_average(state, 0.5, 0.5))
     link = links.model_for(gbe)
-    links.install(link)
-    charged = timed(lambda: collective_average(state, 0.5, 0.5))
-    result["flodl"] = {"extra_s": charged - plain, "charged_s": link.charged_s / 3}
+    plain, charged = interleaved(lambda: collective_average(state, 0.5, 0.5), link)
+    result["flodl"] = {"extra_s": charged - plain, "charged_s": link.charged_s / 5}
 
     ddp = DistributedDataParallel(model, bucket_cap_mb=100)
+    ddp.register_comm_hook(None, links.ddp_comm_hook(2))  # no link installed: DDP's own
     x = torch.randn(4, 1000)
 
     def backward() -> None:
         ddp(x).sum().backward()
 
-    links.install(None)
     backward()  # DDP's first iteration builds its buckets
-    plain = timed(backward)
     link = links.model_for(gbe)
-    links.install(link)
-    ddp.register_comm_hook(None, links.ddp_comm_hook(2))
-    charged = timed(backward)
+    plain, charged = interleaved(backward, link)
     result["ddp"] = {
         "extra_s": charged - plain,
-        "charged_s": link.charged_s / 3,
-        "bytes": link.charged_bytes / 3,
+        "charged_s": link.charged_s / 5,
+        "bytes": link.charged_bytes / 5,
     }
     write_result(rank, out, result)
     dist.destroy_process_group()
