@@ -29,8 +29,9 @@ regroups
 
 This class wires them, routes each message to its part, and owns the stop. It is the one reader
 of the whole ``TrainerConfig``: each part gets its slice (the ``ElCheConfig``, ``save_best``,
-``max_failure``, a :class:`~flodl.runtime.controller.planning.PlanningConfig`, plain values). What it exchanges
-with the launcher besides the ranks' messages (hooks, posted events) is in ``events.py``.
+``max_failure``, a :class:`~flodl.runtime.controller.planning.PlanningConfig`, plain values).
+What it exchanges with the launcher besides the ranks' messages (hooks, posted events) is in
+``events.py``.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import logging
 import math
 import queue
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from flodl.config import TrainerConfig
@@ -91,7 +92,9 @@ class Controller:
         checkpointer: Checkpointer | None = None,
         resume: ResumePoint | None = None,
         eval_metric: str | None = None,
+        batch_sizes: Sequence[int | None] = (),
     ) -> None:
+        """``batch_sizes``: each rank's, as the placement configured them (the Topology's)."""
         self.cfg, self.world = config, world_size
         self.hooks = hooks or Hooks()
         self.inbox: queue.Queue[tuple[int, Any]] = queue.Queue()
@@ -102,7 +105,9 @@ class Controller:
         step = resume.meta.global_step if resume is not None else 0
         parts = (self.members, self.elche, checkpointer, self.out)
         plan = PlanningConfig.of(config)
-        self.planner = Planner(plan, has_eval, *parts, lookahead=lookahead, global_step=step)
+        self.planner = Planner(
+            plan, has_eval, *parts, lookahead=lookahead, global_step=step, placed=batch_sizes
+        )
         saved = resume.controller_state() if resume is not None else None
         self.aggregator = Aggregator(
             config.elche, world_size, self.elche, self.hooks, self.out, eval_metric, saved

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from flodl.config import ElCheConfig, Mode, TrainerConfig
@@ -93,7 +94,10 @@ class Planner:
         out: Outbound,
         lookahead: int = 1,
         global_step: int = 0,
+        placed: Sequence[int | None] = (),
     ) -> None:
+        """``placed``: each rank's batch size as the placement configured it
+        (:mod:`flodl.placement.batches`; ``None``: probed on the rank, which says it in Ready)."""
         world = members.world_size
         self.cfg, self.world, self.mode, self.has_eval = cfg, world, cfg.elche.mode, has_eval
         self.members, self.elche, self.checkpointer, self.out = members, elche, checkpointer, out
@@ -107,7 +111,10 @@ class Planner:
         self.all_planned = False
         self.global_step = global_step  # optimizer steps so far (a resumed run's count on)
         self.overshoot = (0, 0, 0)  # cpu_async: (current, initial, cap) averages in flight
-        self.batch_sizes = [cfg.batch_size] * world  # per rank, from their Ready messages
+        self.placed = [  # a probed size, or none placed: the nominal batch until Ready says
+            (placed[r] if r < len(placed) else None) or cfg.batch_size for r in range(world)
+        ]
+        self.batch_sizes = list(self.placed)  # per rank, from their Ready messages
         self.shard_sizes: tuple[int, ...] = ()  # sharded data: samples per shard, from Ready
         self.settle_windows: dict[int, int] = {}  # an epoch's last window -> the epoch
         self.solo_ms = 0.0  # one rank: its measured ms per batch (0: not measured yet)
@@ -125,7 +132,7 @@ class Planner:
         ``ready``: the members' Ready messages (batch sizes, shard sizes)."""
         sizes = {r.rank: r.batch_size for r in ready}
         self.batch_sizes = [  # a rank lost before it was ready gets no work: any size will do
-            sizes.get(r) or self.cfg.batch_size for r in range(self.world)
+            sizes.get(r) or self.placed[r] for r in range(self.world)
         ]
         self.shard_sizes = ready[0].shard_sizes
         epoch, ranges = at
