@@ -29,13 +29,13 @@ from flodl.checkpoint.store import write_atomic
 from flodl.config import ConfigError
 from flodl.monitor.failures import write_failure
 from flodl.monitor.metrics import EpochMetrics, RunSummary, SyncEvent
+from flodl.placement.batches import place_batches
 from flodl.placement.topology import Topology, resolve_topology
 from flodl.preflight import (
     check_launch,
     check_run,
     format_lr_scaling,
     model_signature,
-    rank_batch_sizes,
     rank_loaders,
 )
 from flodl.runtime.cohorts.factory import open_cohort
@@ -96,11 +96,12 @@ class Job:
             spec.config, self.topology.world_size, signature
         )
         self.run_info["lr_scaling"] = check_launch(spec, self.topology)
-        topo = self.topology
+        # Each rank's batch size, worked out once: the spec and the controller read it here.
+        self.topology = topo = place_batches(self.topology, spec.config)
         # The job as every rank receives it, complete from here on (frozen).
         self.spec = replace(
             spec,
-            batch_sizes=rank_batch_sizes(spec.config, topo),
+            batch_sizes=list(topo.batch_sizes),
             loaders=rank_loaders(spec.config, topo),
             world_size=topo.world_size,
             speeds=topo.speeds,

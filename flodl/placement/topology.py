@@ -39,6 +39,9 @@ class Topology:
     placements: tuple[Placement, ...] = ()
     kind: str = "local"  # local | hosts | slurm | external
     external: rank_env.ExternalRole | None = field(default=None)
+    # Each rank's configured batch size (None: probed on the rank); () until
+    # flodl.placement.batches.place_batches fills it, the one place it is worked out.
+    batch_sizes: tuple[int | None, ...] = ()
 
 
 def describe_gpus(gpus: list) -> str:

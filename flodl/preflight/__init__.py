@@ -13,6 +13,7 @@ Cheapest first, so a pure-config refusal exits before torch is imported:
    :func:`check_launch`): callback rank, save path, resume bundle, the Python API's closures.
 """
 
+from flodl.placement.batches import rank_batch_sizes, rank_devices
 from flodl.preflight.launch import (
     check_config,
     check_launch,
@@ -21,8 +22,6 @@ from flodl.preflight.launch import (
     format_lr_scaling,
     lr_scaling,
     model_signature,
-    rank_batch_sizes,
-    rank_devices,
     rank_loaders,
 )
 from flodl.preflight.targets import bind, check_factories, check_task_targets, resolve

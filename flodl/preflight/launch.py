@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from flodl.config import ConfigError, LoaderConfig, LoaderOverride, Mode, TrainerConfig
 from flodl.config.extras import check_extras
+from flodl.placement.batches import place_batches, rank_devices
 from flodl.placement.topology import Topology
 
 if TYPE_CHECKING:
@@ -98,17 +99,6 @@ def _check_scheduler(spec: JobSpec, optimizer: torch.optim.Optimizer | None) -> 
         )
 
 
-def rank_devices(topology: Topology, device: str) -> list[str]:
-    """``cpu`` or ``cuda`` for each rank, decided without touching CUDA."""
-    if topology.in_process:
-        if device == "auto":
-            from flodl.placement.gpus import detect_gpus
-
-            device = "cuda" if detect_gpus() else "cpu"
-        return [device]
-    return [p.device for p in topology.placements] or ["cpu"] * topology.world_size
-
-
 def check_precision(precision: str, devices: list[str]) -> None:
     cpu = [r for r, d in enumerate(devices) if d != "cuda"]
     if precision == "16-mixed" and cpu:
@@ -116,33 +106,6 @@ def check_precision(precision: str, devices: list[str]) -> None:
             f"trainer.precision=16-mixed: rank(s) {cpu} run on CPU, where fp16 autocast with a "
             "GradScaler is not supported; use trainer.precision=bf16-mixed (CPU and CUDA) or 32"
         )
-
-
-def rank_batch_sizes(config: TrainerConfig, topology: Topology) -> list[int | None]:
-    """Each rank's batch size (``None``: probed on the rank, ``auto``), from cluster.batch_sizes,
-    a host worker's batch_size, or trainer.batch_size."""
-    cluster, world = config.cluster, topology.world_size
-    sizes: list[int | str | None]
-    if isinstance(cluster.batch_sizes, list):
-        solo = config.elche.mode is Mode.SOLO  # rank 0 alone: its size
-        if len(cluster.batch_sizes) != world and not solo:
-            raise ConfigError(
-                f"cluster.batch_sizes={cluster.batch_sizes}: {len(cluster.batch_sizes)} entries "
-                f"but the run has {world} rank(s); give one size per rank"
-            )
-        sizes = list(cluster.batch_sizes[:world])
-    elif cluster.kind == "hosts" and topology.placements:
-        sizes = [cluster.workers[p.worker or 0].batch_size for p in topology.placements]
-    else:
-        sizes = [cluster.batch_sizes] * world
-    devices = rank_devices(topology, config.device)
-    probed = [r for r, b in enumerate(sizes) if b == "auto" and devices[r] != "cuda"]
-    if probed:
-        raise ConfigError(
-            f"cluster.batch_sizes=auto: rank(s) {probed} run on CPU, where no memory probe "
-            "exists; give the sizes (cluster.batch_sizes: [64, 16]) or trainer.batch_size"
-        )
-    return [None if b == "auto" else int(b) if b is not None else config.batch_size for b in sizes]
 
 
 def rank_loaders(config: TrainerConfig, topology: Topology) -> list[LoaderConfig]:
@@ -179,7 +142,7 @@ def check_config(config: TrainerConfig) -> None:
     check_extras(config.cluster.kind, config.logger.progress)
     topology = resolve_topology(config, probe_hosts=False)
     check_precision(config.precision, rank_devices(topology, config.device))
-    rank_batch_sizes(config, topology)
+    place_batches(topology, config)  # its refusals
     rank_loaders(config, topology)
     check_outputs(config, topology.world_size)
 

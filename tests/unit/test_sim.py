@@ -17,9 +17,9 @@ def test_the_simulator_runs_the_controllers_own_planning(monkeypatch):
     calls = []
     real = planning.whole_steps
 
-    def spy(counts, cfg):
+    def spy(counts, accumulate):
         calls.append(list(counts))
-        return real(counts, cfg)
+        return real(counts, accumulate)
 
     monkeypatch.setattr(planning, "whole_steps", spy)
     base = Simulator(4, "two_tiers", batches_per_rank=40).run()
@@ -27,7 +27,7 @@ def test_the_simulator_runs_the_controllers_own_planning(monkeypatch):
     assert base.windows == len(calls)  # one ElChe cycle per planned window
 
     # Every rank forced to one batch per window: many more (lock-step-like) windows.
-    one_each = lambda counts, cfg: [1 if c else 0 for c in counts]  # noqa: E731
+    one_each = lambda counts, accumulate: [1 if c else 0 for c in counts]  # noqa: E731
     monkeypatch.setattr(planning, "whole_steps", one_each)
     forced = Simulator(4, "two_tiers", batches_per_rank=40).run()
     assert forced.windows > 3 * base.windows

@@ -79,3 +79,22 @@ def test_solo_trains_with_rank_0s_size():
         cluster=ClusterConfig(kind="cpu_rig", ranks=2, batch_sizes=[64, 16]),
     )
     assert rank_batch_sizes(cfg, resolve_topology(cfg, probe_hosts=False)) == [64]
+
+
+def test_the_placement_carries_each_ranks_batch_size_to_the_spec_and_the_planner():
+    from flodl.placement.batches import place_batches
+    from flodl.runtime.controller.controller import Controller
+    from flodl.runtime.rank.spec import JobSpec
+
+    rig = ClusterConfig(kind="cpu_rig", ranks=2, batch_sizes=[64, 16])
+    cfg = TrainerConfig(batch_size=32, cluster=rig)
+    topology = place_batches(resolve_topology(cfg, probe_hosts=False), cfg)
+    assert topology.batch_sizes == (64, 16)
+    spec = JobSpec(cfg, print, print, print, [], batch_sizes=list(topology.batch_sizes))
+    assert [spec.batch_size_for(r) for r in range(2)] == [64, 16]
+    # A spec the job did not complete runs every rank at trainer.batch_size.
+    assert JobSpec(cfg, print, print, print, []).batch_size_for(1) == 32
+    # The planner starts from the placement's sizes (Ready's replace them); a probed one
+    # (None) is the nominal batch until its rank says.
+    planner = Controller(cfg, 2, [1.0, 1.0], has_eval=False, batch_sizes=(64, None)).planner
+    assert planner.batch_sizes == [64, 32]

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from flodl.config import Mode, Outer, TrainerConfig
+from flodl.config import ElCheConfig, Mode, Outer
 from flodl.elche import ElChe
 from flodl.elche.guard import Verdict
 from flodl.monitor.metrics import EpochMetrics, SyncEvent
@@ -34,7 +34,7 @@ class Aggregator:
 
     def __init__(
         self,
-        cfg: TrainerConfig,
+        elche_cfg: ElCheConfig,
         world: int,
         elche: ElChe | None,
         hooks: Hooks,
@@ -42,11 +42,12 @@ class Aggregator:
         eval_metric: str | None = None,
         saved: dict[str, Any] | None = None,
     ) -> None:
-        self.cfg, self.world, self.mode, self.elche = cfg, world, cfg.elche.mode, elche
+        self.elche_cfg, self.world, self.elche = elche_cfg, world, elche
+        self.mode = elche_cfg.mode
         self.hooks, self.out, self.eval_metric = hooks, out, eval_metric
         self.events: list[SyncEvent] = []
         self.closed_epochs: list[EpochMetrics] = []
-        self.sums = SnapshotSums(cfg.elche.gamma) if self.mode.via_controller else None
+        self.sums = SnapshotSums(elche_cfg.gamma) if self.mode.via_controller else None
         self.outer: Any = None
         self.t_train = 0.0  # when training started (see begin)
         self._restore(saved)
@@ -66,7 +67,7 @@ class Aggregator:
         if saved.get("outer_previous") is not None:
             from flodl.runtime.sync.outer import make_outer
 
-            self.outer = make_outer(self.cfg.elche, int(saved["outer_previous"].numel()))
+            self.outer = make_outer(self.elche_cfg, int(saved["outer_previous"].numel()))
             if self.outer is not None:
                 self.outer.previous = saved["outer_previous"].clone()
                 buffer = saved.get("outer_buffer")
@@ -149,11 +150,11 @@ class Aggregator:
             )
             self.out.send_each([r.rank for r in reports], Average(track.index, None))
             return
-        if self.cfg.elche.outer is Outer.NESTEROV:
+        if self.elche_cfg.outer is Outer.NESTEROV:
             if self.outer is None:
                 from flodl.runtime.sync.outer import make_outer
 
-                self.outer = make_outer(self.cfg.elche, self.sums.n_params)
+                self.outer = make_outer(self.elche_cfg, self.sums.n_params)
             mean = self.outer.step(mean)
         # The round's average goes out as it is: cpu_async's ranks blend it into their own
         # weights on arrival (EASGD, ``ControllerSync.take``). It is not kept (holding it
@@ -180,7 +181,7 @@ class Aggregator:
             metrics = track.metrics(
                 syncs,
                 self.events[-1] if self.events else None,
-                self.cfg.elche.anchor,
+                self.elche_cfg.anchor,
                 self.eval_metric,
             )
             self.closed_epochs.append(metrics)

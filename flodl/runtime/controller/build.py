@@ -38,6 +38,7 @@ def new_controller(
         checkpointer=checkpointer(spec, topology.world_size),
         resume=resume,
         eval_metric=eval_metric,
+        batch_sizes=topology.batch_sizes,
     )
 
 

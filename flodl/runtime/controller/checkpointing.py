@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flodl.checkpoint import shards
-from flodl.config import TrainerConfig
+from flodl.config import MonitorConfig
 from flodl.monitor.callbacks import Watch
 from flodl.monitor.metrics import EpochMetrics
 from flodl.runtime.controller.snapshots import (
@@ -52,7 +52,7 @@ class Checkpointing:
 
     def __init__(
         self,
-        cfg: TrainerConfig,
+        save_best: MonitorConfig | None,
         checkpointer: Checkpointer | None,
         facts: Callable[[int | None], CommitFacts],
         stop: Callable[[str], None],
@@ -60,7 +60,7 @@ class Checkpointing:
         self.checkpointer = checkpointer
         self._facts = facts  # save.epoch (None: the end of the run, or a stop) -> the facts
         self._stop = stop
-        self.best = Watch(cfg.save_best, "trainer.save_best") if cfg.save_best is not None else None
+        self.best = Watch(save_best, "trainer.save_best") if save_best is not None else None
         self._best_verdicts: dict[int, bool] = {}  # epoch -> improved?
         self._committed_epoch: int | None = None  # epochs done in the bundle at save_path
         self.save_error: str | None = None  # set when a bundle could not be written

@@ -27,8 +27,11 @@ point
 regroups
 =====================================================  =======================================
 
-This class wires them, routes each message to its part, and owns the stop. What it exchanges
-with the launcher besides the ranks' messages (hooks, posted events) is in ``events.py``.
+This class wires them, routes each message to its part, and owns the stop. It is the one reader
+of the whole ``TrainerConfig``: each part gets its slice (the ``ElCheConfig``, ``save_best``,
+``max_failure``, a :class:`~flodl.runtime.controller.planning.PlanningConfig`, plain values).
+What it exchanges with the launcher besides the ranks' messages (hooks, posted events) is in
+``events.py``.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import logging
 import math
 import queue
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from flodl.config import TrainerConfig
@@ -49,7 +52,7 @@ from flodl.runtime.controller.elastic import Elastic
 from flodl.runtime.controller.events import Disconnected, Exited, Hooks, RunFailed
 from flodl.runtime.controller.membership import Membership, failure_budget
 from flodl.runtime.controller.opening import Opening, make_elche
-from flodl.runtime.controller.planning import Planner
+from flodl.runtime.controller.planning import Planner, PlanningConfig
 from flodl.runtime.controller.snapshots import Checkpointer, ResumePoint
 from flodl.runtime.controller.tracking import ControllerResult, WindowTrack
 from flodl.runtime.rank import chaos
@@ -89,25 +92,31 @@ class Controller:
         checkpointer: Checkpointer | None = None,
         resume: ResumePoint | None = None,
         eval_metric: str | None = None,
+        batch_sizes: Sequence[int | None] = (),
     ) -> None:
+        """``batch_sizes``: each rank's, as the placement configured them (the Topology's)."""
         self.cfg, self.world = config, world_size
         self.hooks = hooks or Hooks()
         self.inbox: queue.Queue[tuple[int, Any]] = queue.Queue()
         self.out = Outbound()
         budget = failure_budget(config.max_failure, world_size)
         self.members = Membership(world_size, budget, config.cluster.heartbeat_timeout_s)
-        self.elche = make_elche(config, world_size, speeds, resume)
+        self.elche = make_elche(config.elche, world_size, speeds, resume)
         step = resume.meta.global_step if resume is not None else 0
         parts = (self.members, self.elche, checkpointer, self.out)
-        self.planner = Planner(config, has_eval, *parts, lookahead=lookahead, global_step=step)
+        plan = PlanningConfig.of(config)
+        self.planner = Planner(
+            plan, has_eval, *parts, lookahead=lookahead, global_step=step, placed=batch_sizes
+        )
         saved = resume.controller_state() if resume is not None else None
         self.aggregator = Aggregator(
-            config, world_size, self.elche, self.hooks, self.out, eval_metric, saved
+            config.elche, world_size, self.elche, self.hooks, self.out, eval_metric, saved
         )
-        self.opening = Opening(config, world_size, self.members, self.out, resume)
-        self.saves = Checkpointing(config, checkpointer, self._facts, self._stop_for_save)
+        epochs, ratio = config.num_epochs, config.lr_scale_ratio
+        self.opening = Opening(epochs, ratio, world_size, self.members, self.out, resume)
+        self.saves = Checkpointing(config.save_best, checkpointer, self._facts, self._stop_for_save)
         self.elastic = Elastic(
-            config, self.members, self.planner, self.saves, self.out, self, self._kill
+            config.max_failure, self.members, self.planner, self.saves, self.out, self, self._kill
         )
         self.final: Final | None = None
         self.stop_reason: str | None = None

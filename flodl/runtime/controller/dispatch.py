@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from flodl.runtime.wire.messages import Chunk
 
 if TYPE_CHECKING:
-    from flodl.config import TrainerConfig
+    from flodl.config import CallbackPolicy, TrainerConfig
     from flodl.elche import ElChe
     from flodl.runtime.controller.membership import Membership
 
@@ -200,18 +200,35 @@ class Coverage:
         }
 
 
+@dataclass(frozen=True)
+class EvalSchedule:
+    """The trainer knobs that say when and where the eval runs (a slice of ``TrainerConfig``)."""
+
+    every: int  # trainer.eval_every: evaluate every N epochs (and after the last)
+    policy: str  # trainer.eval_policy: "elected" (one rank) or "sharded" (every member)
+    callback: CallbackPolicy  # trainer.callback_policy: which rank is elected
+
+    @classmethod
+    def of(cls, cfg: TrainerConfig) -> EvalSchedule:
+        return cls(cfg.eval_every, cfg.eval_policy, cfg.callback_policy)
+
+
 def eval_shards(
-    cfg: TrainerConfig, has_eval: bool, epoch: int, members: Membership, elche: ElChe | None
+    evals: EvalSchedule,
+    has_eval: bool,
+    epoch: int,
+    last: bool,
+    members: Membership,
+    elche: ElChe | None,
 ) -> dict[int, tuple[int, int]]:
-    """Which ranks evaluate after ``epoch``, each with its ``(shard, shards)`` (``elche``: None
-    under one rank)."""
-    last = epoch == cfg.num_epochs - 1
-    if not has_eval or not (last or (epoch + 1) % cfg.eval_every == 0):
+    """Which ranks evaluate after ``epoch`` (``last``: the run's last epoch), each with its
+    ``(shard, shards)`` (``elche``: None under one rank)."""
+    if not has_eval or not (last or (epoch + 1) % evals.every == 0):
         return {}
     alive = members.members
-    if cfg.eval_policy == "sharded":
+    if evals.policy == "sharded":
         return {r: (i, len(alive)) for i, r in enumerate(alive)}
-    policy = cfg.callback_policy
+    policy = evals.callback
     if policy.kind == "rank" and members.alive[policy.rank]:
         return {policy.rank: (0, 1)}
     if elche is not None:

@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from flodl.config import TrainerConfig
 from flodl.runtime.controller.checkpointing import Checkpointing
 from flodl.runtime.controller.events import RunFailed
 from flodl.runtime.controller.membership import Membership
@@ -53,7 +52,7 @@ class Elastic:
 
     def __init__(
         self,
-        cfg: TrainerConfig,
+        max_failure: int | str | None,
         members: Membership,
         planner: Planner,
         saves: Checkpointing,
@@ -61,13 +60,13 @@ class Elastic:
         host: Host,
         kill: Callable[[int], None],
     ) -> None:
-        self.cfg, self.members, self.planner, self.saves, self.out = (
-            cfg,
+        self.max_failure, self.members, self.planner, self.saves = (
+            max_failure,
             members,
             planner,
             saves,
-            out,
         )
+        self.out = out
         self.host, self._kill = host, kill  # kill: end a silent rank's process
         self._last_check = time.monotonic()
         self._last_liveness = 0.0
@@ -183,7 +182,7 @@ class Elastic:
             raise RunFailed(f"every rank was lost before training began; last: {why}")
         if self.members.over_budget:
             raise RunFailed(
-                f"{why}; trainer.max_failure={self.cfg.max_failure} allows "
+                f"{why}; trainer.max_failure={self.max_failure} allows "
                 f"{self.members.budget} lost rank(s) and nothing is trained yet to save"
             )
         log.warning(

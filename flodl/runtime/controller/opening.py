@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from flodl.config import TrainerConfig
+from flodl.config import ElCheConfig
 from flodl.elche import ElChe, ElCheState
 from flodl.runtime.controller.events import RunFailed
 from flodl.runtime.controller.membership import Membership
@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 
 def make_elche(
-    cfg: TrainerConfig, world: int, speeds: list[float], resume: ResumePoint | None
+    cfg: ElCheConfig, world: int, speeds: list[float], resume: ResumePoint | None
 ) -> ElChe | None:
     """ElChe for ``world`` ranks (None for one), from a resumed bundle's state when it fits."""
     if world < 2:
@@ -40,7 +40,7 @@ def make_elche(
             world,
         )
         state = None
-    return ElChe(cfg.elche, world, speed_hint=hint, state=state)
+    return ElChe(cfg, world, speed_hint=hint, state=state)
 
 
 @dataclass(frozen=True)
@@ -58,13 +58,15 @@ class Opening:
 
     def __init__(
         self,
-        cfg: TrainerConfig,
+        num_epochs: int,
+        lr_scale_ratio: float,
         world: int,
         members: Membership,
         out: Outbound,
         resume: ResumePoint | None,
     ) -> None:
-        self.cfg, self.world, self.members, self.out, self.resume = cfg, world, members, out, resume
+        self.num_epochs, self.lr_scale_ratio = num_epochs, lr_scale_ratio
+        self.world, self.members, self.out, self.resume = world, members, out, resume
         self.ready: dict[int, Ready] = {}
 
     def take(self, msg: Ready) -> bool:
@@ -119,10 +121,10 @@ class Opening:
             raise RunFailed(f"ranks loaded datasets of different sizes: {sorted(sizes)}")
         n_samples, signature = sizes.pop(), signatures.pop()
         at = self._resume_ranks(n_samples, signature)
-        if at[0] >= self.cfg.num_epochs:
+        if at[0] >= self.num_epochs:
             raise RunFailed(
                 f"checkpoint already finished {at[0]} epochs; trainer.num_epochs="
-                f"{self.cfg.num_epochs} leaves nothing to train"
+                f"{self.num_epochs} leaves nothing to train"
             )
         return Start(n_samples, at, list(self.ready.values()), signature)
 
@@ -148,4 +150,4 @@ class Opening:
         return meta.epoch, self.resume.uncovered()
 
     def _lr_factor(self, world: int) -> float:
-        return 1.0 + (world - 1) * self.cfg.lr_scale_ratio
+        return 1.0 + (world - 1) * self.lr_scale_ratio

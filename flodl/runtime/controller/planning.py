@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
-from flodl.config import Mode, TrainerConfig
+from flodl.config import ElCheConfig, Mode, TrainerConfig
 from flodl.elche import (
     ElChe,
     auto_max_overshoot,
@@ -24,6 +26,7 @@ from flodl.elche.guard import Verdict
 from flodl.runtime.controller.dispatch import (
     Coverage,
     EpochCursor,
+    EvalSchedule,
     clamp_to_samples,
     eval_shards,
 )
@@ -40,11 +43,39 @@ log = logging.getLogger(__name__)
 _SYNC_PLAN_S = 0.25
 
 
-def whole_steps(counts: list[int], cfg: TrainerConfig) -> list[int]:
-    """Round each rank's micro-batches up to whole optimizer steps (accumulate_grad_batches), so
-    a window rarely ends inside a group. ElChe's "batch" is a micro-batch: it times and counts
-    those; the cursor clips what it hands out to what the epoch has left."""
-    n = cfg.accumulate_grad_batches
+@dataclass(frozen=True)
+class PlanningConfig:
+    """What the planner reads of the trainer's configuration (see :meth:`of`)."""
+
+    elche: ElCheConfig  # the mode, anchor, gamma and max_overshoot of the plans
+    batch_size: int  # trainer.batch_size: the nominal batch (cursors, auto overshoot)
+    accumulate_grad_batches: int  # windows end on whole optimizer steps
+    num_epochs: int
+    seed: int  # sharded data: the epoch's shard order
+    waits_for_verdict: bool  # trainer.early_stopping is set: an epoch waits on the last one
+    keeps_best: bool  # trainer.save_best is set: every evaluated epoch is saved
+    evals: EvalSchedule
+
+    @classmethod
+    def of(cls, cfg: TrainerConfig) -> PlanningConfig:
+        return cls(
+            elche=cfg.elche,
+            batch_size=cfg.batch_size,
+            accumulate_grad_batches=cfg.accumulate_grad_batches,
+            num_epochs=cfg.num_epochs,
+            seed=cfg.seed,
+            waits_for_verdict=cfg.early_stopping is not None,
+            keeps_best=cfg.save_best is not None,
+            evals=EvalSchedule.of(cfg),
+        )
+
+
+def whole_steps(counts: list[int], accumulate: int) -> list[int]:
+    """Round each rank's micro-batches up to whole optimizer steps (``accumulate``:
+    accumulate_grad_batches), so a window rarely ends inside a group. ElChe's "batch" is a
+    micro-batch: it times and counts those; the cursor clips what it hands out to what the epoch
+    has left."""
+    n = accumulate
     if n == 1:
         return list(counts)
     return [math.ceil(c / n) * n for c in counts]
@@ -55,7 +86,7 @@ class Planner:
 
     def __init__(
         self,
-        cfg: TrainerConfig,
+        cfg: PlanningConfig,
         has_eval: bool,
         members: Membership,
         elche: ElChe | None,
@@ -63,7 +94,10 @@ class Planner:
         out: Outbound,
         lookahead: int = 1,
         global_step: int = 0,
+        placed: Sequence[int | None] = (),
     ) -> None:
+        """``placed``: each rank's batch size as the placement configured it
+        (:mod:`flodl.placement.batches`; ``None``: probed on the rank, which says it in Ready)."""
         world = members.world_size
         self.cfg, self.world, self.mode, self.has_eval = cfg, world, cfg.elche.mode, has_eval
         self.members, self.elche, self.checkpointer, self.out = members, elche, checkpointer, out
@@ -77,7 +111,10 @@ class Planner:
         self.all_planned = False
         self.global_step = global_step  # optimizer steps so far (a resumed run's count on)
         self.overshoot = (0, 0, 0)  # cpu_async: (current, initial, cap) averages in flight
-        self.batch_sizes = [cfg.batch_size] * world  # per rank, from their Ready messages
+        self.placed = [  # a probed size, or none placed: the nominal batch until Ready says
+            (placed[r] if r < len(placed) else None) or cfg.batch_size for r in range(world)
+        ]
+        self.batch_sizes = list(self.placed)  # per rank, from their Ready messages
         self.shard_sizes: tuple[int, ...] = ()  # sharded data: samples per shard, from Ready
         self.settle_windows: dict[int, int] = {}  # an epoch's last window -> the epoch
         self.solo_ms = 0.0  # one rank: its measured ms per batch (0: not measured yet)
@@ -95,7 +132,7 @@ class Planner:
         ``ready``: the members' Ready messages (batch sizes, shard sizes)."""
         sizes = {r.rank: r.batch_size for r in ready}
         self.batch_sizes = [  # a rank lost before it was ready gets no work: any size will do
-            sizes.get(r) or self.cfg.batch_size for r in range(self.world)
+            sizes.get(r) or self.placed[r] for r in range(self.world)
         ]
         self.shard_sizes = ready[0].shard_sizes
         epoch, ranges = at
@@ -148,7 +185,7 @@ class Planner:
         """With early stopping, the next epoch waits until the previous one closed (its last
         window and its eval are in): the stop then lands exactly after the epoch that asked for
         it, at the cost of the ranks idling for that last window and the eval."""
-        if self.cfg.early_stopping is None:
+        if not self.cfg.waits_for_verdict:
             return False
         return any(t.all_planned and not t.closed for t in self.epochs.values())
 
@@ -210,11 +247,13 @@ class Planner:
     def _window_counts(self, cursor: EpochCursor, sizes: list[int]) -> list[int]:
         """ElChe's batch counts (each rank's batches are its own size), clamped to the epoch."""
         if len(set(sizes)) == 1:
-            return whole_steps(self._counts(cursor.remaining_batches), self.cfg)
+            return whole_steps(
+                self._counts(cursor.remaining_batches), self.cfg.accumulate_grad_batches
+            )
         # ElChe clamps in batches: bound it by the smallest size, then clamp in samples.
         bound = math.ceil(cursor.remaining_samples / min(sizes))
         counts = clamp_to_samples(self._counts(bound), sizes, cursor.remaining_samples)
-        return whole_steps(counts, self.cfg)
+        return whole_steps(counts, self.cfg.accumulate_grad_batches)
 
     def _plan_window(self, cursor: EpochCursor) -> PlannedWindow:
         remaining = cursor.remaining_samples
@@ -250,10 +289,12 @@ class Planner:
             if settle:
                 track.unsettled = set(self.alive)
                 self.settle_windows[index] = cursor.epoch
-            shards = eval_shards(self.cfg, self.has_eval, cursor.epoch, self.members, self.elche)
+            last = cursor.epoch == self.cfg.num_epochs - 1
+            evals, members = self.cfg.evals, self.members
+            shards = eval_shards(evals, self.has_eval, cursor.epoch, last, members, self.elche)
             track.plan_eval(index, set(shards))
             # save_best: every evaluated epoch is saved too, so the best one can be kept.
-            best = bool(shards) and self.cfg.save_best is not None
+            best = bool(shards) and self.cfg.keeps_best
             if self.checkpointer is not None and (
                 self.checkpointer.due(cursor.epoch, self.cfg.num_epochs) or best
             ):

@@ -50,7 +50,7 @@ class LrSchedule:
 
     def _rank_sizes(self) -> list[int]:
         """Every rank's batch size; probed ones are gathered, so all ranks agree on the sum."""
-        sizes = list(self.spec.batch_sizes or [self.cfg.batch_size] * self.spec.world_size)
+        sizes = [self.spec.batch_size_for(r) for r in range(self.spec.world_size)]
         varies = any(b is None for b in sizes) or self.cfg.cluster.plans_choose_batches()
         if varies and self.distributed:
             gathered = torch.zeros(self.spec.world_size, dtype=torch.int64, device=self.device)

@@ -77,12 +77,9 @@ def probe_batch_size(worker: Any, dataset: Any) -> int:
 
 
 def own_batch_size(worker: Any, dataset: Any) -> int:
-    """This rank's batch size: ``cluster.batch_sizes`` (``None``: probed here), else
-    ``trainer.batch_size``; a memory plan may still halve it."""
-    sizes = worker.spec.batch_sizes
-    if not sizes or worker.rank >= len(sizes):
-        return int(worker.cfg.batch_size)
-    size = sizes[worker.rank]
+    """This rank's batch size: the placement's (``None``: probed here); a memory plan may
+    still halve it."""
+    size = worker.spec.batch_size_for(worker.rank)
     if size is None:  # cluster.batch_sizes=auto: the largest that fits, probed here
         size = probe_batch_size(worker, dataset)
         log.info(

@@ -36,7 +36,7 @@ class JobSpec:
     evaluation: EvalSpec = field(default_factory=EvalSpec)
     scheduler_factory: Callable[..., Any] | None = None
     scheduler_interval: str = "epoch"  # "step": advanced on the global progress clock
-    batch_sizes: list[int | None] | None = None  # per rank (None: probed on the rank); launcher
+    batch_sizes: list[int | None] | None = None  # the placement's, per rank (None: probed there)
     world_size: int = 1
     speeds: list[float] = field(default_factory=lambda: [1.0])
     pace: bool = False
@@ -47,6 +47,14 @@ class JobSpec:
     entry: list[str] | None = None  # rank command after the interpreter (default: managed rank)
     collate_fn: Callable[..., Any] | None = None  # an adopted DataLoader's (else loader.collate_fn)
     loaders: list[LoaderConfig] | None = None  # per rank, overrides applied; launcher
+
+    def batch_size_for(self, rank: int) -> int | None:
+        """``rank``'s configured batch size, as the placement worked it out
+        (:mod:`flodl.placement.batches`; ``None``: probed on the rank). A spec the job did not
+        complete (no sizes) runs every rank at ``trainer.batch_size``."""
+        if self.batch_sizes and rank < len(self.batch_sizes):
+            return self.batch_sizes[rank]
+        return self.config.batch_size
 
     def loader_for(self, rank: int) -> LoaderConfig:
         """``rank``'s loader settings (the ``loader`` node with its per-rank override)."""
