@@ -35,10 +35,8 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=1e-2)
 
 
-@pytest.mark.parametrize(
-    "mode", ["nccl_sync", "nccl_cadence", "cpu_sync", "cpu_cadence", "cpu_async"]
-)
-def test_lora_trains_in_every_mode_and_only_adapters_leave_the_ranks(tmp_path, mode):
+def lora_run(tmp_path, model=None, mode: str = "nccl_cadence", **cluster):
+    """A 1-epoch LoRA run of the tiny GPT-2 on 2 rig ranks; ``cluster``: more ClusterConfig."""
     dataset = partial(
         text_dataset,
         "train",
@@ -47,18 +45,26 @@ def test_lora_trains_in_every_mode_and_only_adapters_leave_the_ranks(tmp_path, m
         block_size=hf_tiny.BLOCK,
         cache_dir=str(tmp_path / "cache"),
     )
-    handle = (
-        Trainer.builder(lora_model, adamw, causal_lm_step)
+    rig = ClusterConfig(kind="cpu_rig", ranks=2, speeds=[1.0, 0.5], warmup_steps=2, **cluster)
+    return (
+        Trainer.builder(model or lora_model, adamw, causal_lm_step)
         .dataset(dataset)
         .batch_size(8)
         .num_epochs(1)
         .seed(0)
         .elche(ElCheConfig(mode=mode))
-        .cluster(ClusterConfig(kind="cpu_rig", ranks=2, speeds=[1.0, 0.5], warmup_steps=2))
+        .cluster(rig)
         .logger(LoggerConfig(progress="off", tensorboard=False))
         .output_dir(tmp_path / "job")
         .run()
     )
+
+
+@pytest.mark.parametrize(
+    "mode", ["nccl_sync", "nccl_cadence", "cpu_sync", "cpu_cadence", "cpu_async"]
+)
+def test_lora_trains_in_every_mode_and_only_adapters_leave_the_ranks(tmp_path, mode):
+    handle = lora_run(tmp_path, mode=mode)
     state = handle.join(timeout=240)
     assert handle.summary.status == "ok" and handle.result.coverage_exact
     fresh = lora_model("cpu")
@@ -86,24 +92,7 @@ def base_per_process(device):
 
 
 def test_ranks_on_different_frozen_bases_are_refused_before_training(tmp_path):
-    dataset = partial(
-        text_dataset,
-        "train",
-        tokenizer=str(hf_tiny.tokenizer_dir(tmp_path)),
-        files=[str(hf_tiny.text_file(tmp_path))],
-        block_size=hf_tiny.BLOCK,
-        cache_dir=str(tmp_path / "cache"),
-    )
-    handle = (
-        Trainer.builder(base_per_process, adamw, causal_lm_step)
-        .dataset(dataset)
-        .batch_size(8)
-        .num_epochs(1)
-        .cluster(ClusterConfig(kind="cpu_rig", ranks=2, speeds=[1.0, 0.5], warmup_steps=2))
-        .logger(LoggerConfig(progress="off", tensorboard=False))
-        .output_dir(tmp_path / "job")
-        .run()
-    )
+    handle = lora_run(tmp_path, model=base_per_process)
     with pytest.raises(Exception, match="different frozen bases"):
         handle.join(timeout=240)
     assert handle.summary is None or handle.summary.status == "failed"
@@ -113,34 +102,7 @@ def test_lora_under_a_memory_plan_with_a_bf16_base(tmp_path):
     """The memory issue's plans apply to LoRA: rank 1 recomputes the GPT-2 blocks' activations
     and keeps the adapters' optimizer state on the host (the frozen bf16 base gets no host
     copy); the adapters train and only they leave the ranks."""
-    dataset = partial(
-        text_dataset,
-        "train",
-        tokenizer=str(hf_tiny.tokenizer_dir(tmp_path)),
-        files=[str(hf_tiny.text_file(tmp_path))],
-        block_size=hf_tiny.BLOCK,
-        cache_dir=str(tmp_path / "cache"),
-    )
-    cluster = ClusterConfig(
-        kind="cpu_rig",
-        ranks=2,
-        speeds=[1.0, 0.5],
-        warmup_steps=2,
-        memory_mb=[200, 200],
-        memory_plan=["none", "recompute+offload"],
-    )
-    handle = (
-        Trainer.builder(lora_model, adamw, causal_lm_step)
-        .dataset(dataset)
-        .batch_size(8)
-        .num_epochs(1)
-        .seed(0)
-        .elche(ElCheConfig(mode="nccl_cadence"))
-        .cluster(cluster)
-        .logger(LoggerConfig(progress="off", tensorboard=False))
-        .output_dir(tmp_path / "job")
-        .run()
-    )
+    handle = lora_run(tmp_path, memory_mb=[200, 200], memory_plan=["none", "recompute+offload"])
     state = handle.join(timeout=240)
     summary = handle.summary
     assert summary.status == "ok" and handle.result.coverage_exact
