@@ -153,7 +153,8 @@ class SnapshotSums:
     def add_whole(self, report: Report) -> None:
         """A snapshot that arrived whole (an in-process rank's): sum it like a streamed one."""
         if isinstance(report.snapshot, Packed):
-            self._add_packed_whole(report, report.snapshot)
+            if report.snapshot.values is not None:  # None: it was summed as it streamed
+                self._add_packed_whole(report, report.snapshot)
             return
         flat = report.snapshot.detach().reshape(-1).to(torch.float32)
         with self._lock:
