@@ -1,0 +1,104 @@
+"""Compressed averaging in the controller's modes (``elche.compress`` with cpu_cadence and
+cpu_async; flodl/runtime/sync/codec.py) on real 2- and 3-rank rigs: the bytes on the wire per
+average, the ranks' weights identical after every cadence average, training as good as
+uncompressed, and a lost rank with checkpoints and a resume."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from flodl import ClusterConfig, ElCheConfig, LoggerConfig, Trainer, TrainerConfig
+from flodl.recipes.steps import accuracy, classification_step
+from tests.integration.helpers import data, model_factory, optim_factory
+
+pytestmark = pytest.mark.slow
+
+# A fixed cadence (fixed anchor and shares, no meta-controller): the same windows whatever the
+# timing, so the runs differ only by compression. Anchor 2: 48 averages in 2 epochs, so the
+# first, uncompressed one weighs little in the totals.
+FIXED = {
+    "anchor": 2,
+    "min_anchor": 2,
+    "max_anchor": 2,
+    "partition_ratios": [0.5, 0.5],
+    "meta_controller": False,
+}
+N_PARAMS = 64 * 32 + 32 + 32 * 4 + 4  # the helpers' MLP: 2212 fp32 values
+
+
+def hashing_step(out: str, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    """classification_step, after writing a digest of the weights it starts from to a file of
+    this process's own: a window's first step starts from the average just taken."""
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    with open(Path(out) / f"{os.getpid()}.txt", "a") as f:
+        f.write(hashlib.sha1(flat.numpy().tobytes()).hexdigest() + "\n")
+    return classification_step(model, batch)
+
+
+def _run(tmp_path: Path, mode: str, compress: str, ranks: int = 2, **knobs: Any):
+    """2 epochs of the helpers' task on the rig; the weights' digests under ``hashes/``."""
+    out = tmp_path / f"{mode}-{compress}"
+    hashes = out / "hashes"
+    hashes.mkdir(parents=True)
+    handle = (
+        Trainer.builder(model_factory, optim_factory, partial(hashing_step, str(hashes)))
+        .dataset(partial(data, "train", 1536))
+        .eval_dataset(partial(data, "test"))
+        .eval_fn(accuracy)
+        .batch_size(32)
+        .num_epochs(2)
+        .elche(ElCheConfig(mode=mode, compress=compress, **knobs))
+        .cluster(
+            ClusterConfig(
+                kind="cpu_rig", ranks=ranks, speeds=[1.0, 0.5, 0.5][:ranks], warmup_steps=3
+            )
+        )
+        .logger(LoggerConfig(progress="off", tensorboard=False))
+        .output_dir(out)
+        .run()
+    )
+    handle.join(timeout=240)
+    result = handle.result
+    assert result.summary.status == "ok" and result.coverage_exact
+    return result, [set(p.read_text().split()) for p in sorted(hashes.glob("*.txt"))]
+
+
+def _bytes(result) -> tuple[float, float]:
+    """Bytes on the wire per average (up and down), and per average sent compressed."""
+    a = result.summary.averaging
+    total = a["up_bytes"] + a["down_bytes"]
+    whole = a["uncompressed"] * 2 * 2 * N_PARAMS * 4  # 2 ranks, up and down, fp32
+    packed = a["averages"] - a["uncompressed"]
+    return total / a["averages"], (total - whole) / packed if packed else float("nan")
+
+
+def test_cadence_compressed_halves_and_quarters_the_bytes_with_identical_ranks(tmp_path):
+    """cpu_cadence at a fixed cadence, uncompressed, bf16 and int8: per average, bf16 sends
+    half the bytes and int8 a quarter (plus a scale per 4096 values), the first average
+    whole; after every average both ranks start from the same fp32 weights, bit for bit; the
+    final loss and accuracy stay those of the uncompressed run."""
+    runs = {c: _run(tmp_path, "cpu_cadence", c, **FIXED) for c in ("none", "bf16", "int8")}
+    base, base_hashes = runs["none"]
+    per_average, _ = _bytes(base)
+    assert per_average == 2 * 2 * N_PARAMS * 4  # every snapshot and average whole
+    for kind, total_bound, packed_ratio in (("bf16", 0.55, 0.5), ("int8", 0.30, 0.2505)):
+        result, hashes = runs[kind]
+        s = result.summary
+        assert s.averaging["compress"] == kind and s.averaging["uncompressed_windows"] == [0]
+        assert s.syncs == base.summary.syncs == s.averaging["averages"]
+        total, packed = _bytes(result)
+        assert total / per_average <= total_bound, (kind, total / per_average)
+        assert packed / per_average == pytest.approx(packed_ratio, abs=0.001)
+        # every average's consensus is a window's start on both ranks (but the last's)
+        shared = hashes[0] & hashes[1]
+        assert len(shared) >= s.averaging["averages"] - 1, (kind, len(shared))
+        assert s.final_loss == pytest.approx(base.summary.final_loss, rel=0.05)
+        assert abs(s.eval_value - base.summary.eval_value) <= 0.01
+    assert len(base_hashes[0] & base_hashes[1]) >= base.summary.averaging["averages"] - 1
