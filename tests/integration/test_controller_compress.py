@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from flodl import ClusterConfig, ElCheConfig, LoggerConfig, Trainer, TrainerConfig
+from flodl import ClusterConfig, ElCheConfig, LoggerConfig, Trainer
 from flodl.recipes.steps import accuracy, classification_step
 from tests.integration.helpers import data, model_factory, optim_factory
 
@@ -102,3 +102,91 @@ def test_cadence_compressed_halves_and_quarters_the_bytes_with_identical_ranks(t
         assert s.final_loss == pytest.approx(base.summary.final_loss, rel=0.05)
         assert abs(s.eval_value - base.summary.eval_value) <= 0.01
     assert len(base_hashes[0] & base_hashes[1]) >= base.summary.averaging["averages"] - 1
+
+
+def test_async_compressed_cuts_the_bytes_and_trains_as_well(tmp_path):
+    """cpu_async, uncompressed, bf16 and int8: the bytes per average fall to about a half and
+    a quarter (a rank's first ``max_overshoot + 1`` snapshots go whole: it holds no average
+    yet), every rank takes the epoch's last average (the consensus) bit for bit, and the
+    final loss and accuracy stay near the uncompressed run's (async blends on arrival, so the
+    runs' timing, not only compression, makes them differ)."""
+    runs = {c: _run(tmp_path, "cpu_async", c, **FIXED) for c in ("none", "bf16", "int8")}
+    base, _ = runs["none"]
+    per_average, _ = _bytes(base)
+    assert per_average == 2 * 2 * N_PARAMS * 4
+    for kind, total_bound, packed_bound in (("bf16", 0.55, 0.53), ("int8", 0.33, 0.30)):
+        result, hashes = runs[kind]
+        s = result.summary
+        assert s.averaging["uncompressed_windows"] == [0]
+        total, packed = _bytes(result)
+        assert total / per_average <= total_bound, (kind, total / per_average)
+        assert packed / per_average <= packed_bound, (kind, packed / per_average)
+        # the initial weights and the first epoch's consensus, taken whole by both ranks
+        assert len(hashes[0] & hashes[1]) >= 2
+        assert s.final_loss == pytest.approx(base.summary.final_loss, rel=0.3)
+        assert abs(s.eval_value - base.summary.eval_value) <= 0.02
+
+
+def test_compressed_cadence_survives_a_lost_rank_and_resumes(tmp_path, monkeypatch):
+    """int8 x a rank SIGKILLed after its second report x checkpoints every epoch, 3 ranks:
+    the survivors regroup, their next average goes whole (the references are dropped on
+    both ends), the rest compressed again; the run ends with exact coverage, and a resume
+    from its bundle trains on, its first average whole again."""
+    monkeypatch.setenv("FLODL_CHAOS", "2:report:2")
+    stem = str(tmp_path / "ckpt" / "run")
+    knobs = {**FIXED, "partition_ratios": None}
+
+    def run(name: str, epochs: int, ranks: int, **trainer: Any):
+        builder = (
+            Trainer.builder(model_factory, optim_factory, classification_step)
+            .dataset(partial(data, "train", 1536))
+            .eval_dataset(partial(data, "test"))
+            .eval_fn(accuracy)
+            .batch_size(32)
+            .num_epochs(epochs)
+            .elche(ElCheConfig(mode="cpu_cadence", compress="int8", **knobs))
+            .cluster(
+                ClusterConfig(
+                    kind="cpu_rig", ranks=ranks, speeds=[1.0, 0.5, 0.5][:ranks], warmup_steps=3
+                )
+            )
+            .logger(LoggerConfig(progress="off", tensorboard=False))
+            .output_dir(tmp_path / name)
+        )
+        cfg = builder.build_config().with_(**trainer)
+        handle = Trainer.run(
+            model_factory,
+            optim_factory,
+            classification_step,
+            cfg,
+            dataset=partial(data, "train", 1536),
+            eval_dataset=partial(data, "test"),
+            eval_fn=accuracy,
+            job_dir=tmp_path / name,
+        )
+        handle.join(timeout=240)
+        return handle.result
+
+    lost = run("lost", 2, 3, save_path=stem, checkpoint_every=1, max_failure=1)
+    s = lost.summary
+    assert s.status == "ok" and s.lost_ranks == [2] and lost.coverage_exact
+    assert all(bool(torch.isfinite(p).all()) for p in lost.state.params.values())
+    whole = s.averaging["uncompressed_windows"]
+    # the first average, and one after the loss: the first window averaged without rank 2,
+    # or the next averaged (a window the loss itself completes is averaged before the Regroup
+    # goes out, to ranks still holding the reference; the next is the first after it)
+    since = [
+        e.index
+        for e in lost.events
+        if e.index >= min(e.index for e in lost.events if e.batches[2] == 0)
+    ]
+    assert len(whole) == 2 and whole[0] == 0 and whole[1] in since[:2], (whole, since)
+    assert s.averaging["averages"] > 4  # the rest went compressed
+
+    monkeypatch.delenv("FLODL_CHAOS")
+    resumed = run("resumed", 3, 2, resume_from=stem)
+    r = resumed.summary
+    assert r.status == "ok" and r.epochs == 3
+    assert [m.epoch for m in resumed.epochs] == [3]  # the third epoch only
+    assert r.averaging["uncompressed"] == 1 < r.averaging["averages"]
+    assert r.eval_value >= s.eval_value - 0.02
