@@ -44,9 +44,9 @@ def test_compress_applies_to_averaging_modes_only() -> None:
     nccl_sync (gradients) and solo (nothing) refuse it, naming the key and the way out."""
     for mode in ("nccl_cadence", "cpu_sync", "cpu_cadence", "cpu_async"):
         assert ElCheConfig(mode=mode, compress="int8").compress == "int8"
-    with pytest.raises(ValueError, match="elche.compress=bf16: mode=nccl_sync reduces gradients"):
+    with pytest.raises(ValueError, match=r"elche\.compress=bf16: mode=nccl_sync reduces gradients"):
         ElCheConfig(mode="nccl_sync", compress="bf16")
-    with pytest.raises(ValueError, match="mode=solo averages nothing.*elche.compress=none"):
+    with pytest.raises(ValueError, match=r"mode=solo averages nothing.*elche\.compress=none"):
         ElCheConfig(mode="solo", compress="fp16")
     assert ElCheConfig(mode="solo").compress == "none"
 

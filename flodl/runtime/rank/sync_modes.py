@@ -77,8 +77,9 @@ class SoloSync:
     def reduce_gradients(self) -> None:
         """Before the optimizer step (nccl_sync: finish the gradient all-reduce)."""
 
-    def snapshot(self) -> torch.Tensor | None:
-        """The weights the report carries to the controller; None where it averages nothing."""
+    def snapshot(self) -> torch.Tensor | Packed | None:
+        """The weights the report carries to the controller (``elche.compress``: their change
+        since the last average, packed); None where it averages nothing."""
         return None
 
     def average(self, window: Window) -> bool:
