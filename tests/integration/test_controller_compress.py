@@ -42,9 +42,16 @@ def hashing_step(out: str, model: torch.nn.Module, batch: Any) -> torch.Tensor:
     return classification_step(model, batch)
 
 
-def _run(tmp_path: Path, mode: str, compress: str, ranks: int = 2, **knobs: Any):
+def _run(
+    tmp_path: Path,
+    mode: str,
+    compress: str,
+    ranks: int = 2,
+    cluster: dict[str, Any] | None = None,
+    **knobs: Any,
+):
     """2 epochs of the helpers' task on the rig; the weights' digests under ``hashes/``."""
-    out = tmp_path / f"{mode}-{compress}"
+    out = tmp_path / f"{mode}-{compress}-{len(cluster or {})}"
     hashes = out / "hashes"
     hashes.mkdir(parents=True)
     handle = (
@@ -57,7 +64,11 @@ def _run(tmp_path: Path, mode: str, compress: str, ranks: int = 2, **knobs: Any)
         .elche(ElCheConfig(mode=mode, compress=compress, **knobs))
         .cluster(
             ClusterConfig(
-                kind="cpu_rig", ranks=ranks, speeds=[1.0, 0.5, 0.5][:ranks], warmup_steps=3
+                kind="cpu_rig",
+                ranks=ranks,
+                speeds=[1.0, 0.5, 0.5][:ranks],
+                warmup_steps=3,
+                **(cluster or {}),
             )
         )
         .logger(LoggerConfig(progress="off", tensorboard=False))
@@ -102,6 +113,17 @@ def test_cadence_compressed_halves_and_quarters_the_bytes_with_identical_ranks(t
         assert s.final_loss == pytest.approx(base.summary.final_loss, rel=0.05)
         assert abs(s.eval_value - base.summary.eval_value) <= 0.01
     assert len(base_hashes[0] & base_hashes[1]) >= base.summary.averaging["averages"] - 1
+
+
+def test_packed_snapshots_over_tcp_sum_as_through_shared_memory(tmp_path):
+    """The launcher sums a packed change as it streams: over loopback TCP in frames, or from
+    the rank's shared file in pieces. A fixed cadence of int8 averages ends in the same
+    weights, bit for bit, either way."""
+    shm, _ = _run(tmp_path, "cpu_cadence", "int8", **FIXED)
+    tcp, _ = _run(tmp_path, "cpu_cadence", "int8", cluster={"shared_memory": False}, **FIXED)
+    assert tcp.summary.averaging == shm.summary.averaging
+    for name, p in shm.state.params.items():
+        assert torch.equal(p, tcp.state.params[name]), name
 
 
 def test_async_compressed_cuts_the_bytes_and_trains_as_well(tmp_path):
