@@ -214,3 +214,27 @@ def test_a_rank_refuses_a_change_against_a_reference_it_does_not_hold() -> None:
     assert rc.ref is None and rc.snapshot(torch.zeros(N)) is None  # the next snapshot: whole
     with pytest.raises(ValueError, match=r"elche\.compress='zstd'"):
         RankCodec("zstd")
+
+
+def test_a_modelled_link_charges_a_compressed_average_by_its_real_bytes() -> None:
+    """cluster.link: the round trip an Average stands for (its snapshot up, itself down) is
+    charged by the packed bytes, a half (bf16) or a quarter (int8) of the whole vector's."""
+    from flodl.config.cluster import LinkConfig
+    from flodl.rig import links as rig_links
+    from flodl.runtime.wire.links import _charge_round_trip
+    from flodl.runtime.wire.messages import Average
+
+    charged = {}
+    try:
+        for kind in ("none", "bf16", "int8"):
+            model = rig_links.model_for(LinkConfig(profile="1gbe", latency_ms=0.0))
+            rig_links.install(model)
+            flat = torch.randn(N)
+            _charge_round_trip(Average(1, flat if kind == "none" else pack(kind, flat, 0)))
+            charged[kind] = (model.charged_bytes, model.charged_s)
+    finally:
+        rig_links.install(None)
+    assert charged["none"][0] == 2 * 4 * N
+    assert charged["bf16"][0] == 2 * 2 * N
+    assert charged["int8"][0] == 2 * (N + 4 * (-(-N // BLOCK)))
+    assert charged["int8"][1] < charged["bf16"][1] < charged["none"][1]
