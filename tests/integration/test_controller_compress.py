@@ -115,6 +115,18 @@ def test_cadence_compressed_halves_and_quarters_the_bytes_with_identical_ranks(t
     assert len(base_hashes[0] & base_hashes[1]) >= base.summary.averaging["averages"] - 1
 
 
+def test_cpu_sync_compresses_as_cpu_cadence(tmp_path):
+    """cpu_sync (an average every step, through the controller) takes the same path: half the
+    bytes in bf16 once compressing, the ranks identical after every average, the same loss."""
+    base, _ = _run(tmp_path, "cpu_sync", "none")
+    half, hashes = _run(tmp_path, "cpu_sync", "bf16")
+    per_average, _ = _bytes(base)
+    total, packed = _bytes(half)
+    assert packed / per_average == pytest.approx(0.5) and total / per_average < 0.52
+    assert len(hashes[0] & hashes[1]) >= half.summary.averaging["averages"] - 1
+    assert half.summary.final_loss == pytest.approx(base.summary.final_loss, rel=0.05)
+
+
 def test_packed_snapshots_over_tcp_sum_as_through_shared_memory(tmp_path):
     """The launcher sums a packed change as it streams: over loopback TCP in frames, or from
     the rank's shared file in pieces. A fixed cadence of int8 averages ends in the same
