@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from flodl import ClusterConfig, ElCheConfig, LoggerConfig, Trainer
+from flodl.recipes.models import MLP
 from flodl.recipes.steps import accuracy, classification_step
-from tests.integration.helpers import data, model_factory, optim_factory
+from tests.integration.helpers import CLASSES, SHAPE, data, model_factory, optim_factory
 
 pytestmark = pytest.mark.slow
 
@@ -127,15 +128,37 @@ def test_cpu_sync_compresses_as_cpu_cadence(tmp_path):
     assert half.summary.final_loss == pytest.approx(base.summary.final_loss, rel=0.05)
 
 
+def big_model(device: torch.device) -> torch.nn.Module:
+    """9.66 M parameters: a bf16 change (19.3 MB) streams in two pieces of 16 MiB and spans
+    five lock cells of the controller's sum."""
+    return MLP(SHAPE, CLASSES, hidden=140_000).to(device)
+
+
 def test_packed_snapshots_over_tcp_sum_as_through_shared_memory(tmp_path):
     """The launcher sums a packed change as it streams: over loopback TCP in frames, or from
-    the rank's shared file in pieces. A fixed cadence of int8 averages ends in the same
-    weights, bit for bit, either way."""
-    shm, _ = _run(tmp_path, "cpu_cadence", "int8", **FIXED)
-    tcp, _ = _run(tmp_path, "cpu_cadence", "int8", cluster={"shared_memory": False}, **FIXED)
-    assert tcp.summary.averaging == shm.summary.averaging
-    for name, p in shm.state.params.items():
-        assert torch.equal(p, tcp.state.params[name]), name
+    the rank's shared file in pieces. With a change larger than a piece, a fixed cadence of
+    bf16 averages ends in the same weights, bit for bit, either way."""
+    out = {}
+    for shm in (True, False):
+        handle = (
+            Trainer.builder(big_model, optim_factory, classification_step)
+            .dataset(partial(data, "train", 512))
+            .batch_size(32)
+            .num_epochs(1)
+            .elche(ElCheConfig(mode="cpu_cadence", compress="bf16", **FIXED))
+            .cluster(ClusterConfig(kind="cpu_rig", ranks=2, warmup_steps=2, shared_memory=shm))
+            .logger(LoggerConfig(progress="off", tensorboard=False))
+            .output_dir(tmp_path / str(shm))
+            .run()
+        )
+        handle.join(timeout=240)
+        out[shm] = handle.result
+        assert out[shm].summary.status == "ok"
+        assert out[shm].summary.averaging["uncompressed_windows"] == [0]
+        assert out[shm].summary.averaging["averages"] >= 3
+    assert out[True].summary.averaging == out[False].summary.averaging
+    for name, p in out[True].state.params.items():
+        assert torch.equal(p, out[False].state.params[name]), name
 
 
 def test_async_compressed_cuts_the_bytes_and_trains_as_well(tmp_path):
