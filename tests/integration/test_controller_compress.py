@@ -111,8 +111,10 @@ def test_cadence_compressed_halves_and_quarters_the_bytes_with_identical_ranks(t
         # every average's consensus is a window's start on both ranks (but the last's)
         shared = hashes[0] & hashes[1]
         assert len(shared) >= s.averaging["averages"] - 1, (kind, len(shared))
-        assert s.final_loss == pytest.approx(base.summary.final_loss, rel=0.05)
-        assert abs(s.eval_value - base.summary.eval_value) <= 0.01
+        # issue 38's goal: loss within 1 %, accuracy within 0.2 pt (here: one test sample of
+        # 256 at most); measured +0.17 % (bf16) and +0.07 % (int8), the same accuracy
+        assert s.final_loss == pytest.approx(base.summary.final_loss, rel=0.01)
+        assert abs(s.eval_value - base.summary.eval_value) <= 1 / 256
     assert len(base_hashes[0] & base_hashes[1]) >= base.summary.averaging["averages"] - 1
 
 
@@ -180,6 +182,8 @@ def test_async_compressed_cuts_the_bytes_and_trains_as_well(tmp_path):
         assert packed / per_average <= packed_bound, (kind, packed / per_average)
         # the initial weights and the first epoch's consensus, taken whole by both ranks
         assert len(hashes[0] & hashes[1]) >= 2
+        # uncompressed runs alone differ by about +-10 % in loss here (three repeats: 0.0119
+        # to 0.0142); int8 measured 0.0138 to 0.0147, bf16 0.0120 to 0.0127, accuracy the same
         assert s.final_loss == pytest.approx(base.summary.final_loss, rel=0.3)
         assert abs(s.eval_value - base.summary.eval_value) <= 0.02
 
