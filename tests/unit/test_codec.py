@@ -79,6 +79,7 @@ def test_every_rank_holds_the_controllers_consensus_bit_for_bit(kind: str) -> No
         assert drift < (2e-4 if kind == "int8" else 5e-5), (window, drift)
         weights = [c.clone() for c in centres]  # cadence: every rank loads the consensus
     assert codec.whole_windows == [0]
+    assert sum(rc.sent_bytes for rc in ranks) == sums.up_bytes  # both ends count the same
     # cadence: the version the last snapshots were against and the new one are kept
     assert sorted(codec.refs) == [10, 11]
 
