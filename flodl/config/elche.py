@@ -104,11 +104,8 @@ class ElCheConfig(_Schema):
         if self.anchor > self.max_anchor:
             raise ValueError(f"anchor={self.anchor} exceeds max_anchor={self.max_anchor}")
         if self.compress != "none" and self.mode in (Mode.NCCL_SYNC, Mode.SOLO):
-            why = (
-                "reduces gradients, not averages"
-                if self.mode is Mode.NCCL_SYNC
-                else ("averages nothing")
-            )
+            nccl_sync = self.mode is Mode.NCCL_SYNC
+            why = "reduces gradients, not averages" if nccl_sync else "averages nothing"
             raise ValueError(
                 f"elche.compress={self.compress}: mode={self.mode.value} {why}; compression "
                 "applies to nccl_cadence, cpu_sync, cpu_cadence and cpu_async "
