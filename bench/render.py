@@ -706,6 +706,7 @@ def render() -> dict[str, str]:
         "comm_heavy": comm_heavy_block(comm) if comm else missing,
         "comm_heavy_equal": _block("comm_heavy_equal", comm_heavy_block, missing),
         "comm_heavy_1gbe": _block("comm_heavy_1gbe", comm_heavy_block, missing),
+        "comm_heavy_pcie": _block("comm_heavy_pcie", comm_heavy_block, missing),
         "gpt_nano_1gbe": _gpt_nano_1gbe(missing),
         "startup": _startup(missing),
         "memory": _block("memory", memory_block, missing),
