@@ -90,7 +90,7 @@ def test_only_the_owned_share_of_the_state_is_held():
     n = ranks[0].opt.n
     held = {r: rank.opt.state_bytes() for r, rank in ranks.items()}
     # Adam: two float32 moments per owned element (plus a step count per piece)
-    for r, rank in ranks.items():
+    for r in ranks:
         owned = sum(hi - lo for lo, hi in cut[r])
         assert 8 * owned <= held[r] <= 8 * owned + 4 * 8
     assert sum(hi - lo for ivs in cut.values() for lo, hi in ivs) == n
@@ -113,8 +113,8 @@ def test_the_state_recuts_to_another_world_size_and_to_the_plain_format():
         plain.step()
     expected = plain.state_dict()["state"]
 
-    two, cut2 = _cohort(factory, {0: 10, 1: 90})
-    for r, rank in two.items():
+    two, _ = _cohort(factory, {0: 10, 1: 90})
+    for rank in two.values():
         assert rank.opt.load_shards(shards) == 0
         for leaf, (i, lo, hi) in zip(rank.opt._leaves, rank.opt.pieces, strict=True):
             got = rank.opt.inner.state[leaf]

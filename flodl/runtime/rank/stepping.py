@@ -54,7 +54,9 @@ class RankStep:
         """Step over the pending micro-batches; one whose gradients are not finite (checked in
         every precision, after the gradient all-reduce of nccl_sync) is skipped and counted."""
         self.sync.reduce_gradients()
-        if not self.runner.step(self.model, self.optimizer):
+        stepped = self.runner.step(self.model, self.optimizer)
+        self.sync.after_step(stepped)  # memory_plan shard: the owners' pieces to the others
+        if not stepped:
             scaler = " (16-mixed: the GradScaler lowered its scale)" if self.runner.scaler else ""
             self._skip_nonfinite("gradients", f"non-finite gradients{scaler}")
 

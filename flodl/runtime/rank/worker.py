@@ -28,7 +28,7 @@ from flodl.monitor.metrics import drain_scalars
 from flodl.rig import links
 from flodl.rig.memory import DeviceMemory
 from flodl.rig.pacing import Pacer
-from flodl.runtime.rank import blame, chaos
+from flodl.runtime.rank import blame, chaos, shard_plan
 from flodl.runtime.rank.calibration import Calibration
 from flodl.runtime.rank.eval_shard import EvalShard
 from flodl.runtime.rank.lr_schedule import LrSchedule, scale_lr
@@ -104,6 +104,7 @@ class Worker:
         self.spec = spec
         self.regroup_fn = regroup  # rebuilds the process group over the survivors
         self.world = spec.world_size
+        self.members: tuple[int, ...] = tuple(range(spec.world_size))  # the group, in order
         self.generation = 0
         self._void_after = -1
         self.cfg = spec.config
@@ -265,6 +266,7 @@ class Worker:
                 self.state.load(flat)
                 del flat  # not held through the calibration steps (the rank's peak)
             step_ms = Calibration(self).calibrate()
+            shard_plan.agree(self)  # memory_plan shard: the cohort's cut
         except _CohortBroke as exc:
             log.warning(
                 "rank %d: a member was lost before training (%s); waiting to regroup",
@@ -519,6 +521,7 @@ class Worker:
         self.sync.on_regroup(msg)  # the survivors' next average goes whole
         self._void_after = msg.last_window
         self.world = len(msg.members)
+        self.members = tuple(msg.members)
         if self.regroup_fn is not None:
             try:
                 self.regroup_fn(msg.members, msg.generation, self._doomed)

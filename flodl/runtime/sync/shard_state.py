@@ -140,7 +140,5 @@ def to_plain(
     plain: dict[Any, Any] = {}
     for (i, _, n), st in zip(wanted, states, strict=True):
         if st is not None:
-            plain[i] = {
-                k: v.reshape(shapes[i]) if _elementwise(v, n) else v for k, v in st.items()
-            }
+            plain[i] = {k: v.reshape(shapes[i]) if _elementwise(v, n) else v for k, v in st.items()}
     return {"state": plain, "param_groups": groups or []}, fresh

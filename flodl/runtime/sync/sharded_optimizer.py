@@ -85,6 +85,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.n = pos
         self._place = [place.get(id(p)) for p in self._params]
         self.cut: Cut = {}
+        self.free: dict[int, int | None] = {}  # each rank's free bytes, as the cut was made
         self.rank = -1
         self.pieces: list[Piece] = []
         self._leaves: list[nn.Parameter] = []
@@ -147,7 +148,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 for leaf, (i, _, _) in zip(self._leaves, pieces, strict=True)
                 if group_of[id(self._params[i])] == g
             ]
-            inner.add_param_group({k: v for k, v in group.items() if k != "params"} | {"params": leaves})
+            inner.add_param_group(
+                {k: v for k, v in group.items() if k != "params"} | {"params": leaves}
+            )
         for leaf, st in zip(self._leaves, states, strict=True):
             if st is not None:
                 inner.state[leaf] = {
@@ -224,9 +227,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return received
 
     def _gather(self, lo: int, hi: int) -> torch.Tensor:
-        parts = [
-            self._params[i].detach().view(-1)[a:b] for i, a, b in self.pieces_of([(lo, hi)])
-        ]
+        parts = [self._params[i].detach().view(-1)[a:b] for i, a, b in self.pieces_of([(lo, hi)])]
         return torch.cat(parts) if parts else torch.zeros(0)
 
     def _scatter(self, lo: int, hi: int, flat: torch.Tensor) -> None:

@@ -214,6 +214,9 @@ class Restore:
     state: Any  # the optimizer/scheduler/RNG shard this rank takes over
     epoch: int
     lr_factor: float = 1.0  # lr scaling of this world over the saving world's (lr_scale_ratio)
+    # every saved rank's shard (as ``state``), for optimizer state saved sharded
+    # (memory_plan shard): a rank re-assembles the pieces it owns now from all of them
+    states: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True)

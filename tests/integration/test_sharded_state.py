@@ -1,0 +1,158 @@
+"""``cluster.memory_plan: shard`` on the rig: nccl_sync ranks over gloo whose optimizer state is
+sharded in proportion to their free memory (flodl/runtime/sync/sharded_optimizer.py).
+
+The model (``wide``, as in test_memory_plans.py) is ~1.1 M parameters (4.3 MiB): Adam's state
+and its step's temporaries take ~13 MiB more, so under 20 MiB the plain state does not fit,
+while a 40 MiB rank has room for most of the state and a 20 MiB one for a small share."""
+
+from __future__ import annotations
+
+import os
+import signal
+from functools import partial
+
+import pytest
+import torch
+
+from flodl import ClusterConfig, ConfigError, ElCheConfig, LoggerConfig, Trainer
+from flodl.checkpoint.shards import load_shard
+from flodl.recipes.steps import accuracy, classification_step
+from flodl.runtime.controller.snapshots import ResumePoint
+from flodl.runtime.sync.shard_state import is_sharded, to_plain
+from tests.integration.helpers import SHAPE, data, optim_factory, rank_pid
+
+pytestmark = pytest.mark.slow
+
+BIG, SMALL = 40.0, 20.0
+
+
+def wide(device: torch.device) -> torch.nn.Module:
+    nn = torch.nn
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(SHAPE[1] * SHAPE[2], 1024),
+        nn.ReLU(),
+        nn.Linear(1024, 1024),
+        nn.ReLU(),
+        nn.Linear(1024, 4),
+    ).to(device)
+
+
+def _builder(tmp_path, name, memory_mb=(BIG, SMALL, SMALL), plan="auto", **kw):
+    ranks = len(memory_mb)
+    cluster = ClusterConfig(
+        kind="cpu_rig",
+        ranks=ranks,
+        speeds=[1.0, 0.5, 0.5][:ranks],
+        warmup_steps=2,
+        memory_mb=list(memory_mb),
+        memory_plan=plan,
+    )
+    builder = (
+        Trainer.builder(wide, optim_factory, classification_step)
+        .dataset(partial(data, "train", kw.pop("n_train", 1536)))
+        .eval_dataset(partial(data, "test"))
+        .eval_fn(accuracy)
+        .batch_size(32)
+        .num_epochs(kw.pop("epochs", 2))
+        .elche(ElCheConfig(mode="nccl_sync"))
+        .cluster(cluster)
+        .logger(LoggerConfig(progress="off", tensorboard=False))
+        .output_dir(tmp_path / name)
+    )
+    cfg = builder.build_config().with_(**kw)
+    return builder.config(cfg)
+
+
+def _run(builder, metrics_fn=None):
+    if metrics_fn is not None:
+        builder = builder.metrics_fn(metrics_fn)
+    handle = builder.run()
+    handle.join(timeout=300)
+    return handle.result
+
+
+def _plans(summary):
+    return [p.split(": ", 1)[1].split(";")[0] for p in summary.memory_plans]
+
+
+def _shares(summary):
+    return [int(p.split("sharded (")[1].split(" %")[0]) for p in _plans(summary)]
+
+
+def _within_budgets(summary, budgets):
+    for t, budget in zip(summary.telemetry, budgets, strict=True):
+        assert 0 < t["peak_mem_mb"] <= budget, (t["peak_mem_mb"], budget)
+
+
+def test_auto_shards_where_the_small_ranks_cannot_hold_the_state(tmp_path):
+    """3 ranks, 40/20/20 MiB: auto shards instead of offloading; the big rank takes most of
+    the state, every rank stays within its budget, and the model learns."""
+    budgets = (BIG, SMALL, SMALL)
+    result = _run(_builder(tmp_path, "auto"))
+    s = result.summary
+    assert s.status == "ok" and result.coverage_exact
+    plans = _plans(s)
+    assert plans[0].startswith("batch 32, optimizer state sharded")
+    assert all(p.startswith("batch 32, optimizer state sharded") for p in plans[1:]), plans
+    shares = _shares(s)
+    assert 98 <= sum(shares) <= 102 and shares[0] > 2 * shares[1] > 0, shares
+    _within_budgets(s, budgets)
+    assert s.eval_value > 0.5
+    assert all(share > 0.1 for share in s.per_rank_sample_share)
+
+
+def test_sharded_checkpoints_a_lost_holder_then_a_resume_on_fewer_ranks(tmp_path):
+    """3 ranks shard (explicit), a checkpoint each epoch; rank 2, holding a shard, is killed in
+    epoch 2: the survivors take its intervals and finish. The last bundle (written by the two
+    survivors, sharded) resumes on 2 ranks with a fresh cut, and Adam's moments there are the
+    saved ones."""
+    stem = str(tmp_path / "ckpt" / "run")
+    killed: list[int] = []
+
+    def kill(m):
+        if m.epoch == 1 and not killed:
+            os.kill(rank_pid(2), signal.SIGKILL)
+            killed.append(2)
+
+    builder = _builder(
+        tmp_path, "lost", plan="shard", epochs=3, n_train=3072, save_path=stem, checkpoint_every=1
+    )
+    s = _run(builder, kill).summary
+    assert killed == [2] and s.status == "ok" and s.lost_ranks == [2]
+    assert all("optimizer state sharded" in p for p in _plans(s))
+    _within_budgets(s, (BIG, SMALL, SMALL))
+
+    point = ResumePoint.load(stem)
+    assert point.ranks == [0, 1] and point.meta.epoch == 3
+    saved = [load_shard(point._location(f"rank{r}"))["optimizer"] for r in point.ranks]
+    assert all(is_sharded(o) for o in saved)
+    shapes = [p.shape for p in wide(torch.device("cpu")).parameters()]
+    joined, fresh = to_plain(saved, shapes)
+    assert fresh == 0  # the survivors' cut covered everything again
+
+    resumed = _builder(
+        tmp_path, "resumed", memory_mb=(BIG, SMALL), plan="shard", epochs=4, n_train=3072,
+        resume_from=stem, save_path=str(tmp_path / "ckpt2" / "run"),
+    )  # fmt: skip
+    # Restore-time check: each rank's loaded state is the saved one for its pieces (the
+    # resumed run then steps once more per batch, so compare the bundle it resumed from).
+    r = _run(resumed)
+    assert r.summary.status == "ok" and [m.epoch for m in r.epochs] == [4]
+    assert all("optimizer state sharded" in p for p in _plans(r.summary))
+    _within_budgets(r.summary, (BIG, SMALL))
+    after = ResumePoint.load(str(tmp_path / "ckpt2" / "run"))
+    again = [load_shard(after._location(f"rank{r}"))["optimizer"] for r in after.ranks]
+    rejoined, fresh = to_plain(again, shapes)
+    assert fresh == 0
+    # one more epoch of Adam from the saved moments: their step counts went on from there
+    steps_before = {float(st["step"]) for st in joined["state"].values()}
+    steps_after = {float(st["step"]) for st in rejoined["state"].values()}
+    assert len(steps_before) == 1 and len(steps_after) == 1
+    assert steps_after.pop() > steps_before.pop() > 0
+
+
+def test_an_explicit_shard_the_cohort_cannot_hold_is_refused(tmp_path):
+    builder = _builder(tmp_path, "refused", memory_mb=(SMALL, SMALL), plan="shard")
+    with pytest.raises(ConfigError, match=r"cannot hold the optimizer state .* offload"):
+        builder.run()
