@@ -12,8 +12,7 @@ The plain format is the special case of whole parameters, so both read the same 
 (:func:`entries`): a list of pieces with their state. :class:`Assembler` builds the state of the
 pieces a rank owns now from whatever pieces were saved (one rank's shard after another, so only
 one is in memory at a time): an elementwise tensor (one value per element: Adam's moments,
-SGD's momentum) is cut and joined; anything else (a step count) is taken from the first piece
-that covers. A piece the saved ones do not cover whole starts afresh (no state): half a moment
+SGD's momentum) is cut and joined; a step count is the smallest of the parts' (:func:`_join`). A piece the saved ones do not cover whole starts afresh (no state): half a moment
 next to a step count of thousands would take steps far larger than the learning rate.
 """
 
@@ -113,15 +112,24 @@ class Assembler:
                 out.append(None)
                 fresh += hi - lo
                 continue
-            first = chain[0]
-            joined = {}
-            for key, v in first.items():
-                if isinstance(v, torch.Tensor) and v.dim() >= 1 and len(chain) > 1:
-                    joined[key] = torch.cat([c[key] for c in chain])
-                else:
-                    joined[key] = v
-            out.append(joined)
+            out.append(_join(chain))
         return out, fresh
+
+
+def _join(chain: list[dict[str, Any]]) -> dict[str, Any]:
+    """Consecutive parts of one piece joined: elementwise tensors concatenated; a scalar
+    (Adam's step count) the smallest of the parts' (parts saved by ranks that took over a lost
+    rank's state at different times differ: the smallest count is the conservative one, its
+    bias correction the larger)."""
+    joined = {}
+    for key, v in chain[0].items():
+        if isinstance(v, torch.Tensor) and v.dim() >= 1:
+            joined[key] = torch.cat([c[key] for c in chain]) if len(chain) > 1 else v
+        elif isinstance(v, torch.Tensor | int | float) and not isinstance(v, bool):
+            joined[key] = min((c[key] for c in chain), key=float)
+        else:
+            joined[key] = v
+    return joined
 
 
 def to_plain(
