@@ -148,8 +148,7 @@ def test_sharded_checkpoints_a_lost_holder_then_a_resume_on_fewer_ranks(tmp_path
     # the saved one by the same number of steps (the pieces the survivors took over from the
     # lost rank started from zero: their counts are lower, and stay so).
     deltas = {
-        float(rejoined["state"][i]["step"]) - float(st["step"])
-        for i, st in joined["state"].items()
+        float(rejoined["state"][i]["step"]) - float(st["step"]) for i, st in joined["state"].items()
     }
     assert len(deltas) == 1 and deltas.pop() > 0
 

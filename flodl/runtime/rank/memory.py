@@ -27,6 +27,7 @@ import torch
 
 from flodl.config import TrainerConfig
 from flodl.rig.memory import DeviceMemory, MiB, training_state
+from flodl.runtime.rank.shard_plan import MemoryPlanError, shardable, wrap
 
 log = logging.getLogger(__name__)
 
@@ -134,10 +135,6 @@ PLAN_WORDS = {
 }
 _BOTH = ("recompute", "offload")
 _CANDIDATES: tuple[tuple[str, ...], ...] = ((), ("recompute",), ("offload",), _BOTH)
-
-
-class MemoryPlanError(RuntimeError):
-    """No plan fits this rank's device."""
 
 
 @dataclass(frozen=True)
@@ -423,7 +420,6 @@ class RankMemory:
         ``worker`` (its model, batch size and optimizer); announced by the controller from
         Ready."""
         from flodl.config.cluster import parse_memory_plan
-        from flodl.runtime.rank.shard_plan import shardable, wrap
         from flodl.step.memory import recompute, set_recompute
 
         requested = parse_memory_plan(self.cfg.cluster.rank_memory_plan(self.rank))

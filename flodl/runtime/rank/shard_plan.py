@@ -29,6 +29,10 @@ from flodl.runtime.sync.sharded_optimizer import ShardedOptimizer, elementwise
 log = logging.getLogger(__name__)
 
 
+class MemoryPlanError(RuntimeError):
+    """No plan fits this rank's device (or, for ``shard``, the cohort's)."""
+
+
 def shardable(worker: Any) -> bool:
     """Whether this cohort may shard: nccl_sync over more than one rank, and a plan that asks
     for ``shard``, or ``auto`` where budgets exist (the rig's memory_mb, CUDA) and the
@@ -96,8 +100,6 @@ def agree(worker: Any) -> None:
     ]
     decision = shard_cut.decide(demands, optimizer.n)
     if decision.error:
-        from flodl.runtime.rank.memory import MemoryPlanError
-
         raise MemoryPlanError(decision.error)
     plan = worker.memory_plan
     if decision.sharded:

@@ -10,10 +10,11 @@ sharded cohort holds optimizer state for its pieces only, and its checkpoint sha
 
 The plain format is the special case of whole parameters, so both read the same way
 (:func:`entries`): a list of pieces with their state. :class:`Assembler` builds the state of the
-pieces a rank owns now from whatever pieces were saved (one rank's shard after another, so only
-one is in memory at a time): an elementwise tensor (one value per element: Adam's moments,
-SGD's momentum) is cut and joined; a step count is the smallest of the parts' (:func:`_join`). A piece the saved ones do not cover whole starts afresh (no state): half a moment
-next to a step count of thousands would take steps far larger than the learning rate.
+pieces a rank owns now from whatever pieces were saved (one rank's shard after another, so
+only one is in memory at a time): an elementwise tensor (one value per element: Adam's moments,
+SGD's momentum) is cut and joined; a step count is the smallest of the parts' (:func:`_join`).
+A piece the saved ones do not cover whole starts afresh (no state): half a moment next to a
+step count of thousands would take steps far larger than the learning rate.
 """
 
 from __future__ import annotations
