@@ -161,3 +161,53 @@ def test_an_explicit_shard_the_cohort_cannot_hold_is_refused(tmp_path):
     pattern = r"free device memory \(rank 0: .* in all\) cannot hold the optimizer state .*=offload"
     with pytest.raises(RunFailed, match=pattern):
         _run(builder)
+
+
+def _steps(stem: str) -> dict[int, float]:
+    """Each parameter's Adam step count in the bundle at ``stem`` (sharded or plain)."""
+    point = ResumePoint.load(stem)
+    saved = [load_shard(point._location(f"rank{r}"))["optimizer"] for r in point.ranks]
+    if all(is_sharded(o) for o in saved):
+        shapes = [p.shape for p in wide(torch.device("cpu")).parameters()]
+        joined, fresh = to_plain(saved, shapes)
+        assert fresh == 0
+        saved = [joined]
+    return {i: float(st["step"]) for i, st in saved[0]["state"].items()}
+
+
+def test_a_sharded_bundle_resumes_sharded_and_unsharded_with_precision_and_accumulation(tmp_path):
+    """2 ranks shard under bf16-mixed with 2 micro-batches a step and save; the bundle resumes
+    on the same ranks (each re-assembles its pieces) and in an unsharded run (whole parameters
+    joined from the pieces): in both, every parameter's Adam step count goes on from the saved
+    one, so the state was the saved one, not a fresh start."""
+    composed = dict(precision="bf16-mixed", accumulate_grad_batches=2)
+    kw = dict(memory_mb=(BIG, SMALL), plan="shard", **composed)
+    first = str(tmp_path / "first" / "run")
+    s = _run(_builder(tmp_path, "first", epochs=1, save_path=first, **kw)).summary
+    assert s.status == "ok" and all("optimizer state sharded" in p for p in _plans(s))
+    _within_budgets(s, (BIG, SMALL))
+    saved = _steps(first)
+    per_epoch = set(saved.values())
+    assert len(per_epoch) == 1 and per_epoch.pop() > 0
+
+    again = str(tmp_path / "again" / "run")
+    r = _run(_builder(tmp_path, "again", epochs=2, resume_from=first, save_path=again, **kw))
+    assert r.summary.status == "ok" and [m.epoch for m in r.epochs] == [2]
+    assert _steps(again) == {i: 2 * n for i, n in saved.items()}
+
+    plain = str(tmp_path / "plain" / "run")
+    unsharded = _builder(
+        tmp_path, "plain", memory_mb=(BIG, BIG), plan="none", epochs=2, resume_from=first,
+        save_path=plain, **composed,
+    )  # fmt: skip
+    r = _run(unsharded)
+    assert r.summary.status == "ok" and not any("sharded" in p for p in _plans(r.summary))
+    assert _steps(plain) == {i: 2 * n for i, n in saved.items()}
+
+
+def test_auto_keeps_the_state_on_the_host_when_the_cohort_cannot_hold_it(tmp_path):
+    """Two 20 MiB ranks cannot hold even shares of the state: auto falls back to offload."""
+    s = _run(_builder(tmp_path, "fallback", memory_mb=(SMALL, SMALL), epochs=1)).summary
+    assert s.status == "ok"
+    assert _plans(s) == ["batch 32, optimizer state on host"] * 2
+    _within_budgets(s, (SMALL, SMALL))

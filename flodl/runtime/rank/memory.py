@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from flodl.config import TrainerConfig
+from flodl.config import Mode, TrainerConfig
 from flodl.rig.memory import DeviceMemory, MiB, training_state
 from flodl.runtime.rank.shard_plan import MemoryPlanError, shardable, wrap
 
@@ -216,7 +216,8 @@ class _Meter:
 
 
 def _probe(worker: Any, meter: _Meter, size: int, plan: tuple[str, ...]) -> int | None:
-    """Peak of one step of the rank's model at batch ``size`` under ``plan``."""
+    """Peak of one step of the rank's model at batch ``size`` under ``plan`` (two micro-batches
+    when gradients accumulate)."""
     from flodl.step.memory import HostOptimizer, set_recompute
 
     model = worker.model
@@ -226,20 +227,25 @@ def _probe(worker: Any, meter: _Meter, size: int, plan: tuple[str, ...]) -> int 
     holder: dict[str, Any] = {}
 
     def step() -> None:
+        held = _gradient_buckets(worker)
         if "offload" in plan or "shard" in plan:  # shard: the step without the state
             holder["opt"] = HostOptimizer(
                 model.parameters(), worker.spec.optim_factory, host=meter.host
             )
         else:
             holder["opt"] = worker.spec.optim_factory(model.parameters())
-        batch = next(iter(source.batches(0, ((0, size),))))
-        with worker.runner.autocast():
-            loss = worker.spec.train_step(model, batch)
-        loss.backward()
-        del loss, batch
+        # With accumulation a second micro-batch's gradients are added to the first's: the
+        # new ones and the sum coexist for a moment (one more gradient of the largest tensor).
+        for _ in range(2 if worker.cfg.accumulate_grad_batches > 1 else 1):
+            batch = next(iter(source.batches(0, ((0, size),))))
+            with worker.runner.autocast():
+                loss = worker.spec.train_step(model, batch)
+            loss.backward()
+            del loss, batch
         holder["opt"].step()
         holder["opt"].zero_grad(set_to_none=True)
         _averaging_temporaries(worker)
+        del held
 
     try:
         return meter.peak_of(step)
@@ -250,6 +256,16 @@ def _probe(worker: Any, meter: _Meter, size: int, plan: tuple[str, ...]) -> int 
         for p in model.parameters():
             p.grad = None
         del opt
+
+
+def _gradient_buckets(worker: Any) -> torch.Tensor | None:
+    """nccl_sync over several ranks: the gradient all-reduce's buckets, kept across steps
+    (flodl/runtime/sync/gradsync.py), so they are there while the next backward makes new
+    gradients: as large as the trainable parameters, held through the probe step."""
+    if worker.mode is not Mode.NCCL_SYNC or worker.world <= 1:
+        return None
+    n = sum(p.numel() for p in worker.model.parameters() if p.requires_grad)
+    return torch.empty(n, device=worker.device)
 
 
 def _averaging_temporaries(worker: Any) -> None:

@@ -164,12 +164,12 @@ class CheckpointState:
             self.memory.adopt(training_state(self.model, self.optimizer))
 
     def _load_optimizer(self, own: dict[str, Any], msg: Restore) -> None:
-        """The optimizer's state. Sharded on either side (memory_plan shard: this rank's
-        pieces, or a bundle of pieces): re-assembled from every saved rank's shard, one shard
-        in memory at a time, so it resumes on any world size and any cut; else this rank's own
-        (or the one it takes over)."""
-        sharded_now = isinstance(self.optimizer, ShardedOptimizer) and self.optimizer.sharded
-        if not (sharded_now or is_sharded(own)) or not msg.states:
+        """The optimizer's state. A bundle saved sharded (memory_plan shard): this rank's
+        pieces (or, unsharded now, whole parameters) re-assembled from every saved rank's
+        shard, one in memory at a time, so it resumes on any world size and any cut. A plain
+        one: this rank's own (or the one it takes over; a sharded optimizer cuts its pieces
+        from it)."""
+        if not is_sharded(own) or not msg.states:  # a plain state: the same on every rank
             self.optimizer.load_state_dict(own)
             return
 
