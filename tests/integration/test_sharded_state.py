@@ -211,3 +211,20 @@ def test_auto_keeps_the_state_on_the_host_when_the_cohort_cannot_hold_it(tmp_pat
     assert s.status == "ok"
     assert _plans(s) == ["batch 32, optimizer state on host"] * 2
     _within_budgets(s, (SMALL, SMALL))
+
+
+def test_sharded_ranks_train_the_same_weights_as_unsharded_ones(tmp_path):
+    """nccl_sync steps every rank with the same all-reduced gradient: with the state sharded
+    (each rank stepping its pieces, the owners broadcasting them) the run ends at the weights
+    of the same run unsharded."""
+    runs = {}
+    for plan in ("shard", "none"):
+        result = _run(_builder(tmp_path, plan, memory_mb=(BIG, BIG), plan=plan, epochs=1))
+        assert result.summary.status == "ok"
+        runs[plan] = result
+    assert all("sharded" in p for p in _plans(runs["shard"].summary))
+    assert not any("sharded" in p for p in _plans(runs["none"].summary))
+    sharded, plain = runs["shard"].state.params, runs["none"].state.params
+    assert sharded.keys() == plain.keys()
+    for name, value in plain.items():
+        torch.testing.assert_close(sharded[name], value, rtol=1e-4, atol=1e-5)
