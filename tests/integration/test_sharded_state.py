@@ -119,8 +119,10 @@ def test_sharded_checkpoints_a_lost_holder_then_a_resume_on_fewer_ranks(tmp_path
     builder = _builder(
         tmp_path, "lost", plan="shard", epochs=3, n_train=3072, save_path=stem, checkpoint_every=1
     )
-    s = _run(builder, kill).summary
+    result = _run(builder, kill)
+    s = result.summary
     assert killed == [2] and s.status == "ok" and s.lost_ranks == [2]
+    assert result.coverage_exact  # nothing the lost rank had planned went untrained
     assert all("optimizer state sharded" in p for p in _plans(s))
     _within_budgets(s, (BIG, SMALL, SMALL))
 

@@ -158,3 +158,33 @@ def test_whole_until_cut_and_elementwise_check():
     assert not rank.opt.sharded and len(rank.opt.state) == 4
     assert elementwise(torch.optim.Adam([nn.Parameter(torch.zeros(1))]))
     assert not elementwise(torch.optim.LBFGS([nn.Parameter(torch.zeros(1))]))
+
+
+def test_a_scheduler_and_the_lr_scaling_reach_the_pieces():
+    """Schedulers and the LR scaling change the outer groups (the plain optimizer's); each step
+    hands their hyper-parameters to the pieces."""
+    ranks, cut = _cohort(FACTORIES["adamw_groups"], {0: 1, 1: 1})
+    opt = ranks[1].opt
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for group in opt.param_groups:
+        group["lr"] *= 2  # as the LR scaling does
+    _step(ranks, cut, 0)
+    scheduler.step()
+    _step(ranks, cut, 1)
+    assert [g["lr"] for g in opt.inner.param_groups] == [1e-2, 3e-3]  # x2, then x0.5
+    assert [g["lr"] for g in opt.param_groups] == [1e-2, 3e-3]
+
+
+def test_the_exchange_gathers_and_scatters_where_parameters_are_not_one_buffer():
+    """Without the flat buffer (mixed dtypes, say) an interval travels as a gathered copy."""
+    model = _model()
+    factory = FACTORIES["adam"]
+    opt = ShardedOptimizer(factory(model.parameters()), factory, list(model.parameters()))
+    lo, hi = 30, 61  # across the first weight, its bias and the second weight
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    torch.testing.assert_close(opt._gather(lo, hi), flat[lo:hi])
+    opt._scatter(lo, hi, torch.arange(hi - lo, dtype=torch.float32))
+    after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    torch.testing.assert_close(after[lo:hi], torch.arange(hi - lo, dtype=torch.float32))
+    torch.testing.assert_close(after[:lo], flat[:lo])
+    torch.testing.assert_close(after[hi:], flat[hi:])
