@@ -60,6 +60,15 @@ class RankStep:
             scaler = " (16-mixed: the GradScaler lowered its scale)" if self.runner.scaler else ""
             self._skip_nonfinite("gradients", f"non-finite gradients{scaler}")
 
+    def null_step(self) -> None:
+        """A window with no batch for this rank whose gradients the cohort all-reduces
+        (nccl_sync with sharded optimizer state, an epoch's tail): no forward or backward, the
+        rank's zero gradient (weight 0) in the all-reduce, then the step of its pieces with
+        the others' gradient, and their broadcast, as every rank does."""
+        self.sync.arm(True)
+        self.runner.pending = 1  # one micro-batch's worth: the all-reduced gradient, as is
+        self.optimizer_step()
+
     def _skip_nonfinite(self, kind: str, what: str) -> float:
         """NaN/inf loss or gradients: skip the step (no update; its gradients are dropped) with
         a warning; past ``trainer.max_nonfinite`` such steps the job fails, naming this rank

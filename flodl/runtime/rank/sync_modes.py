@@ -82,6 +82,11 @@ class SoloSync:
         """After the optimizer step (nccl_sync with sharded optimizer state: every owner's
         updated pieces broadcast to the others)."""
 
+    def steps_without_data(self) -> bool:
+        """A window without a batch for this rank still takes the cohort's step (nccl_sync
+        with sharded state: the rank's pieces are stepped with the others' gradient)."""
+        return False
+
     def snapshot(self) -> torch.Tensor | None:
         """The weights the report carries to the controller; None where it averages nothing."""
         return None
@@ -169,6 +174,11 @@ class CollectiveSync(SoloSync):
 
         self._grad_failed = not self.member._collective(exchange, "sharded state broadcast")
         self.member.pacer.exempt(time.perf_counter() - t0)
+
+    def steps_without_data(self) -> bool:
+        optimizer = getattr(self.member, "optimizer", None)
+        sharded = isinstance(optimizer, ShardedOptimizer) and optimizer.sharded
+        return sharded and self._grad_window and not self._grad_failed
 
     def on_regroup(self, msg: Regroup) -> None:
         super().on_regroup(msg)

@@ -341,6 +341,7 @@ class Worker:
                 n_samples=len(self.source),
                 batch_size=self.batch_size,
                 memory_plan=self.memory_plan.describe(self.rank),
+                sharded_state="shard" in self.memory_plan.elements,
                 base=self.base,
                 shard_sizes=tuple(getattr(self.source.dataset, "shard_sizes", ())),
             )
@@ -427,6 +428,8 @@ class Worker:
 
     def end_window(self, window: Window, tally: WindowTally) -> None:
         """Report the window (before averaging, so planning overlaps it), average, evaluate."""
+        if tally.batches == 0 and self.sync.steps_without_data():
+            self.steps.null_step()  # sharded state, no batch here: the step's collectives
         # time spent blending in averages is averaging time, not compute: it goes to the sync
         compute_ms = (time.perf_counter() - tally.start) * 1000.0 - tally.blend_ms
         self.steps.check_weights(f"after window {window.index}")

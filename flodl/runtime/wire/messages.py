@@ -28,6 +28,9 @@ class Ready:
     batch_size: int = 0  # this rank's batch size (configured or probed); 0: trainer.batch_size
     shard_sizes: tuple[int, ...] = ()  # a sharded dataset's samples per shard (flodl.data.streams)
     memory_plan: str = ""  # what the rank gave up to fit its device (cluster.memory_plan), said
+    # its optimizer state is sharded across the cohort (memory_plan shard): nccl_sync's windows
+    # then all-reduce gradients even where a rank has no batch (it steps its pieces)
+    sharded_state: bool = False
     base: str | None = None  # its frozen parameters' fingerprint (runtime/sync/trainable.py)
 
 
