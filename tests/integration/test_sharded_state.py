@@ -39,7 +39,11 @@ def wide(device: torch.device) -> torch.nn.Module:
     ).to(device)
 
 
-def _builder(tmp_path, name, memory_mb=(BIG, SMALL, SMALL), plan="auto", **kw):
+def linear_decay(optimizer, total_steps):
+    return torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.1, total_iters=total_steps)
+
+
+def _builder(tmp_path, name, memory_mb=(BIG, SMALL, SMALL), plan="auto", scheduler=None, **kw):
     ranks = len(memory_mb)
     cluster = ClusterConfig(
         kind="cpu_rig",
@@ -61,6 +65,8 @@ def _builder(tmp_path, name, memory_mb=(BIG, SMALL, SMALL), plan="auto", **kw):
         .logger(LoggerConfig(progress="off", tensorboard=False))
         .output_dir(tmp_path / name)
     )
+    if scheduler is not None:
+        builder = builder.scheduler(scheduler, interval="step")
     cfg = builder.build_config().with_(**kw)
     return builder.config(cfg)
 
@@ -90,9 +96,10 @@ def test_auto_shards_where_the_small_ranks_cannot_hold_the_state(tmp_path):
     """3 ranks, 40/20/20 MiB: auto shards instead of offloading; the big rank takes most of
     the state, every rank stays within its budget, and the model learns. 50 batches an epoch:
     its tail window has a batch for two ranks only, and the third joins the step without one
-    (a zero gradient in the all-reduce; it steps its pieces and broadcasts them)."""
+    (a zero gradient in the all-reduce; it steps its pieces and broadcasts them, its per-step
+    scheduler kept at the others' step)."""
     budgets = (BIG, SMALL, SMALL)
-    result = _run(_builder(tmp_path, "auto", n_train=1600))
+    result = _run(_builder(tmp_path, "auto", n_train=1600, scheduler=linear_decay))
     s = result.summary
     assert s.status == "ok" and result.coverage_exact
     plans = _plans(s)

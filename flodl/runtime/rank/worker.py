@@ -430,6 +430,7 @@ class Worker:
         """Report the window (before averaging, so planning overlaps it), average, evaluate."""
         if tally.batches == 0 and self.sync.steps_without_data():
             self.steps.null_step()  # sharded state, no batch here: the step's collectives
+            self.schedule.to_window_end()
         # time spent blending in averages is averaging time, not compute: it goes to the sync
         compute_ms = (time.perf_counter() - tally.start) * 1000.0 - tally.blend_ms
         self.steps.check_weights(f"after window {window.index}")
