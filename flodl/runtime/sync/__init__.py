@@ -1,2 +1,3 @@
 """How ranks agree on one set of weights: parameter averaging, gradient all-reduce, outer
-optimizers, and the process group that survives membership changes."""
+optimizers, optimizer state sharded across ranks (each steps its pieces, then broadcasts them),
+and the process group that survives membership changes."""
