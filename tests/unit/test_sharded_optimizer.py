@@ -188,3 +188,21 @@ def test_the_exchange_gathers_and_scatters_where_parameters_are_not_one_buffer()
     torch.testing.assert_close(after[lo:hi], torch.arange(hi - lo, dtype=torch.float32))
     torch.testing.assert_close(after[:lo], flat[:lo])
     torch.testing.assert_close(after[hi:], flat[hi:])
+
+
+def test_a_plain_state_is_cut_into_the_pieces_of_a_sharded_rank():
+    """A bundle saved without the plan (or with offload: the same format) resumes sharded:
+    each rank cuts its pieces from the plain state."""
+    factory = FACTORIES["adam"]
+    reference = _model()
+    plain = factory(reference.parameters())
+    for step in range(2):
+        _grads(reference, step)
+        plain.step()
+    saved = copy.deepcopy(plain.state_dict())
+    ranks, _ = _cohort(factory, {0: 2, 1: 1})
+    for rank in ranks.values():
+        rank.opt.load_state_dict(saved)
+        for leaf, (i, lo, hi) in zip(rank.opt._leaves, rank.opt.pieces, strict=True):
+            want = saved["state"][i]["exp_avg_sq"].reshape(-1)[lo:hi]
+            torch.testing.assert_close(rank.opt.inner.state[leaf]["exp_avg_sq"], want)
