@@ -8,6 +8,7 @@ while a 40 MiB rank has room for most of the state and a 20 MiB one for a small 
 from __future__ import annotations
 
 import os
+import re
 import signal
 from functools import partial
 
@@ -113,10 +114,11 @@ def test_auto_shards_where_the_small_ranks_cannot_hold_the_state(tmp_path):
 
 
 def test_sharded_checkpoints_a_lost_holder_then_a_resume_on_fewer_ranks(tmp_path):
-    """3 ranks shard (explicit), a checkpoint each epoch; rank 2, holding a shard, is killed in
-    epoch 2: the survivors take its intervals and finish. The last bundle (written by the two
-    survivors, sharded) resumes on 2 ranks with a fresh cut, and Adam's moments there are the
-    saved ones."""
+    """3 equal ranks shard (explicit): a third of the state each; a checkpoint each epoch;
+    rank 2 is killed in epoch 2: the survivors take its intervals (its state lost, warned) and
+    finish with exact coverage. The last bundle (written by the two survivors, sharded)
+    resumes on 2 unequal ranks with a fresh cut, and every parameter's Adam state there goes
+    on from the saved one."""
     stem = str(tmp_path / "ckpt" / "run")
     killed: list[int] = []
 
@@ -125,15 +127,20 @@ def test_sharded_checkpoints_a_lost_holder_then_a_resume_on_fewer_ranks(tmp_path
             os.kill(rank_pid(2), signal.SIGKILL)
             killed.append(2)
 
+    budgets = (BIG, BIG, BIG)
     builder = _builder(
-        tmp_path, "lost", plan="shard", epochs=3, n_train=3072, save_path=stem, checkpoint_every=1
-    )
+        tmp_path, "lost", budgets, "shard", epochs=3, n_train=3072, save_path=stem,
+        checkpoint_every=1,
+    )  # fmt: skip
     result = _run(builder, kill)
     s = result.summary
     assert killed == [2] and s.status == "ok" and s.lost_ranks == [2]
     assert result.coverage_exact  # nothing the lost rank had planned went untrained
-    assert all("optimizer state sharded" in p for p in _plans(s))
-    _within_budgets(s, (BIG, SMALL, SMALL))
+    assert _shares(s) == [33, 33, 33]
+    _within_budgets(s, budgets)
+    log = (tmp_path / "lost" / "rank_0.log").read_text()
+    lost = re.search(r"rank 2 was lost with the optimizer state of (\d+) elements", log)
+    assert lost is not None and int(lost.group(1)) > 350_000  # a third of ~1.1 M
 
     point = ResumePoint.load(stem)
     assert point.ranks == [0, 1] and point.meta.epoch == 3
