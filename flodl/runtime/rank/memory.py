@@ -123,10 +123,12 @@ def _search(worker: Any, dataset: Any, budget: float, total: int) -> int:
 # device memory), each a forward, backward and optimizer step of the real model at the rank's
 # batch with a throwaway optimizer (its state counts), the weights put back afterwards. The
 # cheapest plan whose probe peaks within ``cluster.memory_fraction`` of the budget is taken:
-# nothing, then recomputation (about one more forward pass), then offload (host traffic and a
-# host optimizer step), then both; on the rig, where ``memory_mb`` makes per-rank batch sizes
-# part of the plan, the batch is then halved until a step fits. A rank nothing fits fails, naming
-# what it needs against its budget.
+# nothing, then recomputation (about one more forward pass), then (nccl_sync) a share of the
+# optimizer state, alone or with recomputation (a broadcast of the rank's share per step; the
+# share is the cohort's to cut: flodl/runtime/rank/shard_plan.py), then offload (host traffic
+# and a host optimizer step), then both; on the rig, where ``memory_mb`` makes per-rank batch
+# sizes part of the plan, the batch is then halved until a step fits. A rank nothing fits fails,
+# naming what it needs against its budget.
 
 PLAN_WORDS = {
     "recompute": "activation checkpointing",
@@ -264,8 +266,8 @@ def _gradient_buckets(worker: Any) -> torch.Tensor | None:
     gradients: as large as the trainable parameters, held through the probe step."""
     if worker.mode is not Mode.NCCL_SYNC or worker.world <= 1:
         return None
-    n = sum(p.numel() for p in worker.model.parameters() if p.requires_grad)
-    return torch.empty(n, device=worker.device)
+    nbytes = sum(p.numel() * p.element_size() for p in worker.model.parameters() if p.requires_grad)
+    return torch.empty(nbytes, dtype=torch.uint8, device=worker.device)
 
 
 def _averaging_temporaries(worker: Any) -> None:
@@ -283,27 +285,27 @@ def _averaging_temporaries(worker: Any) -> None:
 
 
 def choose_plan(
-    worker: Any, requested: tuple[str, ...] | None, shardable: bool = False
+    worker: Any, requested: tuple[str, ...] | None, may_shard: bool = False
 ) -> MemoryPlan:
     """The rank's plan: ``requested`` as configured (None: ``auto``, probed where a budget
-    exists). ``shardable``: the cohort may shard its optimizer state (nccl_sync), so ``auto``
+    exists). ``may_shard``: the cohort may shard its optimizer state (nccl_sync), so ``auto``
     tries ``shard`` before ``offload``, and the plan carries what the cut needs (the memory
     free for optimizer state, the state's cost). The model's weights and buffers are as they
     were afterwards."""
     size = worker.batch_size
     rig = worker.memory
     has_budget = rig is not None or worker.device.type == "cuda"
-    if not has_budget or (requested is not None and not (shardable and "offload" not in requested)):
+    if not has_budget or (requested is not None and not (may_shard and "offload" not in requested)):
         budget = rig.budget if rig is not None else None
         return MemoryPlan(requested or (), size, budget, None, size)
     meter = _Meter(worker)
     with meter.host():  # the weights, put back afterwards, wait in host memory
         saved = {k: v.detach().to("cpu", copy=True) for k, v in worker.model.state_dict().items()}
     try:
-        if requested is not None:  # shardable: measure what the cut needs
+        if requested is not None:  # may shard: measure what the cut needs
             plan = MemoryPlan(requested, size, int(meter.total), None, size)
             return _with_shard_numbers(worker, meter, plan, {})
-        return _choose(worker, meter, size, shardable)
+        return _choose(worker, meter, size, may_shard)
     finally:
         from flodl.step.memory import set_recompute
 
@@ -339,7 +341,7 @@ def _with_shard_numbers(
     return dataclasses.replace(plan, free_bytes=int(meter.budget) - stateless, state_bytes=state)
 
 
-def _choose(worker: Any, meter: _Meter, size: int, shardable: bool = False) -> MemoryPlan:
+def _choose(worker: Any, meter: _Meter, size: int, may_shard: bool = False) -> MemoryPlan:
     from flodl.step.memory import recompute
 
     recompute(worker.model)  # patched once, switched per probe
@@ -354,7 +356,7 @@ def _choose(worker: Any, meter: _Meter, size: int, shardable: bool = False) -> M
     # the host (whether the share fits is the cohort's decision: the plan falls back to
     # offload when it does not)
     first = _CANDIDATES
-    if shardable:
+    if may_shard:
         first = ((), ("recompute",), ("shard",), ("recompute", "shard"), *_CANDIDATES[2:])
     peaks: dict[tuple[str, ...], int | None] = {}
     last_peak: int | None = None
@@ -366,9 +368,9 @@ def _choose(worker: Any, meter: _Meter, size: int, shardable: bool = False) -> M
             last_peak = peak
             if peak is not None and peak <= meter.budget:
                 chosen = MemoryPlan(plan, b, total, peak, size)
-                if shardable and b == size:
+                if may_shard and b == size:
                     chosen = _with_shard_numbers(worker, meter, chosen, peaks)
-                elif shardable:
+                elif may_shard:
                     chosen = dataclasses.replace(chosen, free_bytes=0)
                 return chosen
     state = sum(t.numel() * t.element_size() for t in worker.model.parameters())
