@@ -244,10 +244,10 @@ def _probe(worker: Any, meter: _Meter, size: int, plan: tuple[str, ...]) -> int 
                 loss = worker.spec.train_step(model, batch)
             loss.backward()
             del loss, batch
+        del held  # from here the gradients are the buckets (views), as they are in training
         holder["opt"].step()
         holder["opt"].zero_grad(set_to_none=True)
         _averaging_temporaries(worker)
-        del held
 
     try:
         return meter.peak_of(step)
@@ -263,7 +263,8 @@ def _probe(worker: Any, meter: _Meter, size: int, plan: tuple[str, ...]) -> int 
 def _gradient_buckets(worker: Any) -> torch.Tensor | None:
     """nccl_sync over several ranks: the gradient all-reduce's buckets, kept across steps
     (flodl/runtime/sync/gradsync.py), so they are there while the next backward makes new
-    gradients: as large as the trainable parameters, held through the probe step."""
+    gradients: as large as the trainable parameters, held through the probe's backward (in
+    the optimizer step the gradients are views of them: counted once, as gradients)."""
     if worker.mode is not Mode.NCCL_SYNC or worker.world <= 1:
         return None
     nbytes = sum(p.numel() * p.element_size() for p in worker.model.parameters() if p.requires_grad)
