@@ -104,6 +104,7 @@ def agree(worker: Any) -> None:
     plan = worker.memory_plan
     if decision.sharded:
         optimizer.free = {d.rank: d.free for d in demands}
+        optimizer.state_cost = max(d.state for d in demands)
         optimizer.assign(decision.cut, worker.rank)
         share = shard_cut.owned(decision.cut, worker.rank) / max(optimizer.n, 1)
         elements = tuple(e for e in plan.elements if e not in ("offload", "shard"))
@@ -144,3 +145,14 @@ def recut(worker: Any, members: tuple[int, ...]) -> None:
         )
     share = shard_cut.owned(new, worker.rank) / max(optimizer.n, 1)
     worker.memory_plan = dataclasses.replace(worker.memory_plan, share=share)
+    free = optimizer.free.get(worker.rank)
+    if free is not None and share * optimizer.state_cost > free:
+        log.warning(
+            "rank %d: its share of the optimizer state is now %.0f %% (%.1f MiB), more than "
+            "the %.1f MiB it has free: it may run out of memory (memory_plan=offload keeps the "
+            "state on the host)",
+            worker.rank,
+            100 * share,
+            share * optimizer.state_cost / 2**20,
+            free / 2**20,
+        )

@@ -86,6 +86,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._place = [place.get(id(p)) for p in self._params]
         self.cut: Cut = {}
         self.free: dict[int, int | None] = {}  # each rank's free bytes, as the cut was made
+        self.state_cost = 0  # the whole state's bytes on a device, as measured for the cut
         self.rank = -1
         self.pieces: list[Piece] = []
         self._leaves: list[nn.Parameter] = []
