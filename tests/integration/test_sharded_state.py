@@ -20,7 +20,10 @@ from flodl.checkpoint.shards import load_shard
 from flodl.recipes.steps import accuracy, classification_step
 from flodl.runtime.controller.events import RunFailed
 from flodl.runtime.controller.snapshots import ResumePoint
+from flodl.runtime.sync.averaging import FlatState
+from flodl.runtime.sync.shard_cut import proportional_cut
 from flodl.runtime.sync.shard_state import is_sharded, to_plain
+from flodl.runtime.sync.sharded_optimizer import ShardedOptimizer
 from tests.integration.helpers import SHAPE, data, optim_factory, rank_pid
 
 pytestmark = pytest.mark.slow
@@ -149,6 +152,7 @@ def test_sharded_checkpoints_a_lost_holder_then_a_resume_on_fewer_ranks(tmp_path
     shapes = [p.shape for p in wide(torch.device("cpu")).parameters()]
     joined, fresh = to_plain(saved, shapes)
     assert fresh == 0  # the survivors' cut covered everything again
+    _restores_the_saved_moments(point, joined)
 
     resumed = _builder(
         tmp_path, "resumed", memory_mb=(BIG, SMALL), plan="shard", epochs=4, n_train=3072,
@@ -169,6 +173,28 @@ def test_sharded_checkpoints_a_lost_holder_then_a_resume_on_fewer_ranks(tmp_path
         float(rejoined["state"][i]["step"]) - float(st["step"]) for i, st in joined["state"].items()
     }
     assert len(deltas) == 1 and deltas.pop() > 0
+
+
+def _restores_the_saved_moments(point: ResumePoint, joined: dict) -> None:
+    """What a rank of a 2-rank resume loads, from the files the controller names to it
+    (``Restore.states``), under another cut (1:3): Adam's moments, element for element."""
+    model = wide(torch.device("cpu"))
+    state = FlatState(model, share_storage=True)
+    optimizer = ShardedOptimizer(
+        optim_factory(model.parameters()), optim_factory, state.params, state.shared
+    )
+    restore = point.restore_for(1)
+    assert len(restore.states) == 2
+    optimizer.assign(proportional_cut(optimizer.n, {0: 1, 1: 3}), 1)
+    missing = optimizer.load_shards(
+        [partial(lambda where: load_shard(where)["optimizer"], w) for w in restore.states]
+    )
+    assert missing == 0 and len(optimizer.pieces) >= 2  # it cuts through parameters
+    for leaf, (i, lo, hi) in zip(optimizer._leaves, optimizer.pieces, strict=True):
+        got = optimizer.inner.state[leaf]
+        for key in ("exp_avg", "exp_avg_sq"):
+            want = joined["state"][i][key].reshape(-1)[lo:hi]
+            torch.testing.assert_close(got[key], want, rtol=0, atol=0)
 
 
 def test_an_explicit_shard_the_cohort_cannot_hold_is_refused(tmp_path):
