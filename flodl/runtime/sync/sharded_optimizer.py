@@ -136,8 +136,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._leaves = []
         for i, lo, hi in pieces:
             p = self._params[i]
-            if not p.is_contiguous():
-                raise ValueError("memory_plan=shard: a parameter is not contiguous")
+            if not p.is_contiguous():  # a piece must be a view of the parameter's storage
+                raise ValueError(
+                    f"memory_plan=shard: parameter {i} (shape {tuple(p.shape)}) is not "
+                    "contiguous, so no piece of it can be a view; use offload"
+                )
             self._leaves.append(nn.Parameter(p.detach().view(-1)[lo:hi], requires_grad=True))
         group_of = {id(p): g for g, group in enumerate(self.param_groups) for p in group["params"]}
         inner = self.factory([nn.Parameter(torch.zeros(1))])  # its class and defaults
