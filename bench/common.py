@@ -157,7 +157,8 @@ def elche_preset(mode: str, **knobs: Any) -> Any:
 #: ``diloco``: a fixed number of inner steps on every rank (the slow one sets the pace), then
 #: an outer Nesterov step on the averaged update (DiLoCo's outer optimizer), ElChe off.
 #: ``fixed_cadence``: local steps in proportion to the known speeds at a fixed cadence (the
-#: "perfect ElChe without control", DyLU-style). ``nccl_cadence_<c>``: compressed averages.
+#: "perfect ElChe without control", DyLU-style). ``<mode>_<c>``: compressed averages
+#: (``nccl_cadence_int8``, ``cpu_cadence_bf16``, ``cpu_async_int8``).
 def variant_elche(variant: str, speeds: Sequence[float] | None, anchor: int = 20) -> Any:
     fixed = {"anchor": anchor, "min_anchor": anchor, "max_anchor": anchor, "meta_controller": False}
     n = len(speeds) if speeds else 1
@@ -168,8 +169,9 @@ def variant_elche(variant: str, speeds: Sequence[float] | None, anchor: int = 20
     if variant == "fixed_cadence":
         ratios = list(speeds) if speeds else [1.0]
         return elche_preset("nccl_cadence", **fixed, partition_ratios=ratios, guard="none")
-    if variant.startswith("nccl_cadence_"):
-        return elche_preset("nccl_cadence", compress=variant.removeprefix("nccl_cadence_"))
+    mode, _, compress = variant.rpartition("_")
+    if compress in ("bf16", "fp16", "int8"):  # nccl_cadence_int8, cpu_async_bf16, ...
+        return elche_preset(mode, compress=compress)
     return elche_preset(variant)
 
 
@@ -331,6 +333,8 @@ def run_flodl(
         "calibrated_step_ms": step_ms,
         "nominal_step_ms": step_ms * pace_margin if (step_ms is not None and paced) else None,
         "final_anchor": s.anchor,
+        # the cpu_* modes' averaging traffic (compress, averages, up/down bytes), else None
+        "averaging": s.averaging,
         "window_anchor": [e.anchor for e in result.events],
         "window_overhead": [e.overhead for e in result.events],
         "launcher_cpu_train_s": launcher_cpu_s,

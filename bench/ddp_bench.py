@@ -46,8 +46,30 @@ from bench.common import (
 
 WORKLOADS = ("logistic", "mlp", "lenet", "conv_ae", "resnet", "char_rnn", "gpt_nano")
 LANGUAGE_MODELS = ("char_rnn", "gpt_nano")
-VARIANTS = ("solo-fast", "solo-slow", "ddp", *MODES)
 RIG = (1.0, 0.4)
+FIXED_ANCHOR = 20  # diloco / fixed_cadence: the slow rank's batches per window (bench.hetero's)
+#: Baselines that are flodl configurations (bench.common.variant_elche): DiLoCo (equal inner
+#: steps, outer Nesterov, ElChe off) and speed-proportional local steps at a fixed cadence.
+BASELINES: dict[str, list[str]] = {
+    "diloco": [
+        f"elche.anchor={FIXED_ANCHOR}",
+        f"elche.min_anchor={FIXED_ANCHOR}",
+        f"elche.max_anchor={FIXED_ANCHOR}",
+        "elche.meta_controller=false",
+        "elche.partition_ratios=[1.0,1.0]",
+        "elche.outer=nesterov",
+        "elche.guard=none",
+    ],
+    "fixed_cadence": [
+        f"elche.anchor={FIXED_ANCHOR}",
+        f"elche.min_anchor={FIXED_ANCHOR}",
+        f"elche.max_anchor={FIXED_ANCHOR}",
+        "elche.meta_controller=false",
+        f"elche.partition_ratios=[{RIG[0]},{RIG[1]}]",
+        "elche.guard=none",
+    ],
+}
+VARIANTS = ("solo-fast", "solo-slow", "ddp", *MODES, *BASELINES)
 _LM_QUICK = [
     "trainer.num_epochs=3",
     "trainer.batch_size=16",
@@ -96,7 +118,9 @@ def compose_config(workload: str, variant: str, extra: list[str]) -> dict[str, A
     from flodl.cli.app import plain_config
 
     mode = "solo" if variant.startswith("solo") or variant == "ddp" else variant
-    overrides = ["experiment=ddp_bench", f"workload={workload}", f"elche={mode}", *extra]
+    baseline = BASELINES.get(variant, [])
+    mode = "nccl_cadence" if baseline else mode
+    overrides = ["experiment=ddp_bench", f"workload={workload}", f"elche={mode}", *baseline, *extra]
     if variant == "solo-fast":
         overrides += [f"cluster.speeds=[{RIG[0]}]", "cluster.ranks=1"]
     elif variant == "solo-slow":

@@ -350,3 +350,75 @@ def ddp_bench_block(data: dict[str, Any], stem: str, machine_line: str) -> str:
     if plots:
         parts += ["", " ".join(f"![{p.stem}](results/{p.name})" for p in plots)]
     return "\n".join(parts)
+
+
+def time_to_loss_block(data: dict[str, Any]) -> str:
+    """Every variant's time to solo-fast's final val loss, against torch DDP's, per language
+    model: the slow-link goal (``nccl_cadence`` in <= 0.5x DDP's time, no slower than the
+    ``diloco`` and ``fixed_cadence`` baselines). Times run from the end of calibration, linear
+    between per-epoch evaluations."""
+    by = _by(data)
+    s = data["settings"]
+    overrides = [o for w in s["workloads"].values() for o in w.get("overrides", [])]
+    links = [o.split("=", 1)[1] for o in overrides if o.startswith("cluster.link=")]
+    link = links[0] if links else "none"
+    lines = [
+        f"Link `{link}`, rig {_rig(data)}, per-rank batch "
+        f"{_rank_batch(s)}; target: solo-fast's final val loss.",
+        "",
+        "| language model | variant | final val | samples/s | time to target | vs DDP |",
+        "|---|---|---|---|---|---|",
+    ]
+    verdicts = []
+    for w in s["workloads"]:
+        solo, ddp = by.get((w, "solo-fast")), by.get((w, "ddp"))
+        if not _ok(solo):
+            lines.append(f"| {w} | solo-fast | {DASH} | {DASH} | not measured | {DASH} |")
+            continue
+        assert solo is not None
+        target = solo["eval"]
+        t_ddp = time_to(ddp["curve"], target) if _ok(ddp) and ddp else None
+        times: dict[str, float | None] = {}
+        for v in s["variants"]:
+            row = by.get((w, v))
+            if not _ok(row):
+                lines.append(f"| {w} | {v} | {DASH} | {DASH} | failed | {DASH} |")
+                continue
+            assert row is not None
+            t = time_to(row["curve"], target)
+            times[v] = t
+            vs = f"{t / t_ddp:.2f}" if t is not None and t_ddp else DASH
+            lines.append(
+                f"| {w} | {v} | {row['eval']:.4f} | {row['samples_per_s']:.1f} | "
+                f"{_num(t) + ' s' if t is not None else 'not reached'} | {vs} |"
+            )
+        t_cad = times.get("nccl_cadence")
+        if t_cad is None or t_ddp is None:
+            verdicts.append(f"{w}: nccl_cadence or DDP did not reach the target: not measured")
+            continue
+        ratio = t_cad / t_ddp
+        verdicts.append(
+            f"{w}: nccl_cadence {ratio:.2f}x DDP's time (goal <= 0.5: "
+            f"{'met' if ratio <= 0.5 else 'MISSED'})"
+        )
+        for base in ("diloco", "fixed_cadence"):
+            if base in times:
+                tb = times[base]
+                ok = tb is None or t_cad <= tb
+                verdicts.append(
+                    f"{w}: nccl_cadence vs {base}: {_num(t_cad)} s / "
+                    f"{_num(tb) + ' s' if tb is not None else 'not reached'} "
+                    f"({'no slower: met' if ok else 'slower: MISSED'})"
+                )
+    return "\n".join([*lines, "", *(f"- {v}" for v in verdicts)])
+
+
+def _rig(data: dict[str, Any]) -> list[float]:
+    from bench.ddp_bench import RIG
+
+    return list(data["settings"].get("rig") or RIG)
+
+
+def _rank_batch(settings: dict[str, Any]) -> str:
+    batches = {w.get("rank_batch") for w in settings["workloads"].values()}
+    return ", ".join("the workload's" if b is None else str(b) for b in sorted(batches, key=str))

@@ -77,6 +77,7 @@ def worker(
     from flodl.cli.app import build_dataset, build_model, build_optimizer
     from flodl.config import resolve_dotted, validate_run_config
     from flodl.data.source import epoch_permutation
+    from flodl.rig import links
     from flodl.rig.pacing import Pacer, measure_step_s
 
     run_cfg = validate_run_config(plain)
@@ -115,6 +116,10 @@ def worker(
         pacer.set_nominal(nominal)
 
         ddp = DistributedDataParallel(model)
+        link = links.model_for(run_cfg.cluster.link)
+        if link is not None:  # the same modelled wire flodl's ranks cross (flodl/rig/links.py)
+            links.install(link)
+            ddp.register_comm_hook(None, links.ddp_comm_hook(world))
         optimizer = scaled_optimizer(run_cfg, ddp.parameters(), world)
         shard_lo, shard_hi = rank * n // world, (rank + 1) * n // world
         steps_per_epoch = len(range(0, shard_hi - shard_lo, batch))

@@ -501,9 +501,15 @@ def scale_sim_block(data: dict[str, Any]) -> str:
     header = ["ranks", "scenario", "efficiency", "lock-step", "vs lock-step",
               "controller ms/window", "ctl / ref loop", "syncs/epoch",
               "coverage exact"]  # fmt: skip
+    wire = (
+        f"the rig's `{comm['link']}` link model (flodl/rig/links.py) for "
+        f"{comm['n_bytes'] / 1e6:.0f} MB"
+        if comm.get("link")
+        else f"{comm['alpha_ms']} ms + 2(N\u22121)/N \u00b7 {comm['n_bytes'] / 1e6:.0f} MB / "
+        f"{comm['beta_gb_s']} GB/s"
+    )
     model = (
-        f"Model: ring all-reduce {comm['alpha_ms']} ms + 2(N\u22121)/N \u00b7 "
-        f"{comm['n_bytes'] / 1e6:.0f} MB / {comm['beta_gb_s']} GB/s; a batch {work['base_ms']} ms"
+        f"Model: ring all-reduce {wire}; a batch {work['base_ms']} ms"
         f" / speed, jitter \u03c3 {work['jitter']}; lock-step hides the all-reduce behind "
         f"{work['backward_fraction']:.2f} of the slowest step; {st['epochs']} epochs of "
         f"{st['batches_per_rank']} batches per rank; controller \u2192 rank latency "
@@ -696,13 +702,23 @@ def render() -> dict[str, str]:
         "loader": _loader(missing),
         "loader_headroom": _block("loader_margin2.5", loader_block, missing),
         "scale_sim": scale_sim_block(sim) if sim else missing,
+        "scale_sim_10gbe": _block("scale_sim_10gbe", scale_sim_block, missing),
         "comm_heavy": comm_heavy_block(comm) if comm else missing,
         "comm_heavy_equal": _block("comm_heavy_equal", comm_heavy_block, missing),
         "comm_heavy_1gbe": _block("comm_heavy_1gbe", comm_heavy_block, missing),
+        "comm_heavy_pcie": _block("comm_heavy_pcie", comm_heavy_block, missing),
+        "gpt_nano_1gbe": _gpt_nano_1gbe(missing),
         "startup": _startup(missing),
         "memory": _block("memory", memory_block, missing),
         "hf_lora": _hf_lora(missing),
     }
+
+
+def _gpt_nano_1gbe(missing: str) -> str:
+    from bench.ddp_bench_report import time_to_loss_block
+
+    data = _load("ddp_bench_gpt_1gbe")
+    return f"{_machine(data)}\n\n{time_to_loss_block(data)}" if data else missing
 
 
 def _hf_lora(missing: str) -> str:

@@ -359,6 +359,7 @@ class Job:
             telemetry=_telemetry(result),
             rig=self._rig(result),
             memory_plans=result.memory_plans,
+            averaging=result.averaging,
         )
 
     def _rig(self, result: ControllerResult) -> dict[str, Any] | None:

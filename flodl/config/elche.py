@@ -85,8 +85,8 @@ class ElCheConfig(_Schema):
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="outer momentum (outer=nesterov)")
     compress: Literal["none", "bf16", "fp16", "int8"] = Field(
         "none",
-        description="nccl_cadence: send each average's change in bf16/fp16 (half the bytes) or "
-        "int8 with error feedback (a quarter on 2 ranks); fp32 weights stay exact",
+        description="nccl_cadence and cpu_*: send each average's change in bf16/fp16 (half the "
+        "bytes) or int8 with error feedback (a quarter); fp32 weights stay exact",
     )
 
     @field_validator("partition_ratios")
@@ -103,11 +103,13 @@ class ElCheConfig(_Schema):
             raise ValueError(f"min_anchor={lo} exceeds max_anchor={self.max_anchor}")
         if self.anchor > self.max_anchor:
             raise ValueError(f"anchor={self.anchor} exceeds max_anchor={self.max_anchor}")
-        if self.compress != "none" and self.mode is not Mode.NCCL_CADENCE:
+        if self.compress != "none" and self.mode in (Mode.NCCL_SYNC, Mode.SOLO):
+            nccl_sync = self.mode is Mode.NCCL_SYNC
+            why = "reduces gradients, not averages" if nccl_sync else "averages nothing"
             raise ValueError(
-                f"compress={self.compress} applies to mode=nccl_cadence (mode={self.mode.value}: "
-                "nccl_sync reduces gradients; the cpu_* modes average on the controller, "
-                "uncompressed)"
+                f"elche.compress={self.compress}: mode={self.mode.value} {why}; compression "
+                "applies to nccl_cadence, cpu_sync, cpu_cadence and cpu_async "
+                "(or set elche.compress=none)"
             )
         return self
 

@@ -102,6 +102,11 @@ class RunSummary:
     #: Per rank, what it gave up to fit its device (``cluster.memory_plan``), as announced at
     #: start: ``rank 1 (6.0 GB): batch 32, activation checkpointing, ...``.
     memory_plans: list[str] = field(default_factory=list)
+    #: The cpu_* modes' averaging traffic: ``compress`` (``elche.compress``), ``averages``
+    #: sent, how many went ``uncompressed`` (and their ``uncompressed_windows``), ``up_bytes``
+    #: (snapshots the controller received) and ``down_bytes`` (averages it sent, each rank
+    #: counted). None in the collective modes and on one rank.
+    averaging: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

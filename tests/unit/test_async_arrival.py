@@ -77,7 +77,7 @@ def test_an_empty_inbox_returns_at_once() -> None:
     assert applied == [] and rank._outstanding == [3]
 
 
-def _holder(alpha: float, whole: set[int], share_storage: bool):
+def _holder(alpha: float, whole: set[int], share_storage: bool, codec=None):
     model = torch.nn.Linear(3, 2)
     with torch.no_grad():
         for p in model.parameters():
@@ -89,6 +89,7 @@ def _holder(alpha: float, whole: set[int], share_storage: bool):
         _outstanding=[4, 5],
         _whole=set(whole),
         last_divergence=None,
+        codec=codec,  # elche.compress: runtime/sync/codec.py
     )
 
 
@@ -108,6 +109,21 @@ def test_an_average_is_blended_in_but_an_epochs_last_is_taken_whole(share_storag
     assert torch.equal(rank.state.flatten(), torch.full((n,), 3.5))
     assert rank.last_divergence == pytest.approx(0.25 * 2.0 / 3.5)
     assert rank._outstanding == [] and rank._whole == set()
+
+
+def test_a_compressed_average_is_blended_from_the_consensus_it_names():
+    """elche.compress: the average comes as a change against the last one taken; the rank
+    blends in the consensus (reference + change), which becomes its reference untouched by
+    the blend."""
+    from flodl.runtime.sync.codec import RankCodec, pack
+
+    codec = RankCodec("bf16")
+    rank = _holder(0.5, set(), True, codec)
+    n = rank.state.n_params
+    codec.receive(3, torch.full((n,), 2.0))
+    ControllerSync.take(rank, Average(4, pack("bf16", torch.full((n,), 1.0), base=3)))
+    assert torch.equal(rank.state.flatten(), torch.full((n,), 2.0))  # 0.5 * 3 + 0.5 * 1
+    assert codec.version == 4 and torch.equal(codec.ref, torch.full((n,), 3.0))
 
 
 def test_a_void_whole_average_keeps_the_weights_and_is_forgotten():

@@ -288,3 +288,40 @@ def test_rank_batch_trains_the_two_rank_cells_at_solos_global_batch(monkeypatch)
     assert "batch 32 per rank (global 64)" in rank_batch_line(32, 2)
     with pytest.raises(SystemExit):
         grid.main([*argv, "--rank-batch", "0"])
+
+
+def test_time_to_loss_block_gives_each_variant_against_ddp_and_the_baselines() -> None:
+    from bench.ddp_bench_report import time_to_loss_block
+
+    solo = [[10, 0, 2.5], [20, 1, 2.0]]
+    rows = [
+        _row("gpt_nano", "solo-fast", 2.0, solo, samples_per_s=100.0),
+        _row("gpt_nano", "ddp", 1.9, [[10, 0, 2.4], [40, 1, 1.9]], samples_per_s=110.0),
+        _row("gpt_nano", "nccl_cadence", 1.9, [[5, 0, 2.2], [15, 1, 1.9]], samples_per_s=180.0),
+        _row("gpt_nano", "diloco", 1.9, [[5, 0, 2.1], [10, 1, 1.9]], samples_per_s=190.0),
+        _row("gpt_nano", "fixed_cadence", 2.2, [[5, 0, 2.3], [10, 1, 2.2]], samples_per_s=1.0),
+    ]
+    workloads = {"gpt_nano": {"overrides": ["cluster.link=1gbe"], "rank_batch": 32}}
+    variants = ["solo-fast", "ddp", "nccl_cadence", "diloco", "fixed_cadence"]
+    data = {"settings": {"workloads": workloads, "variants": variants}, "rows": rows}
+    block = time_to_loss_block(data)
+    assert "Link `1gbe`" in block and "per-rank batch 32" in block
+    # DDP reaches 2.0 at 10 + 30 * 0.4/0.5 = 34 s; cadence at 5 + 10 * 0.2/0.3 = 11.67 s
+    assert "| gpt_nano | nccl_cadence | 1.9000 | 180.0 | 11.7 s | 0.34 |" in block
+    assert "nccl_cadence 0.34x DDP's time (goal <= 0.5: met)" in block
+    assert "nccl_cadence vs diloco: 11.7 s / 7.5 s (slower: MISSED)" in block
+    assert "| gpt_nano | fixed_cadence | 2.2000 | 1.0 | not reached | \u2013 |" in block
+    assert "vs fixed_cadence: 11.7 s / not reached (no slower: met)" in block
+
+
+def test_the_baselines_are_flodl_configs_with_elche_off() -> None:
+    from bench.ddp_bench import RIG, compose_config
+
+    diloco = compose_config("gpt_nano", "diloco", [])["elche"]
+    fixed = compose_config("gpt_nano", "fixed_cadence", [])["elche"]
+    for elche in (diloco, fixed):
+        assert elche["mode"] == "nccl_cadence" and elche["guard"] == "none"
+        assert elche["anchor"] == elche["min_anchor"] == elche["max_anchor"]
+        assert elche["meta_controller"] is False
+    assert diloco["outer"] == "nesterov" and diloco["partition_ratios"] == [1.0, 1.0]
+    assert fixed["outer"] == "average" and fixed["partition_ratios"] == list(RIG)

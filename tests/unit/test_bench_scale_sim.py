@@ -29,6 +29,11 @@ def test_a_row_has_the_issue_columns_and_renders():
     }
     block = render.scale_sim_block(data)
     assert f"| 4 | two_tiers | {row['efficiency']:.3f} |" in block
+    assert "12.5 GB/s" in block
+    # priced by a link profile (--link): the block names it, not the default wire's figures
+    data["settings"]["allreduce"] = {"n_bytes": 10**8, "link": "10gbe"}
+    block = render.scale_sim_block(data)
+    assert "`10gbe` link model" in block and "GB/s" not in block
 
 
 def test_the_real_check_simulates_the_real_runs_own_step_and_sync(tmp_path, monkeypatch):

@@ -39,11 +39,16 @@ def test_error_feedback_loses_nothing_for_good() -> None:
     assert float((sent - true).abs().max()) <= float(c.residual.abs().max()) + 1e-7
 
 
-def test_compress_is_refused_outside_nccl_cadence() -> None:
-    assert ElCheConfig(mode="nccl_cadence", compress="int8").compress == "int8"
-    for mode in ("nccl_sync", "cpu_cadence", "cpu_async"):
-        with pytest.raises(ValueError, match="compress=bf16 applies to mode=nccl_cadence"):
-            ElCheConfig(mode=mode, compress="bf16")
+def test_compress_applies_to_averaging_modes_only() -> None:
+    """Every mode that averages weights compresses (the collective and the controller's);
+    nccl_sync (gradients) and solo (nothing) refuse it, naming the key and the way out."""
+    for mode in ("nccl_cadence", "cpu_sync", "cpu_cadence", "cpu_async"):
+        assert ElCheConfig(mode=mode, compress="int8").compress == "int8"
+    with pytest.raises(ValueError, match=r"elche\.compress=bf16: mode=nccl_sync reduces gradients"):
+        ElCheConfig(mode="nccl_sync", compress="bf16")
+    with pytest.raises(ValueError, match=r"mode=solo averages nothing.*elche\.compress=none"):
+        ElCheConfig(mode="solo", compress="fp16")
+    assert ElCheConfig(mode="solo").compress == "none"
 
 
 N = 100_000

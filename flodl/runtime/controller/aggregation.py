@@ -21,6 +21,7 @@ from flodl.monitor.metrics import EpochMetrics, SyncEvent
 from flodl.runtime.controller.events import Hooks
 from flodl.runtime.controller.sums import SnapshotSums
 from flodl.runtime.controller.tracking import EpochTrack, WindowTrack, shares
+from flodl.runtime.sync.codec import ConsensusCodec
 from flodl.runtime.wire.links import Outbound
 from flodl.runtime.wire.messages import Average, Report
 
@@ -47,7 +48,12 @@ class Aggregator:
         self.hooks, self.out, self.eval_metric = hooks, out, eval_metric
         self.events: list[SyncEvent] = []
         self.closed_epochs: list[EpochMetrics] = []
-        self.sums = SnapshotSums(elche_cfg.gamma) if self.mode.via_controller else None
+        compressed = self.mode.via_controller and elche_cfg.compress != "none"
+        # elche.compress: averages go down as changes against versions the ranks hold
+        self.codec = ConsensusCodec(elche_cfg.compress) if compressed else None
+        self.sums = SnapshotSums(elche_cfg.gamma, self.codec) if self.mode.via_controller else None
+        self.down_bytes = 0  # averages' bytes sent, each rank counted (the summary's)
+        self.averages = 0  # averages sent (a tainted window's None not counted)
         self.outer: Any = None
         self.t_train = 0.0  # when training started (see begin)
         self._restore(saved)
@@ -159,8 +165,35 @@ class Aggregator:
         # The round's average goes out as it is: cpu_async's ranks blend it into their own
         # weights on arrival (EASGD, ``ControllerSync.take``). It is not kept (holding it
         # would overlap the next round's snapshots); with outer=nesterov the state is the
-        # outer step's own, ``outer.previous``.
-        self.out.send_each([r.rank for r in reports], Average(track.index, mean))
+        # outer step's own, ``outer.previous``. Compressed, it goes as a change against the
+        # version the ranks hold, and the codec keeps the consensus it defines.
+        ranks = [r.rank for r in reports]
+        payload = mean if self.codec is None else self.codec.down(track.index, mean, ranks)
+        if self.outer is not None and self.codec is not None:  # the ranks' consensus, exactly
+            self.outer.previous.copy_(mean[: self.sums.n_params])
+        self.averages += 1
+        self.down_bytes += int(getattr(payload, "nbytes", 0)) * len(ranks)
+        self.out.send_each(ranks, Average(track.index, payload))
+
+    def forget_references(self) -> None:
+        """A new membership (a rank lost): the next average goes whole (see ConsensusCodec)."""
+        if self.codec is not None:
+            self.codec.forget()
+
+    def wire_bytes(self) -> dict[str, Any] | None:
+        """The cpu_* averages' bytes on the wire (the summary's ``averaging``): snapshots
+        received, averages sent (each rank counted), and the rounds that went uncompressed."""
+        if self.sums is None or self.world <= 1:
+            return None
+        whole = self.codec.whole_windows if self.codec is not None else None
+        return {
+            "compress": self.elche_cfg.compress,
+            "averages": self.averages,
+            "uncompressed": len(whole) if whole is not None else self.averages,
+            "uncompressed_windows": list(whole) if whole is not None else [],
+            "up_bytes": self.sums.up_bytes,
+            "down_bytes": self.down_bytes,
+        }
 
     def progress(self, epoch: EpochTrack, total: int) -> None:
         loss = epoch.loss_sum / epoch.loss_count if epoch.loss_count else None

@@ -285,6 +285,9 @@ class Controller:
     def closed_count(self) -> int:
         return len(self.aggregator.closed_epochs)
 
+    def forget_references(self) -> None:
+        self.aggregator.forget_references()
+
     def resume_planning(self) -> None:
         self._fill()
         self._maybe_send_stop()
@@ -458,4 +461,5 @@ class Controller:
             saved=self.saves.saved,
             lost_ranks=list(self.members.lost),
             save_error=self.saves.save_error,
+            averaging=self.aggregator.wire_bytes(),
         )

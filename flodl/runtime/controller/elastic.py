@@ -45,6 +45,7 @@ class Host(Protocol):
     def close_epochs(self) -> None: ...
     def resume_planning(self) -> None: ...  # plan on; send Stop if all is done
     def closed_count(self) -> int: ...  # epochs closed so far
+    def forget_references(self) -> None: ...  # elche.compress: the next average goes whole
 
 
 class Elastic:
@@ -242,6 +243,9 @@ class Elastic:
         self.saves.after_loss(rank, None, mid_run=True)
         self.host.close_epochs()
         weights = {r: 1.0 / len(members) for r in members}
+        # The survivors drop their compressed averages' reference when they take the Regroup,
+        # and every average sent from now on follows it on the channel: it goes whole.
+        self.host.forget_references()
         for r in members:
             self.out.send(r, Regroup(self.members.generation, members, first_open, weights))
 

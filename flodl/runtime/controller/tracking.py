@@ -229,3 +229,4 @@ class ControllerResult:
     extra: dict[str, Any] = field(default_factory=dict)
     calibrated_step_ms: float = 0.0  # CPU rig: the agreed step before the pace margin
     memory_plans: list[str] = field(default_factory=list)  # per rank, as announced
+    averaging: dict[str, Any] | None = None  # cpu_* modes: averages' bytes on the wire

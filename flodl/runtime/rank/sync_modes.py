@@ -25,6 +25,7 @@ from torch import nn
 from flodl.config import ElCheConfig, Mode
 from flodl.runtime.rank import chaos
 from flodl.runtime.sync.averaging import FlatState, collective_average
+from flodl.runtime.sync.codec import Packed, RankCodec
 from flodl.runtime.sync.compress import Compressor
 from flodl.runtime.sync.gradsync import GradSync
 from flodl.runtime.sync.outer import make_outer
@@ -87,8 +88,9 @@ class SoloSync:
         with sharded state: the rank's pieces are stepped with the others' gradient)."""
         return False
 
-    def snapshot(self) -> torch.Tensor | None:
-        """The weights the report carries to the controller; None where it averages nothing."""
+    def snapshot(self) -> torch.Tensor | Packed | None:
+        """The weights the report carries to the controller (``elche.compress``: their change
+        since the last average, packed); None where it averages nothing."""
         return None
 
     def average(self, window: Window) -> bool:
@@ -265,10 +267,19 @@ class ControllerSync(SoloSync):
         self._pending = member._pending  # the loop's inbox of messages kept for later
         self._outstanding: list[int] = []  # windows whose average has not arrived
         self._whole: set[int] = set()  # cpu_async: windows whose average is taken whole
+        # elche.compress: snapshots and averages travel as changes against the last average
+        # taken (runtime/sync/codec.py); the collective modes' compressor does not apply.
+        self.compressor = None
+        self.codec = RankCodec(elche.compress) if elche.compress != "none" else None
 
-    def snapshot(self) -> torch.Tensor:
-        """The weights for the controller: the flat storage itself when the link serialises
-        while sending (nothing changes it before ``send`` returns), else a copy."""
+    def snapshot(self) -> torch.Tensor | Packed:
+        """The weights for the controller: compressed, their change since the last average
+        taken; else the flat storage itself when the link serialises while sending (nothing
+        changes it before ``send`` returns), else a copy."""
+        if self.codec is not None:
+            packed = self.codec.snapshot(self.state.current())
+            if packed is not None:
+                return packed
         if getattr(self.link, "serialises", False):
             return self.state.current().cpu()
         return self.state.flatten().cpu()
@@ -327,7 +338,12 @@ class ControllerSync(SoloSync):
         self._whole.discard(msg.window)
         if msg.flat is None:  # the controller could not average this round: keep our weights
             return
-        center = msg.flat.to(self.device)
+        center = msg.flat
+        if self.codec is not None:  # the consensus, exactly as the controller holds it
+            center = self.codec.receive(msg.window, msg.flat)
+            if center is None:
+                return
+        center = center.to(self.device)
         before = self.state.current()  # read before the load: no copy of the weights
         alpha = self.alpha
         if alpha is None or whole:
@@ -348,6 +364,8 @@ class ControllerSync(SoloSync):
 
     def on_regroup(self, msg: Regroup) -> None:
         super().on_regroup(msg)
+        if self.codec is not None:  # every average from now on comes whole (it follows)
+            self.codec.invalidate()
         self._outstanding = [w for w in self._outstanding if w <= msg.last_window]
         self._whole.intersection_update(self._outstanding)
 

@@ -113,6 +113,11 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
+    """``n`` values back from ``quantize``'s ``(q, scales)``; ``q`` may be cut short of its
+    last block's padding (the controller's modes send only the ``n`` values)."""
+    pad = (-q.numel()) % BLOCK
+    if pad:
+        q = torch.cat([q.reshape(-1), q.new_zeros(pad)])
     return (q.view(-1, BLOCK).to(torch.float32) * scales[:, None]).view(-1)[:n]
 
 

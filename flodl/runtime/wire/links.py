@@ -38,7 +38,9 @@ def _charge_round_trip(msg: Average) -> None:
     it came back down the modelled wire; the reader holds it (and what follows it on the
     channel) until then, so a rank training on meanwhile (cpu_async) really trains on."""
     link = rig_links.installed()
-    nbytes = rig_links.tensor_bytes(msg.flat) if hasattr(msg.flat, "element_size") else 0
+    # A tensor's bytes, or a compressed change's (``nbytes`` too: elche.compress); the snapshot
+    # went up in the same form (whole rounds whole, changes as changes: runtime/sync/codec.py).
+    nbytes = int(getattr(msg.flat, "nbytes", 0) or 0)
     if link is not None and nbytes:
         rig_links.sleep_until(link.reserve(link.round_trip_s(nbytes, nbytes), 2 * nbytes, True))
 
