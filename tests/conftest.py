@@ -67,6 +67,7 @@ _COST_S = {  # the whole run of r4-suite-time at load ~6 (1178 s), over 1.97 (90
     "test_hf_adapters.py": 17,
     "test_startup_loss.py": 25,
     "test_memory_plans.py": 40,
+    "test_sharded_state.py": 45,
     "test_controller_compress.py": 45,
 }
 _DEFAULT_S = 10

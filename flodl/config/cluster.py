@@ -73,8 +73,9 @@ class LinkConfig(_Schema):
 
 
 #: The elements a memory plan combines (flodl/step/memory.py): activations recomputed in backward,
-#: the optimizer's state and step on the host.
-PLAN_ELEMENTS = ("recompute", "offload")
+#: the optimizer's state and step on the host, the optimizer's state sharded across the ranks in
+#: proportion to their free memory (nccl_sync only: flodl/runtime/sync/sharded_optimizer.py).
+PLAN_ELEMENTS = ("recompute", "offload", "shard")
 
 
 def parse_memory_plan(plan: str) -> tuple[str, ...] | None:
@@ -89,7 +90,13 @@ def parse_memory_plan(plan: str) -> tuple[str, ...] | None:
     if unknown or len(set(parts)) != len(parts):
         raise ValueError(
             f"memory plan {plan!r}: use auto, none, or a '+'-joined set of "
-            f"{' and '.join(PLAN_ELEMENTS)} (e.g. recompute+offload)"
+            f"{', '.join(PLAN_ELEMENTS)} (e.g. recompute+offload)"
+        )
+    if "offload" in parts and "shard" in parts:
+        raise ValueError(
+            f"memory plan {plan!r}: shard and offload do not combine (sharded state on the "
+            "host is not built); use shard (a share of the state on each device) or offload "
+            "(all of it on the host)"
         )
     return tuple(e for e in PLAN_ELEMENTS if e in parts)
 
@@ -248,7 +255,8 @@ class ClusterConfig(_Schema):
         "auto",
         description="what a rank gives up to fit its device memory: auto (probed at start where "
         "a budget exists: memory_mb on the rig, CUDA), none, or a '+'-joined set of recompute "
-        "(activation checkpointing) and offload (optimizer state on host); one, or one per rank",
+        "(activation checkpointing), offload (optimizer state on host) and shard (nccl_sync: "
+        "optimizer state split across ranks by free memory); one, or one per rank",
     )
     link: LinkConfig = Field(
         default_factory=LinkConfig,
@@ -294,6 +302,11 @@ class ClusterConfig(_Schema):
         if isinstance(self.memory_plan, list):
             return self.memory_plan[rank] if rank < len(self.memory_plan) else "auto"
         return self.memory_plan
+
+    def plans_shard(self) -> bool:
+        """Whether some rank's plan asks for ``shard`` explicitly."""
+        plans = self.memory_plan if isinstance(self.memory_plan, list) else [self.memory_plan]
+        return any("shard" in (parse_memory_plan(p) or ()) for p in plans)
 
     def plans_choose_batches(self) -> bool:
         """Whether an ``auto`` plan may lower a rank's batch (the rig with ``memory_mb``)."""

@@ -151,6 +151,17 @@ class TrainerConfig(TrainerKnobs):
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
     loader: LoaderConfig = Field(default_factory=LoaderConfig)
 
+    @model_validator(mode="after")
+    def _shard_needs_sync(self) -> TrainerConfig:
+        if self.cluster.plans_shard() and self.elche.mode.value != "nccl_sync":
+            raise ValueError(
+                f"cluster.memory_plan={self.cluster.memory_plan}: shard splits the optimizer "
+                "state across ranks that step with the same gradient, which only "
+                f"elche.mode=nccl_sync does (mode is {self.elche.mode.value}); use offload, "
+                "or elche.mode=nccl_sync"
+            )
+        return self
+
     def with_(self, **updates: Any) -> TrainerConfig:
         """A validated copy with ``updates`` applied (``model_copy`` skips validation)."""
         return type(self).model_validate({**self.model_dump(), **updates})

@@ -3,7 +3,8 @@
 The model and one optimizer step are built on the ``meta`` device (shapes, no memory) to size the
 training state: parameters, their gradients, the optimizer's state. No plan takes the parameters
 and their gradients off a device, so a rank whose budget is smaller than both is refused; an
-explicit plan without ``offload`` also needs the optimizer state on the device. Plans that put
+explicit plan without ``offload`` also needs the optimizer state on the device, and an explicit
+``shard`` needs it in the cohort's memory beyond parameters and gradients. Plans that put
 optimizer state on the host need it in host memory, one copy (and the parameters' host copy) per
 offloading rank. Activations depend on data and are the ranks' to measure (their probe steps).
 A factory that cannot build on ``meta`` leaves every check to the ranks.
@@ -93,6 +94,8 @@ def check_memory(spec: Any, world: int) -> None:
                 f"is {_size(budget)}. Give it more memory, or train a smaller model"
             )
         offloads = plan is None or "offload" in plan
+        if plan is not None and "shard" in plan:
+            continue  # a share of the state: the cohort's check below
         if not offloads and need.optimizer is not None and floor + need.optimizer > budget:
             raise ConfigError(
                 f"cluster.memory_plan={cluster.rank_memory_plan(rank)}: rank {rank} needs >= "
@@ -102,6 +105,27 @@ def check_memory(spec: Any, world: int) -> None:
         if offloads and need.optimizer is not None and floor + need.optimizer > budget:
             host_need += need.params + need.optimizer  # auto will offload: the host holds it
     _check_host(host_need)
+    _check_shard(cluster, world, need)
+
+
+def _check_shard(cluster: Any, world: int, need: Footprint) -> None:
+    """An explicit ``shard``: the cohort's memory beyond parameters and gradients must hold the
+    optimizer state (a lower bound: the ranks' probes add activations, and refuse at start)."""
+    if not cluster.plans_shard() or need.optimizer is None:
+        return
+    floor = need.params + need.grads
+    room = [(r, (cluster.rank_memory_mb(r) or 0) * MiB - floor) for r in range(world)]
+    if any(cluster.rank_memory_mb(r) is None for r in range(world)):
+        return  # a rank without a budget: the ranks decide
+    total = sum(max(free, 0) for _, free in room)
+    if need.optimizer > total:
+        each = ", ".join(f"rank {r}: {_size(max(free, 0))}" for r, free in room)
+        raise ConfigError(
+            f"cluster.memory_plan={cluster.memory_plan}: the optimizer state "
+            f"({_size(need.optimizer)}) does not fit the ranks' memory beyond parameters and "
+            f"gradients ({each}; {_size(total)} in all) even sharded; use memory_plan=offload "
+            "(state on the host), or give the ranks more memory"
+        )
 
 
 def _check_host(host_need: int) -> None:

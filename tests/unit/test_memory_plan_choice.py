@@ -15,7 +15,8 @@ from flodl.config import ClusterConfig, Mode, TrainerConfig
 from flodl.data.source import BatchSource
 from flodl.recipes.steps import classification_step
 from flodl.rig.memory import DeviceMemory, MiB, training_state
-from flodl.runtime.rank.memory import MemoryPlanError, _probe, choose_plan
+from flodl.runtime.rank.memory import _probe, choose_plan
+from flodl.runtime.rank.shard_plan import MemoryPlanError
 from flodl.runtime.sync.averaging import FlatState
 from flodl.step.memory import recompute
 from flodl.step.precision import StepRunner

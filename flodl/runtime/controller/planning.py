@@ -116,6 +116,7 @@ class Planner:
         ]
         self.batch_sizes = list(self.placed)  # per rank, from their Ready messages
         self.shard_sizes: tuple[int, ...] = ()  # sharded data: samples per shard, from Ready
+        self.sharded_state = False  # some member shards its optimizer state (from Ready)
         self.settle_windows: dict[int, int] = {}  # an epoch's last window -> the epoch
         self.solo_ms = 0.0  # one rank: its measured ms per batch (0: not measured yet)
 
@@ -135,6 +136,7 @@ class Planner:
             sizes.get(r) or self.placed[r] for r in range(self.world)
         ]
         self.shard_sizes = ready[0].shard_sizes
+        self.sharded_state = any(r.sharded_state for r in ready)
         epoch, ranges = at
         self._init_async(n_samples)
         self.coverage = Coverage(n_samples)
@@ -303,8 +305,10 @@ class Planner:
                 )
         # nccl_sync: DDP's gradient all-reduce when every member steps (else, at an epoch's
         # tail with fewer batches than ranks, the parameter average as in the other modes).
+        # With sharded optimizer state every rank must step its pieces: a rank without a batch
+        # joins the all-reduce with a zero gradient (weight 0) instead.
         grads = self.mode is Mode.NCCL_SYNC and len(self.alive) > 1
-        grads = grads and all(batches[r] > 0 for r in self.alive)
+        grads = grads and (self.sharded_state or all(batches[r] > 0 for r in self.alive))
         self.windows[index] = WindowTrack(
             index, cursor.epoch, batches, list(chunks), set(self.alive)
         )

@@ -238,12 +238,14 @@ class ResumePoint:
                 "extra": (p.get("extra") or {}).get(src),
                 "scaler": (p.get("scaler") or {}).get(src),  # bundles before 16-mixed have none
             }
-            return Restore(model, state, self.meta.epoch, lr_factor)
+            every = tuple({"optimizer": p["optimizer"][r]} for r in self.ranks)
+            return Restore(model, state, self.meta.epoch, lr_factor, every)
         return Restore(
             self._location(shards.MODEL),
             self._location(shards.rank_shard(src)),
             self.meta.epoch,
             lr_factor,
+            tuple(self._location(shards.rank_shard(r)) for r in self.ranks),
         )
 
     def _location(self, name: str) -> str:

@@ -84,3 +84,11 @@ class LrSchedule:
         self._own_done += samples if samples is not None else self.batch_size
         done = schedules.global_samples(before, in_window, self._own_done, own_total)
         schedules.advance_to(self.scheduler, self.run_length.target_step(done))
+
+    def to_window_end(self) -> None:
+        """A window without a batch here whose step this rank still took (sharded optimizer
+        state): a per-step scheduler goes to the window's end, where the others are."""
+        if self.scheduler is None or not self.per_step:
+            return
+        before, in_window, _ = self._clock
+        schedules.advance_to(self.scheduler, self.run_length.target_step(before + in_window))

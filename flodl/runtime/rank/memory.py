@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
 import math
 import resource
@@ -24,9 +25,9 @@ from typing import Any
 
 import torch
 
-from flodl.config import TrainerConfig
-from flodl.config.cluster import PLAN_ELEMENTS
+from flodl.config import Mode, TrainerConfig
 from flodl.rig.memory import DeviceMemory, MiB, training_state
+from flodl.runtime.rank.shard_plan import MemoryPlanError, shardable, wrap
 
 log = logging.getLogger(__name__)
 
@@ -122,17 +123,20 @@ def _search(worker: Any, dataset: Any, budget: float, total: int) -> int:
 # device memory), each a forward, backward and optimizer step of the real model at the rank's
 # batch with a throwaway optimizer (its state counts), the weights put back afterwards. The
 # cheapest plan whose probe peaks within ``cluster.memory_fraction`` of the budget is taken:
-# nothing, then recomputation (about one more forward pass), then offload (host traffic and a
-# host optimizer step), then both; on the rig, where ``memory_mb`` makes per-rank batch sizes
-# part of the plan, the batch is then halved until a step fits. A rank nothing fits fails, naming
-# what it needs against its budget.
+# nothing, then recomputation (about one more forward pass), then (nccl_sync) a share of the
+# optimizer state, alone or with recomputation (a broadcast of the rank's share per step; the
+# share is the cohort's to cut: flodl/runtime/rank/shard_plan.py), then offload (host traffic
+# and a host optimizer step), then both; on the rig, where ``memory_mb`` makes per-rank batch
+# sizes part of the plan, the batch is then halved until a step fits. A rank nothing fits fails,
+# naming what it needs against its budget.
 
-PLAN_WORDS = {"recompute": "activation checkpointing", "offload": "optimizer state on host"}
-_CANDIDATES: tuple[tuple[str, ...], ...] = ((), ("recompute",), ("offload",), PLAN_ELEMENTS)
-
-
-class MemoryPlanError(RuntimeError):
-    """No plan fits this rank's device."""
+PLAN_WORDS = {
+    "recompute": "activation checkpointing",
+    "offload": "optimizer state on host",
+    "shard": "optimizer state sharded",
+}
+_BOTH = ("recompute", "offload")
+_CANDIDATES: tuple[tuple[str, ...], ...] = ((), ("recompute",), ("offload",), _BOTH)
 
 
 @dataclass(frozen=True)
@@ -144,6 +148,10 @@ class MemoryPlan:
     budget_bytes: int | None = None
     peak_bytes: int | None = None  # the chosen plan's probe peak (None: not probed)
     requested_batch: int = 0
+    # shard (flodl/runtime/rank/shard_plan.py): what the rank tells the cohort before the cut
+    free_bytes: int | None = None  # device memory free for optimizer state (None: not counted)
+    state_bytes: int = 0  # the whole optimizer state's cost on the device (0: not measured)
+    share: float | None = None  # the fraction of the state it holds, once cut
 
     def describe(self, rank: int) -> str:
         """``rank 2 (12.0 GB): batch 8, activation checkpointing, optimizer state on host``;
@@ -154,11 +162,16 @@ class MemoryPlan:
         batch = f"batch {self.batch_size}"
         if self.requested_batch and self.requested_batch != self.batch_size:
             batch += f" (of {self.requested_batch})"
-        parts = [batch, *(PLAN_WORDS[e] for e in self.elements)] if self.elements else [batch]
+        parts = [batch, *(self._words(e) for e in self.elements)] if self.elements else [batch]
         if not self.elements:
             parts.append("no plan needed" if self.peak_bytes is not None else "no plan")
         peak = f"; probe peak {_size(self.peak_bytes)}" if self.peak_bytes is not None else ""
         return f"rank {rank}{budget}: {', '.join(parts)}{peak}"
+
+    def _words(self, element: str) -> str:
+        if element == "shard" and self.share is not None:
+            return f"{PLAN_WORDS[element]} ({100 * self.share:.0f} % of it)"
+        return PLAN_WORDS[element]
 
 
 def _size(nbytes: int) -> str:
@@ -205,7 +218,8 @@ class _Meter:
 
 
 def _probe(worker: Any, meter: _Meter, size: int, plan: tuple[str, ...]) -> int | None:
-    """Peak of one step of the rank's model at batch ``size`` under ``plan``."""
+    """Peak of one step of the rank's model at batch ``size`` under ``plan`` (two micro-batches
+    when gradients accumulate)."""
     from flodl.step.memory import HostOptimizer, set_recompute
 
     model = worker.model
@@ -215,17 +229,22 @@ def _probe(worker: Any, meter: _Meter, size: int, plan: tuple[str, ...]) -> int 
     holder: dict[str, Any] = {}
 
     def step() -> None:
-        if "offload" in plan:
+        held = _gradient_buckets(worker)
+        if "offload" in plan or "shard" in plan:  # shard: the step without the state
             holder["opt"] = HostOptimizer(
                 model.parameters(), worker.spec.optim_factory, host=meter.host
             )
         else:
             holder["opt"] = worker.spec.optim_factory(model.parameters())
-        batch = next(iter(source.batches(0, ((0, size),))))
-        with worker.runner.autocast():
-            loss = worker.spec.train_step(model, batch)
-        loss.backward()
-        del loss, batch
+        # With accumulation a second micro-batch's gradients are added to the first's: the
+        # new ones and the sum coexist for a moment (one more gradient of the largest tensor).
+        for _ in range(2 if worker.cfg.accumulate_grad_batches > 1 else 1):
+            batch = next(iter(source.batches(0, ((0, size),))))
+            with worker.runner.autocast():
+                loss = worker.spec.train_step(model, batch)
+            loss.backward()
+            del loss, batch
+        del held  # from here the gradients are the buckets (views), as they are in training
         holder["opt"].step()
         holder["opt"].zero_grad(set_to_none=True)
         _averaging_temporaries(worker)
@@ -239,6 +258,17 @@ def _probe(worker: Any, meter: _Meter, size: int, plan: tuple[str, ...]) -> int 
         for p in model.parameters():
             p.grad = None
         del opt
+
+
+def _gradient_buckets(worker: Any) -> torch.Tensor | None:
+    """nccl_sync over several ranks: the gradient all-reduce's buckets, kept across steps
+    (flodl/runtime/sync/gradsync.py), so they are there while the next backward makes new
+    gradients: as large as the trainable parameters, held through the probe's backward (in
+    the optimizer step the gradients are views of them: counted once, as gradients)."""
+    if worker.mode is not Mode.NCCL_SYNC or worker.world <= 1:
+        return None
+    nbytes = sum(p.numel() * p.element_size() for p in worker.model.parameters() if p.requires_grad)
+    return torch.empty(nbytes, dtype=torch.uint8, device=worker.device)
 
 
 def _averaging_temporaries(worker: Any) -> None:
@@ -255,20 +285,28 @@ def _averaging_temporaries(worker: Any) -> None:
     del held
 
 
-def choose_plan(worker: Any, requested: tuple[str, ...] | None) -> MemoryPlan:
+def choose_plan(
+    worker: Any, requested: tuple[str, ...] | None, may_shard: bool = False
+) -> MemoryPlan:
     """The rank's plan: ``requested`` as configured (None: ``auto``, probed where a budget
-    exists). The model's weights and buffers are as they were afterwards."""
+    exists). ``may_shard``: the cohort may shard its optimizer state (nccl_sync), so ``auto``
+    tries ``shard`` before ``offload``, and the plan carries what the cut needs (the memory
+    free for optimizer state, the state's cost). The model's weights and buffers are as they
+    were afterwards."""
     size = worker.batch_size
     rig = worker.memory
     has_budget = rig is not None or worker.device.type == "cuda"
-    if requested is not None or not has_budget:
+    if not has_budget or (requested is not None and not (may_shard and "offload" not in requested)):
         budget = rig.budget if rig is not None else None
         return MemoryPlan(requested or (), size, budget, None, size)
     meter = _Meter(worker)
     with meter.host():  # the weights, put back afterwards, wait in host memory
         saved = {k: v.detach().to("cpu", copy=True) for k, v in worker.model.state_dict().items()}
     try:
-        return _choose(worker, meter, size)
+        if requested is not None:  # may shard: measure what the cut needs
+            plan = MemoryPlan(requested, size, int(meter.total), None, size)
+            return _with_shard_numbers(worker, meter, plan, {})
+        return _choose(worker, meter, size, may_shard)
     finally:
         from flodl.step.memory import set_recompute
 
@@ -279,7 +317,32 @@ def choose_plan(worker: Any, requested: tuple[str, ...] | None) -> MemoryPlan:
             torch.cuda.reset_peak_memory_stats(worker.device)
 
 
-def _choose(worker: Any, meter: _Meter, size: int) -> MemoryPlan:
+def _with_shard(plan: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(e for e in ("recompute", "offload", "shard") if e in plan or e == "shard")
+
+
+def _with_shard_numbers(
+    worker: Any, meter: _Meter, plan: MemoryPlan, peaks: dict[tuple[str, ...], int | None]
+) -> MemoryPlan:
+    """``plan`` with the memory it leaves free for optimizer state (its step without the
+    state) and the whole state's cost (its step with it, less without)."""
+    from flodl.step.memory import recompute
+
+    if "offload" in plan.elements:  # its state is on the host: it holds no share
+        return dataclasses.replace(plan, free_bytes=0, state_bytes=0)
+    recompute(worker.model)  # patched once, switched per probe
+    base = tuple(e for e in plan.elements if e != "shard")
+    for p in (base, _with_shard(base)):
+        if p not in peaks:
+            peaks[p] = _probe(worker, meter, plan.batch_size, p)
+    full, stateless = peaks[base], peaks[_with_shard(base)]
+    if stateless is None:  # CUDA ran out of memory even without the state
+        return dataclasses.replace(plan, free_bytes=0, state_bytes=0)
+    state = max((full if full is not None else stateless) - stateless, 0)
+    return dataclasses.replace(plan, free_bytes=int(meter.budget) - stateless, state_bytes=state)
+
+
+def _choose(worker: Any, meter: _Meter, size: int, may_shard: bool = False) -> MemoryPlan:
     from flodl.step.memory import recompute
 
     recompute(worker.model)  # patched once, switched per probe
@@ -290,13 +353,27 @@ def _choose(worker: Any, meter: _Meter, size: int) -> MemoryPlan:
     if meter.rig is not None:
         while batches[-1] > 1:
             batches.append(max(1, batches[-1] // 2))
+    # shard before offload: a share of the state on the device steps faster than all of it on
+    # the host (whether the share fits is the cohort's decision: the plan falls back to
+    # offload when it does not)
+    first = _CANDIDATES
+    if may_shard:
+        first = ((), ("recompute",), ("shard",), ("recompute", "shard"), *_CANDIDATES[2:])
+    peaks: dict[tuple[str, ...], int | None] = {}
     last_peak: int | None = None
     for b in batches:
-        for plan in _CANDIDATES if b == size else (PLAN_ELEMENTS,):
+        for plan in first if b == size else (_BOTH,):
             peak = _probe(worker, meter, b, plan)
+            if b == size:
+                peaks[plan] = peak
             last_peak = peak
             if peak is not None and peak <= meter.budget:
-                return MemoryPlan(plan, b, total, peak, size)
+                chosen = MemoryPlan(plan, b, total, peak, size)
+                if may_shard and b == size:
+                    chosen = _with_shard_numbers(worker, meter, chosen, peaks)
+                elif may_shard:
+                    chosen = dataclasses.replace(chosen, free_bytes=0)
+                return chosen
     state = sum(t.numel() * t.element_size() for t in worker.model.parameters())
     needs = f"needs {_size(last_peak)}" if last_peak is not None else "runs out of memory"
     raise MemoryPlanError(
@@ -362,28 +439,37 @@ class RankMemory:
         ``worker`` (its model, batch size and optimizer); announced by the controller from
         Ready."""
         from flodl.config.cluster import parse_memory_plan
-        from flodl.step.memory import HostOptimizer, recompute, set_recompute
+        from flodl.step.memory import recompute, set_recompute
 
         requested = parse_memory_plan(self.cfg.cluster.rank_memory_plan(self.rank))
-        plan = choose_plan(worker, requested)
+        cohort_may_shard = shardable(worker)
+        plan = choose_plan(worker, requested, cohort_may_shard)
         worker.batch_size = worker.source.batch_size = plan.batch_size
         if "recompute" in plan.elements:
             recompute(worker.model)
         else:
             set_recompute(worker.model, False)
         if "offload" in plan.elements:
-            host = self.rig.host if self.rig is not None else contextlib.nullcontext
-            charge = self._charge_offload if self.paced else None
             del worker.optimizer
-            state = worker.state
-            worker.optimizer = HostOptimizer(
-                worker.model.parameters(),
-                worker.spec.optim_factory,
-                host=host,
-                charge=charge,
-                watch=lambda: [state.shared()],  # averages land through the flat buffer
-            )
+            worker.optimizer = self.host_optimizer(worker)
+        if cohort_may_shard:  # whole until the cohort cuts (after the group met)
+            worker.optimizer = wrap(worker)
         return plan
+
+    def host_optimizer(self, worker: Any) -> Any:
+        """The optimizer stepping on host copies (``offload``), its traffic charged on the rig."""
+        from flodl.step.memory import HostOptimizer
+
+        host = self.rig.host if self.rig is not None else contextlib.nullcontext
+        charge = self._charge_offload if self.paced else None
+        state = worker.state
+        return HostOptimizer(
+            worker.model.parameters(),
+            worker.spec.optim_factory,
+            host=host,
+            charge=charge,
+            watch=lambda: [state.shared()],  # averages land through the flat buffer
+        )
 
     def _charge_offload(self, moved: int, stepped: int) -> None:
         """The rig: an offloaded step's host traffic and host step, in simulated time."""

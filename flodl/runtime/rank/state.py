@@ -9,6 +9,7 @@ scheduler after the LR scaling) and holds them.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -21,9 +22,13 @@ from flodl.runtime.rank import blame
 from flodl.runtime.sync.averaging import FlatState
 from flodl.runtime.sync.compress import Compressor
 from flodl.runtime.sync.outer import NesterovOuter
+from flodl.runtime.sync.shard_state import is_sharded
+from flodl.runtime.sync.sharded_optimizer import ShardedOptimizer
 from flodl.runtime.sync.trainable import load_trainable, trainable_state
 from flodl.runtime.wire.messages import RankState, Restore
 from flodl.step.precision import StepRunner
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointState:
@@ -146,7 +151,7 @@ class CheckpointState:
             saved = model.get("outer") or {}
             if saved.get("buffer") is not None:
                 self.outer.buffer = saved["buffer"].to(self.device).clone()
-        self.optimizer.load_state_dict(state["optimizer"])
+        self._load_optimizer(state["optimizer"], msg)
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self._rescale_lr(msg.lr_factor)
@@ -157,6 +162,42 @@ class CheckpointState:
         self.load_extra_state(state.get("extra") or {})
         if self.memory is not None:  # the optimizer state now on the device (not offloaded)
             self.memory.adopt(training_state(self.model, self.optimizer))
+
+    def _load_optimizer(self, own: dict[str, Any], msg: Restore) -> None:
+        """The optimizer's state. A bundle saved sharded (memory_plan shard): this rank's
+        pieces (or, unsharded now, whole parameters) re-assembled from every saved rank's
+        shard, one in memory at a time, so it resumes on any world size and any cut. A plain
+        one: this rank's own (or the one it takes over; a sharded optimizer cuts its pieces
+        from it)."""
+        if not is_sharded(own) or not msg.states:  # a plain state: the same on every rank
+            self.optimizer.load_state_dict(own)
+            return
+
+        def loader(where: Any) -> Any:
+            def load() -> Any:
+                with self._memory_host():
+                    shard = load_shard(where) if isinstance(where, str) else where
+                return shard["optimizer"]
+
+            return load
+
+        loaders = [loader(where) for where in msg.states]
+        if isinstance(self.optimizer, ShardedOptimizer):
+            self.optimizer.load_shards(loaders, what="the bundle")
+            return
+        from flodl.runtime.sync.shard_state import to_plain
+
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        with self._memory_host():
+            plain, fresh = to_plain((load() for load in loaders), [p.shape for p in params])
+        if fresh:
+            log.warning(
+                "rank %d: the bundle holds no optimizer state for %d elements (a rank that "
+                "wrote none was lost); they start afresh",
+                self.rank,
+                fresh,
+            )
+        self.optimizer.load_state_dict(plain)
 
     def _rescale_lr(self, factor: float) -> None:
         """Resumed on another world size: the saved lr carries the old world's scaling."""

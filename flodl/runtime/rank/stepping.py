@@ -54,9 +54,20 @@ class RankStep:
         """Step over the pending micro-batches; one whose gradients are not finite (checked in
         every precision, after the gradient all-reduce of nccl_sync) is skipped and counted."""
         self.sync.reduce_gradients()
-        if not self.runner.step(self.model, self.optimizer):
+        stepped = self.runner.step(self.model, self.optimizer)
+        self.sync.after_step(stepped)  # memory_plan shard: the owners' pieces to the others
+        if not stepped:
             scaler = " (16-mixed: the GradScaler lowered its scale)" if self.runner.scaler else ""
             self._skip_nonfinite("gradients", f"non-finite gradients{scaler}")
+
+    def null_step(self) -> None:
+        """A window with no batch for this rank whose gradients the cohort all-reduces
+        (nccl_sync with sharded optimizer state, an epoch's tail): no forward or backward, the
+        rank's zero gradient (weight 0) in the all-reduce, then the step of its pieces with
+        the others' gradient, and their broadcast, as every rank does."""
+        self.sync.arm(True)
+        self.runner.pending = 1  # one micro-batch's worth: the all-reduced gradient, as is
+        self.optimizer_step()
 
     def _skip_nonfinite(self, kind: str, what: str) -> float:
         """NaN/inf loss or gradients: skip the step (no update; its gradients are dropped) with

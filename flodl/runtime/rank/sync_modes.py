@@ -29,6 +29,7 @@ from flodl.runtime.sync.codec import Packed, RankCodec
 from flodl.runtime.sync.compress import Compressor
 from flodl.runtime.sync.gradsync import GradSync
 from flodl.runtime.sync.outer import make_outer
+from flodl.runtime.sync.sharded_optimizer import ShardedOptimizer
 from flodl.runtime.wire.messages import Average, Plan, Regroup, Window
 
 
@@ -37,6 +38,7 @@ class Member(Protocol):
 
     rank: int
     world: int
+    members: tuple[int, ...]
     distributed: bool
     link: Any
     model: nn.Module
@@ -76,6 +78,15 @@ class SoloSync:
 
     def reduce_gradients(self) -> None:
         """Before the optimizer step (nccl_sync: finish the gradient all-reduce)."""
+
+    def after_step(self, stepped: bool) -> None:
+        """After the optimizer step (nccl_sync with sharded optimizer state: every owner's
+        updated pieces broadcast to the others)."""
+
+    def steps_without_data(self) -> bool:
+        """A window without a batch for this rank still takes the cohort's step (nccl_sync
+        with sharded state: the rank's pieces are stepped with the others' gradient)."""
+        return False
 
     def snapshot(self) -> torch.Tensor | Packed | None:
         """The weights the report carries to the controller (``elche.compress``: their change
@@ -145,6 +156,37 @@ class CollectiveSync(SoloSync):
             run = self.grad_sync.finish
             self._grad_failed = not self.member._collective(run, "gradient all-reduce")
             self.member.pacer.exempt(time.perf_counter() - t0)
+
+    def after_step(self, stepped: bool) -> None:
+        """Sharded optimizer state: each rank stepped only its own pieces; the owners
+        broadcast them. Only after a step that every rank took alike (the gradients were
+        all-reduced and finite on all: the same verdict everywhere); a failed broadcast (a
+        peer is gone) is a failed averaging: the regroup's re-average brings the survivors
+        together."""
+        optimizer = getattr(self.member, "optimizer", None)
+        if not (stepped and self._grad_window and not self._grad_failed):
+            return
+        if not isinstance(optimizer, ShardedOptimizer) or not optimizer.sharded:
+            return
+        t0 = time.perf_counter()
+        members = self.member.members
+
+        def exchange() -> None:
+            optimizer.exchange(members, self.member._doomed)
+
+        self._grad_failed = not self.member._collective(exchange, "sharded state broadcast")
+        self.member.pacer.exempt(time.perf_counter() - t0)
+
+    def steps_without_data(self) -> bool:
+        optimizer = getattr(self.member, "optimizer", None)
+        sharded = isinstance(optimizer, ShardedOptimizer) and optimizer.sharded
+        return sharded and self._grad_window and not self._grad_failed
+
+    def on_regroup(self, msg: Regroup) -> None:
+        super().on_regroup(msg)
+        from flodl.runtime.rank.shard_plan import recut
+
+        recut(self.member, tuple(msg.members))  # a lost rank's pieces to the survivors
 
     def average(self, window: Window) -> bool:
         member = self.member

@@ -28,7 +28,7 @@ from flodl.monitor.metrics import drain_scalars
 from flodl.rig import links
 from flodl.rig.memory import DeviceMemory
 from flodl.rig.pacing import Pacer
-from flodl.runtime.rank import blame, chaos
+from flodl.runtime.rank import blame, chaos, shard_plan
 from flodl.runtime.rank.calibration import Calibration
 from flodl.runtime.rank.eval_shard import EvalShard
 from flodl.runtime.rank.lr_schedule import LrSchedule, scale_lr
@@ -104,6 +104,7 @@ class Worker:
         self.spec = spec
         self.regroup_fn = regroup  # rebuilds the process group over the survivors
         self.world = spec.world_size
+        self.members: tuple[int, ...] = tuple(range(spec.world_size))  # the group, in order
         self.generation = 0
         self._void_after = -1
         self.cfg = spec.config
@@ -265,6 +266,7 @@ class Worker:
                 self.state.load(flat)
                 del flat  # not held through the calibration steps (the rank's peak)
             step_ms = Calibration(self).calibrate()
+            shard_plan.agree(self)  # memory_plan shard: the cohort's cut
         except _CohortBroke as exc:
             log.warning(
                 "rank %d: a member was lost before training (%s); waiting to regroup",
@@ -339,6 +341,7 @@ class Worker:
                 n_samples=len(self.source),
                 batch_size=self.batch_size,
                 memory_plan=self.memory_plan.describe(self.rank),
+                sharded_state="shard" in self.memory_plan.elements,
                 base=self.base,
                 shard_sizes=tuple(getattr(self.source.dataset, "shard_sizes", ())),
             )
@@ -425,6 +428,9 @@ class Worker:
 
     def end_window(self, window: Window, tally: WindowTally) -> None:
         """Report the window (before averaging, so planning overlaps it), average, evaluate."""
+        if tally.batches == 0 and self.sync.steps_without_data():
+            self.steps.null_step()  # sharded state, no batch here: the step's collectives
+            self.schedule.to_window_end()
         # time spent blending in averages is averaging time, not compute: it goes to the sync
         compute_ms = (time.perf_counter() - tally.start) * 1000.0 - tally.blend_ms
         self.steps.check_weights(f"after window {window.index}")
@@ -519,6 +525,7 @@ class Worker:
         self.sync.on_regroup(msg)  # the survivors' next average goes whole
         self._void_after = msg.last_window
         self.world = len(msg.members)
+        self.members = tuple(msg.members)
         if self.regroup_fn is not None:
             try:
                 self.regroup_fn(msg.members, msg.generation, self._doomed)

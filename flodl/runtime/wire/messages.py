@@ -28,6 +28,9 @@ class Ready:
     batch_size: int = 0  # this rank's batch size (configured or probed); 0: trainer.batch_size
     shard_sizes: tuple[int, ...] = ()  # a sharded dataset's samples per shard (flodl.data.streams)
     memory_plan: str = ""  # what the rank gave up to fit its device (cluster.memory_plan), said
+    # its optimizer state is sharded across the cohort (memory_plan shard): nccl_sync's windows
+    # then all-reduce gradients even where a rank has no batch (it steps its pieces)
+    sharded_state: bool = False
     base: str | None = None  # its frozen parameters' fingerprint (runtime/sync/trainable.py)
 
 
@@ -214,6 +217,9 @@ class Restore:
     state: Any  # the optimizer/scheduler/RNG shard this rank takes over
     epoch: int
     lr_factor: float = 1.0  # lr scaling of this world over the saving world's (lr_scale_ratio)
+    # every saved rank's shard (as ``state``), for optimizer state saved sharded
+    # (memory_plan shard): a rank re-assembles the pieces it owns now from all of them
+    states: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True)
