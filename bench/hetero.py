@@ -113,9 +113,11 @@ def summarise(
 ) -> list[dict[str, Any]]:
     """One row per (rig, variant): medians over repeats; ratios taken per repeat, then median."""
     rows = []
+    # the named variants, then any other one run (a mode's compressed form: cpu_cadence_int8)
+    ran = {key[0] for rep in repeats for key in rep} - {"solo", *VARIANTS}
     for rig in rigs:
         fast, slow = (max(rig),), (min(rig),)
-        for variant in VARIANTS:
+        for variant in (*VARIANTS, *sorted(ran)):
             if variant == "solo_fast":
                 key = ("solo", fast)
             elif variant == "solo_slow":

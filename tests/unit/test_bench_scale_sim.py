@@ -69,3 +69,20 @@ def test_hetero_runs_only_the_variants_asked_for():
         ("nccl_sync", [1.0, 0.4]),
     ]
     assert len(hetero.plan([[1.0, 0.4]])) == 3 + len(hetero.MODES)
+
+
+def test_hetero_summarises_a_compressed_controller_mode_it_ran():
+    def run(sps):
+        return {"status": "ok", "samples_per_s": sps, "nominal_step_ms": 100.0, "train_s": 10.0,
+                "test_metric": 0.9, "samples": 1000, "syncs": 3}  # fmt: skip
+
+    rep = {
+        ("solo", (1.0,)): run(100.0),
+        ("solo", (0.4,)): run(40.0),
+        ("ddp", (1.0, 0.4)): run(80.0),
+        ("cpu_cadence_int8", (1.0, 0.4)): run(120.0),
+    }
+    rows = hetero.summarise([[1.0, 0.4]], [rep])
+    by = {r["variant"]: r for r in rows}
+    assert set(by) == {"solo_fast", "solo_slow", "ddp", "cpu_cadence_int8"}
+    assert by["cpu_cadence_int8"]["vs_ddp"] == 1.5
