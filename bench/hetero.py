@@ -47,6 +47,15 @@ BASELINES = ("nccl_cadence_bf16", "nccl_cadence_int8", "diloco", "fixed_cadence"
 VARIANTS = ("solo_fast", "solo_slow", "ddp", *MODES, *BASELINES)
 
 
+def _bytes_per_average(run: dict[str, Any]) -> float | None:
+    """A cpu_* run's bytes on the wire per average (snapshots up and averages down); None for
+    the collective modes (their bytes are not in the summary's ``averaging``)."""
+    a = run.get("averaging") or {}
+    if not a.get("averages"):
+        return None
+    return (a["up_bytes"] + a["down_bytes"]) / a["averages"]
+
+
 def run_one(payload: dict[str, Any]) -> dict[str, Any]:
     """One measured run, in its own process (``--one``)."""
     kind, speeds, epochs = payload["kind"], payload["speeds"], payload["epochs"]
@@ -174,6 +183,8 @@ def summarise(
                     "train_s": median([r["train_s"] for r in ok]),
                     "startup_s": median([r.get("startup_s") for r in ok]),
                     "final_loss": median([r.get("final_loss") for r in ok]),
+                    # cpu_* modes: bytes per average on the wire, up + down (summary.averaging)
+                    "bytes_per_average": median([_bytes_per_average(r) for r in ok]),
                     # solo runs are per speed, shared by every rig that has that speed
                     "run": f"solo speed {key[1][0]}" if key[0] == "solo" else None,
                     "per_repeat": [

@@ -207,6 +207,14 @@ def comm_heavy_block(data: dict[str, Any]) -> str:
         "averaging time over step + averaging)."
         + (" **Quick run** (1 repeat, 1 epoch)." if s.get("quick") else ""),
     ]
+    wire = [
+        f"{r['variant']} {r['bytes_per_average'] / 1e6:.1f} MB"
+        for r in data["rows"]
+        if r.get("bytes_per_average")
+    ]
+    if wire:
+        lines += ["", "Bytes on the wire per average, up and down (controller modes): "
+                  + ", ".join(wire) + "."]  # fmt: skip
     if s.get("plot"):
         lines += ["", f"![{s['plot']}](results/{s['plot']})"]
     return "\n".join(lines)
@@ -707,6 +715,7 @@ def render() -> dict[str, str]:
         "comm_heavy_equal": _block("comm_heavy_equal", comm_heavy_block, missing),
         "comm_heavy_1gbe": _block("comm_heavy_1gbe", comm_heavy_block, missing),
         "comm_heavy_pcie": _block("comm_heavy_pcie", comm_heavy_block, missing),
+        "comm_heavy_1gbe_cpu": _block("comm_heavy_1gbe_cpu", comm_heavy_block, missing),
         "gpt_nano_1gbe": _gpt_nano_1gbe(missing),
         "startup": _startup(missing),
         "memory": _block("memory", memory_block, missing),

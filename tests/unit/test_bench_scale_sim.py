@@ -80,9 +80,12 @@ def test_hetero_summarises_a_compressed_controller_mode_it_ran():
         ("solo", (1.0,)): run(100.0),
         ("solo", (0.4,)): run(40.0),
         ("ddp", (1.0, 0.4)): run(80.0),
-        ("cpu_cadence_int8", (1.0, 0.4)): run(120.0),
+        ("cpu_cadence_int8", (1.0, 0.4)): run(120.0)
+        | {"averaging": {"averages": 4, "up_bytes": 3_000, "down_bytes": 1_000}},
     }
     rows = hetero.summarise([[1.0, 0.4]], [rep])
     by = {r["variant"]: r for r in rows}
     assert set(by) == {"solo_fast", "solo_slow", "ddp", "cpu_cadence_int8"}
     assert by["cpu_cadence_int8"]["vs_ddp"] == 1.5
+    assert by["cpu_cadence_int8"]["bytes_per_average"] == 1_000.0  # (3,000 + 1,000) / 4
+    assert by["ddp"]["bytes_per_average"] is None
