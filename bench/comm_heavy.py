@@ -46,6 +46,8 @@ def plot(data: dict[str, Any], stem: str, target: float = 0.05) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
+    if not any(row["variant"] == "nccl_cadence" for row in data["rows"]):
+        return None  # nothing to plot
     fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(7, 5))
     for row in data["rows"]:
         if row["variant"] != "nccl_cadence":

@@ -200,13 +200,14 @@ def comm_heavy_block(data: dict[str, Any]) -> str:
     """The hetero table of the communication-heavy rig, its all-reduce share and its plot."""
     s = data["settings"]
     share = s.get("allreduce_fraction")
-    lines = [
-        hetero_block(data),
-        "",
-        f"One parameter all-reduce = {_num(share)} of a step (the nccl_cadence runs' mean "
-        "averaging time over step + averaging)."
-        + (" **Quick run** (1 repeat, 1 epoch)." if s.get("quick") else ""),
-    ]
+    lines = [hetero_block(data)]
+    if share is not None:  # measured on the nccl_cadence runs (none: not in this file)
+        lines += [
+            "",
+            f"One parameter all-reduce = {_num(share)} of a step (the nccl_cadence runs' mean "
+            "averaging time over step + averaging)."
+            + (" **Quick run** (1 repeat, 1 epoch)." if s.get("quick") else ""),
+        ]
     wire = [
         f"{r['variant']} {r['bytes_per_average'] / 1e6:.1f} MB"
         for r in data["rows"]
