@@ -15,6 +15,8 @@ Variants, every one a fresh process, interleaved per repeat (order rotated), med
   plan can run, the baseline;
 * ``plan3``: flodl ``nccl_cadence`` on all three ranks, ``cluster.memory_plan=auto``;
 * ``plan2``: the same on two ranks, memory [2:1], speeds [1.0, 0.45];
+* ``shard3``: flodl ``nccl_sync`` (lock-step, gradients all-reduced every step) on all three
+  ranks, ``memory_plan=auto``: the optimizer state sharded in proportion to free memory;
 * ``fits`` / ``noplan``: the three-rank rig with budgets everything fits, ``memory_plan=auto``
   (it probes and applies nothing) against ``memory_plan=none``: the plan's overhead where it is
   not needed (both pay the rig's memory counting).
@@ -49,7 +51,7 @@ SEED = 42
 SMALL_MB = 180.0  # the small ranks' budget (the big rank's is twice that)
 SPEEDS3 = [1.0, 0.45, 0.45]
 SPEEDS2 = [1.0, 0.45]
-VARIANTS = ("ddp", "solo", "plan3", "plan2", "fits", "noplan")
+VARIANTS = ("ddp", "solo", "plan3", "plan2", "shard3", "fits", "noplan")
 
 
 def _setup(variant: str) -> tuple[list[float], list[float] | None]:
@@ -60,6 +62,7 @@ def _setup(variant: str) -> tuple[list[float], list[float] | None]:
         "solo": ([1.0], [big]),
         "plan3": (SPEEDS3, [big, SMALL_MB, SMALL_MB]),
         "plan2": (SPEEDS2, [big, SMALL_MB]),
+        "shard3": (SPEEDS3, [big, SMALL_MB, SMALL_MB]),
         "fits": (SPEEDS3, [4 * big] * 3),
         "noplan": (SPEEDS3, [4 * big] * 3),
     }[variant]
@@ -94,7 +97,7 @@ def run_one(payload: dict[str, Any]) -> dict[str, Any]:
         knobs["memory_plan"] = "none"
     return run_flodl(
         WORKLOAD,
-        "solo" if variant == "solo" else "nccl_cadence",
+        {"solo": "solo", "shard3": "nccl_sync"}.get(variant, "nccl_cadence"),
         epochs=epochs,
         batch_size=BATCH,
         speeds=speeds,
@@ -217,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=VARIANTS)
     ap.add_argument("--quick", action="store_true", help="1 repeat, 1 epoch (results: *_quick)")
     ap.add_argument("--timeout", type=float, default=1800.0)
+    ap.add_argument("--out", default=None, help="results stem (default: memory[_quick])")
     args = ap.parse_args(argv)
     if args.quick:
         args.repeats, args.epochs = 1, 1
@@ -242,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = summarise(repeats)
     peak = _plain_peak(rows)
     write_result(
-        "memory_quick" if args.quick else "memory",
+        args.out or ("memory_quick" if args.quick else "memory"),
         {
             "command": command,
             "machine": machine(),

@@ -547,6 +547,7 @@ def memory_block(data: dict[str, Any]) -> str:
         "solo": "big rank alone (solo)",
         "plan3": "flodl nccl_cadence, memory_plan=auto",
         "plan2": "flodl nccl_cadence, memory_plan=auto",
+        "shard3": "flodl nccl_sync, memory_plan=auto",
         "fits": "flodl, budgets that fit, memory_plan=auto",
         "noplan": "flodl, budgets that fit, memory_plan=none",
     }
@@ -598,6 +599,13 @@ def memory_block(data: dict[str, Any]) -> str:
                 f"\u00d7: {'met' if v >= goal else 'missed'}), test accuracy "
                 f"{_num(r.get('test_accuracy'))} against solo's {_num(solo.get('test_accuracy'))}"
             )
+    shard = by.get("shard3") or {}
+    if shard.get("vs_solo_T_matched") is not None:  # lock-step: bounded by 3 x 0.45 = 1.35
+        verdicts.append(
+            f"nccl_sync with the state sharded, 3 ranks: {shard['vs_solo_T_matched']:.2f}\u00d7 "
+            f"the big rank alone at equal step (lock-step's bound on these speeds: 1.35\u00d7), "
+            f"test accuracy {_num(shard.get('test_accuracy'))}"
+        )
     fits = (by.get("fits") or {}).get("vs_noplan_T_matched")
     if fits is not None:
         verdicts.append(
@@ -720,6 +728,7 @@ def render() -> dict[str, str]:
         "gpt_nano_1gbe": _gpt_nano_1gbe(missing),
         "startup": _startup(missing),
         "memory": _block("memory", memory_block, missing),
+        "memory_shard": _block("memory_shard", memory_block, missing),
         "hf_lora": _hf_lora(missing),
     }
 
