@@ -49,6 +49,53 @@ def optim_factory(params: Any) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=1e-2)
 
 
+def wide(device: torch.device) -> torch.nn.Module:
+    """The memory-plan tests' model: all parameters, ~1.1 M (4.3 MiB), so Adam's state is
+    8.6 MiB and a plain step's state ~22 MiB, while activations at batch 32 are ~0.4 MiB."""
+    nn = torch.nn
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(SHAPE[1] * SHAPE[2], 1024),
+        nn.ReLU(),
+        nn.Linear(1024, 1024),
+        nn.ReLU(),
+        nn.Linear(1024, 4),
+    ).to(device)
+
+
+def plan_builder(
+    tmp_path: Path,
+    name: str,
+    mode: str,
+    memory_mb: tuple[float, ...],
+    plan: Any = "auto",
+    n_train: int = 1536,
+    epochs: int = 2,
+) -> Any:
+    """A builder of ``wide`` on the rig under ``memory_mb`` budgets (speeds 1.0, 0.5, 0.5)."""
+    ranks = len(memory_mb)
+    cluster = ClusterConfig(
+        kind="cpu_rig",
+        ranks=ranks,
+        speeds=[1.0, 0.5, 0.5][:ranks],
+        warmup_steps=2,
+        memory_mb=list(memory_mb),
+        memory_plan=plan,
+    )
+    return (
+        Trainer.builder(wide, optim_factory, classification_step)
+        .dataset(partial(data, "train", n_train))
+        .eval_dataset(partial(data, "test"))
+        .eval_fn(accuracy)
+        .batch_size(32)
+        .num_epochs(epochs)
+        .elche(ElCheConfig(mode=mode))
+        .cluster(cluster)
+        .logger(LoggerConfig(progress="off", tensorboard=False))
+        .output_dir(tmp_path / name)
+    )
+
+
 def small_run(
     tmp_path: Path,
     mode: str,

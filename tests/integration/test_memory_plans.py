@@ -1,62 +1,29 @@
 """Memory plans on the rig (``cluster.memory_plan``): real ranks over gloo under simulated device
 budgets (``cluster.memory_mb``) in which the plain training state does not fit the small ranks.
 
-The model (``wide``) is all parameters: ~1.1 M (4.3 MiB), so Adam's state is 8.6 MiB and the
-plain state with averaging's temporaries ~22 MiB, while activations at batch 32 are ~0.4 MiB.
+The model (``wide``, tests/integration/helpers.py) is all parameters: ~1.1 M (4.3 MiB), so
+Adam's state is 8.6 MiB and the plain state with averaging's temporaries ~22 MiB, while
+activations at batch 32 are ~0.4 MiB.
 Under 20 MiB the plain state does not fit and the optimizer state on the host does."""
 
 from __future__ import annotations
 
 import os
 import signal
-from functools import partial
 
 import pytest
-import torch
 
-from flodl import ClusterConfig, ConfigError, ElCheConfig, LoggerConfig, Trainer
-from flodl.recipes.steps import accuracy, classification_step
-from tests.integration.helpers import SHAPE, data, optim_factory, rank_pid
+from flodl import ConfigError
+from tests.integration.helpers import plan_builder, rank_pid
 
 pytestmark = pytest.mark.slow
 
 BIG, SMALL = 40.0, 20.0
 
 
-def wide(device: torch.device) -> torch.nn.Module:
-    nn = torch.nn
-    return nn.Sequential(
-        nn.Flatten(),
-        nn.Linear(SHAPE[1] * SHAPE[2], 1024),
-        nn.ReLU(),
-        nn.Linear(1024, 1024),
-        nn.ReLU(),
-        nn.Linear(1024, 4),
-    ).to(device)
-
-
 def _builder(tmp_path, name, mode="nccl_cadence", memory_mb=(BIG, SMALL), plan="auto", **kw):
-    ranks = len(memory_mb)
-    cluster = ClusterConfig(
-        kind="cpu_rig",
-        ranks=ranks,
-        speeds=[1.0, 0.5, 0.5][:ranks],
-        warmup_steps=2,
-        memory_mb=list(memory_mb),
-        memory_plan=plan,
-    )
-    builder = (
-        Trainer.builder(wide, optim_factory, classification_step)
-        .dataset(partial(data, "train", kw.pop("n_train", 1536)))
-        .eval_dataset(partial(data, "test"))
-        .eval_fn(accuracy)
-        .batch_size(32)
-        .num_epochs(kw.pop("epochs", 2))
-        .elche(ElCheConfig(mode=mode))
-        .cluster(cluster)
-        .logger(LoggerConfig(progress="off", tensorboard=False))
-        .output_dir(tmp_path / name)
-    )
+    n_train, epochs = kw.pop("n_train", 1536), kw.pop("epochs", 2)
+    builder = plan_builder(tmp_path, name, mode, memory_mb, plan, n_train, epochs)
     return builder, kw
 
 

@@ -1,7 +1,7 @@
 """``cluster.memory_plan: shard`` on the rig: nccl_sync ranks over gloo whose optimizer state is
 sharded in proportion to their free memory (flodl/runtime/sync/sharded_optimizer.py).
 
-The model (``wide``, as in test_memory_plans.py) is ~1.1 M parameters (4.3 MiB): Adam's state
+The model (``wide``, tests/integration/helpers.py) is ~1.1 M parameters (4.3 MiB): Adam's state
 and its step's temporaries take ~13 MiB more, so under 20 MiB the plain state does not fit,
 while a 40 MiB rank has room for most of the state and a 20 MiB one for a small share."""
 
@@ -15,32 +15,18 @@ from functools import partial
 import pytest
 import torch
 
-from flodl import ClusterConfig, ElCheConfig, LoggerConfig, Trainer
 from flodl.checkpoint.shards import load_shard
-from flodl.recipes.steps import accuracy, classification_step
 from flodl.runtime.controller.events import RunFailed
 from flodl.runtime.controller.snapshots import ResumePoint
 from flodl.runtime.sync.averaging import FlatState
 from flodl.runtime.sync.shard_cut import proportional_cut
 from flodl.runtime.sync.shard_state import is_sharded, to_plain
 from flodl.runtime.sync.sharded_optimizer import ShardedOptimizer
-from tests.integration.helpers import SHAPE, data, optim_factory, rank_pid
+from tests.integration.helpers import optim_factory, plan_builder, rank_pid, wide
 
 pytestmark = pytest.mark.slow
 
 BIG, SMALL = 40.0, 20.0
-
-
-def wide(device: torch.device) -> torch.nn.Module:
-    nn = torch.nn
-    return nn.Sequential(
-        nn.Flatten(),
-        nn.Linear(SHAPE[1] * SHAPE[2], 1024),
-        nn.ReLU(),
-        nn.Linear(1024, 1024),
-        nn.ReLU(),
-        nn.Linear(1024, 4),
-    ).to(device)
 
 
 def linear_decay(optimizer, total_steps):
@@ -48,27 +34,8 @@ def linear_decay(optimizer, total_steps):
 
 
 def _builder(tmp_path, name, memory_mb=(BIG, SMALL, SMALL), plan="auto", scheduler=None, **kw):
-    ranks = len(memory_mb)
-    cluster = ClusterConfig(
-        kind="cpu_rig",
-        ranks=ranks,
-        speeds=[1.0, 0.5, 0.5][:ranks],
-        warmup_steps=2,
-        memory_mb=list(memory_mb),
-        memory_plan=plan,
-    )
-    builder = (
-        Trainer.builder(wide, optim_factory, classification_step)
-        .dataset(partial(data, "train", kw.pop("n_train", 1536)))
-        .eval_dataset(partial(data, "test"))
-        .eval_fn(accuracy)
-        .batch_size(32)
-        .num_epochs(kw.pop("epochs", 2))
-        .elche(ElCheConfig(mode="nccl_sync"))
-        .cluster(cluster)
-        .logger(LoggerConfig(progress="off", tensorboard=False))
-        .output_dir(tmp_path / name)
-    )
+    n_train, epochs = kw.pop("n_train", 1536), kw.pop("epochs", 2)
+    builder = plan_builder(tmp_path, name, "nccl_sync", memory_mb, plan, n_train, epochs)
     if scheduler is not None:
         builder = builder.scheduler(scheduler, interval="step")
     cfg = builder.build_config().with_(**kw)
