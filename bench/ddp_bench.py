@@ -180,6 +180,10 @@ def run_flodl_config(plain: dict[str, Any]) -> dict[str, Any]:
         total_s = time.perf_counter() - t0
         s = handle.result.summary
     start = calibrated[-1]["wall"] if calibrated else t0
+    # the calibrated step the ranks were paced at (Ready.step_ms, after the MAX all-reduce; 0.0
+    # when nothing was paced) x the margin: what torch DDP's rows record, for T-matching
+    steps_ms = [c["step_ms"] for c in calibrated if c.get("step_ms")]
+    nominal_ms = max(steps_ms) * run_cfg.cluster.pace_margin if steps_ms else None
     train_s = s.samples_seen / s.samples_per_s if s.samples_per_s else None
     return {
         "status": s.status,
@@ -194,6 +198,7 @@ def run_flodl_config(plain: dict[str, Any]) -> dict[str, Any]:
         "idle_fraction": list(s.idle_fraction),
         "per_rank_batch_share": list(s.per_rank_batch_share),
         "curve": [[t - start, epoch, value] for t, epoch, value in evals],
+        "nominal_step_ms": nominal_ms,
     }
 
 

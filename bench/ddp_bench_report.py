@@ -364,41 +364,54 @@ def time_to_loss_block(data: dict[str, Any]) -> str:
     link = links[0] if links else "none"
     lines = [
         f"Link `{link}`, rig {_rig(data)}, per-rank batch "
-        f"{_rank_batch(s)}; target: solo-fast's final val loss.",
+        f"{_rank_batch(s)}; target: solo-fast's final val loss. *@T*: the time scaled to torch "
+        "DDP's calibrated step (each job paces at the step it calibrated under the load of its "
+        "moment; the verdicts use these).",
         "",
-        "| language model | variant | final val | samples/s | time to target | vs DDP |",
-        "|---|---|---|---|---|---|",
+        "| language model | variant | final val | samples/s | T ms | time to target | vs DDP "
+        "| time @T | vs DDP @T |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     verdicts = []
     for w in s["workloads"]:
         solo, ddp = by.get((w, "solo-fast")), by.get((w, "ddp"))
         if not _ok(solo):
-            lines.append(f"| {w} | solo-fast | {DASH} | {DASH} | not measured | {DASH} |")
+            lines.append(f"| {w} | solo-fast | {DASH} |" + f" {DASH} |" * 3 + " not measured |"
+                         + f" {DASH} |" * 3)  # fmt: skip
             continue
         assert solo is not None
         target = solo["eval"]
         t_ddp = time_to(ddp["curve"], target) if _ok(ddp) and ddp else None
+        ref_ms = ddp.get("nominal_step_ms") if _ok(ddp) and ddp else None
         times: dict[str, float | None] = {}
+        matched: dict[str, bool] = {}
         for v in s["variants"]:
             row = by.get((w, v))
             if not _ok(row):
-                lines.append(f"| {w} | {v} | {DASH} | {DASH} | failed | {DASH} |")
+                lines.append(f"| {w} | {v} | {DASH} |" + f" {DASH} |" * 2 + " failed |"
+                             + f" {DASH} |" * 3)  # fmt: skip
                 continue
             assert row is not None
             t = time_to(row["curve"], target)
-            times[v] = t
+            own_ms = row.get("nominal_step_ms")
+            t_at = t * ref_ms / own_ms if t is not None and ref_ms and own_ms else None
+            times[v] = t_at if t_at is not None else t  # T-matched where both steps are known
+            matched[v] = t_at is not None
             vs = f"{t / t_ddp:.2f}" if t is not None and t_ddp else DASH
+            vs_at = f"{t_at / t_ddp:.2f}" if t_at is not None and t_ddp else DASH
             lines.append(
                 f"| {w} | {v} | {row['eval']:.4f} | {row['samples_per_s']:.1f} | "
-                f"{_num(t) + ' s' if t is not None else 'not reached'} | {vs} |"
+                f"{_num(own_ms)} | {_num(t) + ' s' if t is not None else 'not reached'} | {vs} | "
+                f"{_num(t_at) + ' s' if t_at is not None else DASH} | {vs_at} |"
             )
         t_cad = times.get("nccl_cadence")
         if t_cad is None or t_ddp is None:
             verdicts.append(f"{w}: nccl_cadence or DDP did not reach the target: not measured")
             continue
         ratio = t_cad / t_ddp
+        basis = " at equal step" if matched.get("nccl_cadence") else ""
         verdicts.append(
-            f"{w}: nccl_cadence {ratio:.2f}x DDP's time (goal <= 0.5: "
+            f"{w}: nccl_cadence {ratio:.2f}x DDP's time{basis} (goal <= 0.5: "
             f"{'met' if ratio <= 0.5 else 'MISSED'})"
         )
         for base in ("diloco", "fixed_cadence"):

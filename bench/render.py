@@ -740,10 +740,15 @@ def render() -> dict[str, str]:
 
 
 def _gpt_nano_1gbe(missing: str) -> str:
+    """Each run of the gpt_nano time-to-loss grid (``ddp_bench_gpt_1gbe``, then its reruns
+    ``_2``, ``_3``, ...), one block each: a run's cells are side by side, runs are not."""
     from bench.ddp_bench_report import time_to_loss_block
 
-    data = _load("ddp_bench_gpt_1gbe")
-    return f"{_machine(data)}\n\n{time_to_loss_block(data)}" if data else missing
+    blocks, k = [], 1
+    while data := _load("ddp_bench_gpt_1gbe" + (f"_{k}" if k > 1 else "")):
+        blocks.append(f"**Run {k}.** {_machine(data)}\n\n{time_to_loss_block(data)}")
+        k += 1
+    return "\n\n".join(blocks) if blocks else missing
 
 
 def _hf_lora(missing: str) -> str:

@@ -296,8 +296,22 @@ def test_time_to_loss_block_gives_each_variant_against_ddp_and_the_baselines() -
     solo = [[10, 0, 2.5], [20, 1, 2.0]]
     rows = [
         _row("gpt_nano", "solo-fast", 2.0, solo, samples_per_s=100.0),
-        _row("gpt_nano", "ddp", 1.9, [[10, 0, 2.4], [40, 1, 1.9]], samples_per_s=110.0),
-        _row("gpt_nano", "nccl_cadence", 1.9, [[5, 0, 2.2], [15, 1, 1.9]], samples_per_s=180.0),
+        _row(
+            "gpt_nano",
+            "ddp",
+            1.9,
+            [[10, 0, 2.4], [40, 1, 1.9]],
+            samples_per_s=110.0,
+            nominal_step_ms=100.0,
+        ),
+        _row(
+            "gpt_nano",
+            "nccl_cadence",
+            1.9,
+            [[5, 0, 2.2], [15, 1, 1.9]],
+            samples_per_s=180.0,
+            nominal_step_ms=100.0,
+        ),
         _row("gpt_nano", "diloco", 1.9, [[5, 0, 2.1], [10, 1, 1.9]], samples_per_s=190.0),
         _row("gpt_nano", "fixed_cadence", 2.2, [[5, 0, 2.3], [10, 1, 2.2]], samples_per_s=1.0),
     ]
@@ -307,11 +321,19 @@ def test_time_to_loss_block_gives_each_variant_against_ddp_and_the_baselines() -
     block = time_to_loss_block(data)
     assert "Link `1gbe`" in block and "per-rank batch 32" in block
     # DDP reaches 2.0 at 10 + 30 * 0.4/0.5 = 34 s; cadence at 5 + 10 * 0.2/0.3 = 11.67 s
-    assert "| gpt_nano | nccl_cadence | 1.9000 | 180.0 | 11.7 s | 0.34 |" in block
-    assert "nccl_cadence 0.34x DDP's time (goal <= 0.5: met)" in block
-    assert "nccl_cadence vs diloco: 11.7 s / 7.5 s (slower: MISSED)" in block
-    assert "| gpt_nano | fixed_cadence | 2.2000 | 1.0 | not reached | \u2013 |" in block
+    assert (
+        "| gpt_nano | nccl_cadence | 1.9000 | 180.0 | 100.0 | 11.7 s | 0.34 | 11.7 s | 0.34 |"
+        in block
+    )
+    assert "nccl_cadence 0.34x DDP's time at equal step (goal <= 0.5: met)" in block
+    assert "nccl_cadence vs diloco: 11.7 s / 7.5 s (slower: MISSED)" in block  # diloco: raw
+    assert "| gpt_nano | fixed_cadence | 2.2000 | 1.0 | \u2013 | not reached |" in block
     assert "vs fixed_cadence: 11.7 s / not reached (no slower: met)" in block
+    # a job that calibrated a step half DDP's ran twice as fast on the wall: at DDP's step, x2
+    rows[2]["nominal_step_ms"] = 50.0
+    block = time_to_loss_block(data)
+    assert "| 50.0 | 11.7 s | 0.34 | 23.3 s | 0.69 |" in block
+    assert "nccl_cadence 0.69x DDP's time at equal step (goal <= 0.5: MISSED)" in block
 
 
 def test_the_baselines_are_flodl_configs_with_elche_off() -> None:
