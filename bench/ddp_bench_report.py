@@ -394,7 +394,11 @@ def time_to_loss_block(data: dict[str, Any]) -> str:
             assert row is not None
             t = time_to(row["curve"], target)
             own_ms = row.get("nominal_step_ms")
-            t_at = t * ref_ms / own_ms if t is not None and ref_ms and own_ms else None
+            # solo trains at the workload's batch, not the 2-rank cells': its step is not DDP's
+            same_batch = not v.startswith("solo")
+            t_at = None
+            if t is not None and ref_ms and own_ms and same_batch:
+                t_at = t * ref_ms / own_ms
             times[v] = t_at if t_at is not None else t  # T-matched where both steps are known
             matched[v] = t_at is not None
             vs = f"{t / t_ddp:.2f}" if t is not None and t_ddp else DASH
