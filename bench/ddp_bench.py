@@ -48,27 +48,30 @@ WORKLOADS = ("logistic", "mlp", "lenet", "conv_ae", "resnet", "char_rnn", "gpt_n
 LANGUAGE_MODELS = ("char_rnn", "gpt_nano")
 RIG = (1.0, 0.4)
 FIXED_ANCHOR = 20  # diloco / fixed_cadence: the slow rank's batches per window (bench.hetero's)
-#: Baselines that are flodl configurations (bench.common.variant_elche): DiLoCo (equal inner
-#: steps, outer Nesterov, ElChe off) and speed-proportional local steps at a fixed cadence.
-BASELINES: dict[str, list[str]] = {
-    "diloco": [
-        f"elche.anchor={FIXED_ANCHOR}",
-        f"elche.min_anchor={FIXED_ANCHOR}",
-        f"elche.max_anchor={FIXED_ANCHOR}",
-        "elche.meta_controller=false",
-        "elche.partition_ratios=[1.0,1.0]",
-        "elche.outer=nesterov",
-        "elche.guard=none",
-    ],
-    "fixed_cadence": [
-        f"elche.anchor={FIXED_ANCHOR}",
-        f"elche.min_anchor={FIXED_ANCHOR}",
-        f"elche.max_anchor={FIXED_ANCHOR}",
-        "elche.meta_controller=false",
-        f"elche.partition_ratios=[{RIG[0]},{RIG[1]}]",
-        "elche.guard=none",
-    ],
-}
+#: Baselines that are flodl configurations (what each is: bench.common.variant_elche): DiLoCo
+#: (equal inner steps, outer Nesterov, ElChe off) and speed-proportional local steps at a fixed
+#: cadence; composed as ``elche=nccl_cadence`` plus these knobs as Hydra overrides.
+BASELINES = ("diloco", "fixed_cadence")
+_BASELINE_KNOBS = ("anchor", "min_anchor", "max_anchor", "meta_controller", "partition_ratios",
+                   "outer", "guard")  # fmt: skip
+
+
+def baseline_overrides(variant: str) -> list[str]:
+    """``variant_elche``'s knobs for a baseline on the rig, as Hydra overrides."""
+    import json
+    from enum import Enum
+
+    from bench.common import variant_elche
+
+    elche = variant_elche(variant, list(RIG), FIXED_ANCHOR)
+    out = []
+    for key in _BASELINE_KNOBS:
+        value = getattr(elche, key)
+        value = value.value if isinstance(value, Enum) else value
+        out.append(f"elche.{key}={json.dumps(value).replace(' ', '')}")
+    return out
+
+
 VARIANTS = ("solo-fast", "solo-slow", "ddp", *MODES, *BASELINES)
 _LM_QUICK = [
     "trainer.num_epochs=3",
@@ -118,7 +121,7 @@ def compose_config(workload: str, variant: str, extra: list[str]) -> dict[str, A
     from flodl.cli.app import plain_config
 
     mode = "solo" if variant.startswith("solo") or variant == "ddp" else variant
-    baseline = BASELINES.get(variant, [])
+    baseline = baseline_overrides(variant) if variant in BASELINES else []
     mode = "nccl_cadence" if baseline else mode
     overrides = ["experiment=ddp_bench", f"workload={workload}", f"elche={mode}", *baseline, *extra]
     if variant == "solo-fast":

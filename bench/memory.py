@@ -175,24 +175,20 @@ def summarise(repeats: list[dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
 
 
 def _state_ratio() -> dict[str, float]:
-    """The model's training state against the small budget, sized on meta (no memory)."""
-    import torch
+    """The model's training state against the small budget, sized on meta (no memory), as
+    the launch check sizes it (flodl/preflight/memory.py)."""
+    from types import SimpleNamespace
 
     from bench.common import WORKLOADS, ModelFactory, OptimFactory
+    from flodl.preflight.memory import footprint
 
-    with torch.device("meta"):
-        model = ModelFactory(WORKLOAD)()
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    optimizer = OptimFactory(WORKLOADS[WORKLOAD].optimizer)(model.parameters())
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    state = sum(
-        v.numel() * v.element_size()
-        for s in optimizer.state.values()
-        for v in s.values()
-        if isinstance(v, torch.Tensor) and v.device.type == "meta"
+    spec = SimpleNamespace(
+        model_factory=ModelFactory(WORKLOAD),
+        optim_factory=OptimFactory(WORKLOADS[WORKLOAD].optimizer),
     )
+    size = footprint(spec)
+    assert size is not None and size.optimizer is not None, "mlp_wide and Adam size on meta"
+    params, state = size.params, size.optimizer
     mib = 2**20
     return {
         "params_mb": params / mib,
