@@ -251,3 +251,38 @@ def test_compressed_cadence_survives_a_lost_rank_and_resumes(tmp_path, monkeypat
     assert [m.epoch for m in resumed.epochs] == [3]  # the third epoch only
     assert r.averaging["uncompressed"] == 1 < r.averaging["averages"]
     assert r.eval_value >= s.eval_value - 0.02
+
+
+def test_async_compressed_over_a_slow_link_survives_a_rank_lost_at_start(tmp_path, monkeypatch):
+    """bf16 x cpu_async x a slow modelled link x a rank killed in its first moments (``hello``)
+    x checkpoints, 3 ranks: the two survivors train with exact coverage, and their averages
+    after the first go compressed."""
+    monkeypatch.setenv("FLODL_CHAOS", "1:hello")
+    builder = (
+        Trainer.builder(model_factory, optim_factory, classification_step)
+        .dataset(partial(data, "train", 1536))
+        .eval_dataset(partial(data, "test"))
+        .eval_fn(accuracy)
+        .batch_size(32)
+        .num_epochs(2)
+        .elche(ElCheConfig(mode="cpu_async", compress="bf16"))
+        .cluster(
+            ClusterConfig(
+                kind="cpu_rig", ranks=3, speeds=[1.0, 0.5, 0.5], warmup_steps=3,
+                link={"bandwidth_gbps": 0.2, "latency_ms": 1.0},
+            )
+        )
+        .logger(LoggerConfig(progress="off", tensorboard=False))
+        .output_dir(tmp_path / "early")
+    )  # fmt: skip
+    cfg = builder.build_config().with_(
+        save_path=str(tmp_path / "ckpt" / "run"), checkpoint_every=1, max_failure=1
+    )
+    handle = builder.config(cfg).run()
+    handle.join(timeout=240)
+    result = handle.result
+    s = result.summary
+    assert s.status == "ok" and s.lost_ranks == [1] and result.coverage_exact
+    a = s.averaging
+    assert a["compress"] == "bf16" and a["averages"] > a["uncompressed"] >= 1
+    assert all(bool(torch.isfinite(p).all()) for p in result.state.params.values())

@@ -241,3 +241,21 @@ def test_sharded_ranks_train_the_same_weights_as_unsharded_ones(tmp_path):
     assert sharded.keys() == plain.keys()
     for name, value in plain.items():
         torch.testing.assert_close(sharded[name], value, rtol=1e-4, atol=1e-5)
+
+
+def test_a_rank_lost_before_the_group_forms_leaves_a_sharded_cohort_of_two(tmp_path, monkeypatch):
+    """Sharding x a rank killed in its first moments (at ``join``, before the group forms) x
+    checkpoints, 3 ranks under budgets: the survivors meet as two, cut the state between
+    themselves alone, and train with exact coverage."""
+    monkeypatch.setenv("FLODL_CHAOS", "2:join")
+    budgets = (BIG, SMALL, SMALL)
+    builder = _builder(
+        tmp_path, "early", budgets, "shard", save_path=str(tmp_path / "ckpt" / "run"),
+        checkpoint_every=1, max_failure=1,
+    )  # fmt: skip
+    s = (result := _run(builder)).summary
+    assert s.status == "ok" and s.lost_ranks == [2] and result.coverage_exact
+    shares = _shares(s)
+    assert len(shares) == 2 and sum(shares) in (99, 100) and shares[0] > shares[1]
+    for t, budget in zip(s.telemetry[:2], budgets[:2], strict=True):  # the survivors'
+        assert 0 < t["peak_mem_mb"] <= budget, (t["peak_mem_mb"], budget)
