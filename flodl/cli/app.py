@@ -406,7 +406,7 @@ def hydra_error_line(exc: BaseException) -> str | None:
             hint = f"; available: {', '.join(options)}"
         return (
             f"{head.rstrip('.')} in your config directory or flodl's config groups "
-            f"(flodl/conf/){hint}"
+            f"(conf/, pkg://flodl.conf){hint}"
         )
     if isinstance(exc.__cause__, OmegaConfBaseException):
         head = f"{head} ({str(exc.__cause__).splitlines()[0].strip()})"

@@ -27,14 +27,16 @@ import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from flodl.config import ClusterConfig, ControllerAddress, SlurmConfig, WorkerConfig
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
-"""The project's Hydra config dir (``run.py`` composes from it); cluster files are under it."""
+CONF = Path(str(resources.files("flodl.conf")))
+"""flodl's Hydra config groups (``pkg://flodl.conf``: the repository's ``conf/``, shipped in the
+wheel); its cluster files are under it."""
 
 
 @dataclass

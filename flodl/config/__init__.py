@@ -1,6 +1,6 @@
 """The one source of truth for every knob: a pydantic schema, validated once in the launcher.
 
-YAML in ``flodl/conf/`` (and a project's own ``conf/``) only composes; these modules decide what is
+YAML in ``conf/`` (and a project's own ``conf/``) only composes; these modules decide what is
 valid, one module per config group (``elche``, ``cluster``, ``loader``, ``logger``, ``trainer``,
 ``task``), with ``run`` for a whole composed run, ``locate`` for dotted ``_target_`` paths and
 ``extras`` for the optional dependencies a config needs. Every model is frozen and forbids unknown

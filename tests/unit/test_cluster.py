@@ -27,9 +27,7 @@ def two_hosts(**worker_b):
     )
 
 
-@pytest.mark.parametrize(
-    "path", sorted((ROOT / "flodl" / "conf" / "cluster").glob("*.yaml")), ids=str
-)
+@pytest.mark.parametrize("path", sorted((ROOT / "conf" / "cluster").glob("*.yaml")), ids=str)
 def test_every_shipped_cluster_file_validates(path):
     cluster = ClusterConfig.model_validate(yaml.safe_load(path.read_text()))
     kinds = {"auto": "auto", "cpu_rig": "cpu_rig", "slurm": "slurm", "example_hosts": "hosts"}

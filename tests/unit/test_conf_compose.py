@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 from flodl.cli.app import plain_config
 from flodl.config import Mode, validate_run_config
 
-CONF = Path(__file__).resolve().parents[2] / "flodl" / "conf"
+CONF = Path(__file__).resolve().parents[2] / "conf"
 GROUPS = [
     "model",
     "optimizer",

@@ -11,6 +11,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "flodl"
+# Top-level folders shipped inside the package (pyproject.toml's package-dir mapping).
+MAPPED = {ROOT / "conf": "flodl.conf", ROOT / "recipes": "flodl.recipes"}
 
 # The one module allowed to read rank identity from the environment.
 ENV_READER = "flodl.runtime.rank.env"
@@ -42,14 +44,20 @@ KNOWN_CYCLE_EDGES: dict[tuple[str, str], str] = {}
 
 
 def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    for folder, package in MAPPED.items():
+        if path.is_relative_to(folder):
+            parts = [package, *path.relative_to(folder).with_suffix("").parts]
+            break
+    else:
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
 def modules() -> dict[str, Path]:
-    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+    paths = [*PACKAGE.rglob("*.py"), *(p for folder in MAPPED for p in folder.rglob("*.py"))]
+    return {module_name(p): p for p in sorted(paths)}
 
 
 def _resolve(node: ast.ImportFrom, name: str, is_package: bool) -> str:

@@ -48,7 +48,7 @@ def _compose(overrides: list[str], job_dir: Path) -> Any:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import open_dict
 
-    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "flodl" / "conf")):
+    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
         cfg = compose("config", overrides=overrides, return_hydra_config=True)
     with open_dict(cfg):
         cfg.hydra.runtime.output_dir = str(job_dir)

@@ -15,7 +15,7 @@ from flodl.recipes import steps
 from flodl.recipes.datasets import mnist5k
 from flodl.recipes.models import ConvAE
 
-CONF = Path(__file__).resolve().parents[2] / "flodl" / "conf"
+CONF = Path(__file__).resolve().parents[2] / "conf"
 
 
 @pytest.fixture(autouse=True)
