@@ -422,11 +422,26 @@ def hydra_error_line(exc: BaseException) -> str | None:
                 f"{key}: no such key{hint}; {parent or 'the config'} has "
                 f"{', '.join(known)}; a new key is added with +{key}=VALUE"
             )
-        head += (
-            f"; your config has no such key: list flodl's `{group}: default` (or another "
-            f"{group} option) in its defaults, or add the key with +{key}=VALUE"
+        options = flodl_options(group)
+        listed = (
+            f"list one of flodl's {group} options ({', '.join(options)}) in its defaults, or "
+            if options
+            else ""
         )
+        head += f"; your config has no such key: {listed}add the key with +{key}=VALUE"
     return head
+
+
+def flodl_options(group: str) -> list[str]:
+    """The options of flodl's config group ``group`` (``pkg://flodl.conf``), [] for none."""
+    from importlib import resources
+
+    folder = resources.files("flodl.conf").joinpath(group)
+    if not folder.is_dir():
+        return []
+    return sorted(
+        p.name.removesuffix(".yaml") for p in folder.iterdir() if p.name.endswith(".yaml")
+    )
 
 
 def _sibling_keys(cause: BaseException | None) -> list[str]:

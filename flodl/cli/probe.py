@@ -423,6 +423,7 @@ def load_cluster(args: list[str]) -> ClusterConfig:
         raise ConfigError(f"cluster={spec}: {path}: {_first_line(exc)}") from None
     if not isinstance(node, DictConfig):
         raise ConfigError(f"cluster={spec}: {path} must hold a mapping of cluster keys")
+    node = _on_schema(node)
     for key, value in overrides:
         try:
             # from_dotlist types the value as YAML; update() also walks list indices.
@@ -438,6 +439,19 @@ def load_cluster(args: list[str]) -> ClusterConfig:
         return ClusterConfig.model_validate(data)
     except ValidationError as exc:
         raise explain(exc, data, "cluster") from None
+
+
+def _on_schema(node: Any) -> Any:
+    """A cluster file as Hydra composes it: its keys over ``cluster/_schema`` (every key at its
+    default, flodl/config/groups.py) where its defaults list names it, else as written."""
+    from omegaconf import OmegaConf
+
+    from flodl.config import schema_node
+
+    defaults = node.pop("defaults", None) if "defaults" in node else None
+    if defaults is None or "_schema" not in list(defaults):
+        return node
+    return OmegaConf.merge(OmegaConf.create(schema_node("cluster")), node)
 
 
 def _first_line(exc: Exception) -> str:
