@@ -48,8 +48,8 @@ from flodl.runtime.controller.controller import (
     RunFailed,
 )
 from flodl.runtime.controller.snapshots import ResumePoint
-from flodl.runtime.rank.env import ExternalRole
-from flodl.runtime.rank.spec import Callbacks, JobSpec
+from flodl.runtime.wire.job_spec import Callbacks, JobSpec
+from flodl.runtime.wire.rank_env import ExternalRole
 from flodl.step.evaluation import primary_name
 
 log = logging.getLogger(__name__)

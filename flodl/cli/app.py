@@ -297,7 +297,7 @@ def _check_key(key: str) -> None:
 
 
 def _sigterm_as_interrupt() -> Any:
-    from flodl.cli.signals import sigterm_as_interrupt
+    from flodl.signals import sigterm_as_interrupt
 
     return sigterm_as_interrupt()
 
@@ -465,7 +465,7 @@ def _warm_early(args: list[str]) -> None:
     killed, not waited for). Not when torchrun or srun placed this process, nor for Hydra's
     informational flags (nothing trains)."""
     from flodl.runtime.cohorts import fork_server
-    from flodl.runtime.rank.env import external_role
+    from flodl.runtime.wire.rank_env import external_role
 
     if any(arg.split("=", 1)[0] in _INFO_FLAGS for arg in args):
         return

@@ -25,7 +25,7 @@ from flodl.placement.topology import Topology
 if TYPE_CHECKING:
     import torch
 
-    from flodl.runtime.rank.spec import JobSpec
+    from flodl.runtime.wire.job_spec import JobSpec
 
 log = logging.getLogger("flodl")
 
@@ -151,7 +151,7 @@ def check_launch(spec: JobSpec, topology: Topology) -> dict[str, Any]:
     """Run the launch-time checks (a refusal is a :class:`ConfigError`, before any rank).
     Returns the LR scaling, which the job announces and records in summary.json."""
     from flodl.preflight.dry_build import without_dynamo_import
-    from flodl.preflight.memory import check_memory
+    from flodl.preflight.footprint import check_memory
 
     check_precision(spec.config.precision, rank_devices(topology, spec.config.device))
     with without_dynamo_import():  # the launcher trains nothing: torch._dynamo costs 1-3 s

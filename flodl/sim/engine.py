@@ -8,7 +8,7 @@ aggregation and membership parts) and the :class:`flodl.elche.ElChe` it owns rec
 the same messages (``Ready``, ``Report``, ``Settled``, ``Regrouped``, ``Final``, a rank's
 ``Exited``) that reader threads post in a launch, through the same per-message steps as
 ``Controller.run``; their ``Plan``, ``Regroup`` and ``Stop`` replies reach the virtual ranks
-after ``latency_ms``. A virtual rank behaves as :class:`flodl.runtime.rank.worker.Worker` does in
+after ``latency_ms``. A virtual rank behaves as :class:`flodl.runtime.rank.loop.RankLoop` does in
 the collective modes: it trains a window, reports it, averages with its group (a collective that
 fails when a member is lost), skips windows voided by a regroup, and re-averages on ``Regroup``.
 

@@ -12,7 +12,7 @@ from flodl import ClusterBuilder, ClusterConfig, ConfigError, SshConfig, Trainer
 from flodl.config import validate_run_config
 from flodl.placement.remote import shell_line, ssh_argv, worker_env
 from flodl.placement.topology import resolve_topology
-from flodl.runtime.rank import env as rank_env
+from flodl.runtime.wire import rank_env
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,7 +9,6 @@ import time
 from flodl.config import ElCheConfig, TrainerConfig
 from flodl.runtime.controller.controller import Controller
 from flodl.runtime.wire.channel import Channel
-from flodl.runtime.wire.links import SocketLink
 from flodl.runtime.wire.messages import (
     CohortPlan,
     Plan,
@@ -19,6 +18,7 @@ from flodl.runtime.wire.messages import (
     Window,
     own_part,
 )
+from flodl.runtime.wire.rank_link import SocketLink
 from tests.unit.test_controller import FakeLink, drive
 
 

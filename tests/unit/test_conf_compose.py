@@ -118,7 +118,7 @@ def test_plugin_import_is_light():
 
     code = (
         "import sys, hydra_plugins.flodl_launcher.launcher;"
-        "print('torch' in sys.modules, 'flodl.runtime.rank.worker' in sys.modules)"
+        "print('torch' in sys.modules, 'flodl.runtime.rank.loop' in sys.modules)"
     )
     out = subprocess.run(
         [sys.executable, "-c", code],

@@ -15,7 +15,7 @@ PACKAGE = ROOT / "flodl"
 MAPPED = {ROOT / "conf": "flodl.conf", ROOT / "recipes": "flodl.recipes"}
 
 # The one module allowed to read rank identity from the environment.
-ENV_READER = "flodl.runtime.rank.env"
+ENV_READER = "flodl.runtime.wire.rank_env"
 
 # Rank identity: who this process is and where its peers are. Anything a placing launcher
 # (torchrun, srun, submitit) or our own launcher sets to say so.
@@ -277,13 +277,13 @@ def folder_violations(graph: dict[str, set[str]]) -> list[str]:
 def test_folder_rules_catch_an_upward_import() -> None:
     graph = {
         "flodl.runtime.wire.channel": {"flodl.runtime.controller.sums"},
-        "flodl.runtime.rank.worker": {"flodl.runtime.sync.averaging"},
+        "flodl.runtime.rank.loop": {"flodl.runtime.sync.averaging"},
         "flodl.elche.cadence": {"flodl.config", "flodl.runtime.sync.groups"},
-        "flodl.rig.links": {"flodl.config.cluster", "flodl.runtime.wire.links"},
+        "flodl.rig.links": {"flodl.config.cluster", "flodl.runtime.wire.rank_link"},
     }
     assert folder_violations(graph) == [
         "flodl.elche.cadence -> flodl.runtime.sync.groups",
-        "flodl.rig.links -> flodl.runtime.wire.links",
+        "flodl.rig.links -> flodl.runtime.wire.rank_link",
         "flodl.runtime.wire.channel -> flodl.runtime.controller.sums",
     ]
 

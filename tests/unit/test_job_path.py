@@ -12,7 +12,7 @@ import pytest
 
 from flodl import config, preflight
 from flodl.cli import app, sweep
-from flodl.runtime.rank.env import ExternalRole, is_follower, placed_cohort
+from flodl.runtime.wire.rank_env import ExternalRole, is_follower, placed_cohort
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLE = ExternalRole("torchrun", 1, 2, 1, "127.0.0.1", 29500, "cpu")

@@ -84,7 +84,7 @@ def test_solo_trains_with_rank_0s_size():
 def test_the_placement_carries_each_ranks_batch_size_to_the_spec_and_the_planner():
     from flodl.placement.batches import place_batches
     from flodl.runtime.controller.controller import Controller
-    from flodl.runtime.rank.spec import JobSpec
+    from flodl.runtime.wire.job_spec import JobSpec
 
     rig = ClusterConfig(kind="cpu_rig", ranks=2, batch_sizes=[64, 16])
     cfg = TrainerConfig(batch_size=32, cluster=rig)

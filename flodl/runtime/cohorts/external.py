@@ -46,8 +46,8 @@ from flodl.config import Mode, TrainerConfig
 from flodl.placement.topology import Topology
 from flodl.runtime.cohorts.control_server import ControlPlane
 from flodl.runtime.controller.controller import Controller, ControllerResult, RunFailed
-from flodl.runtime.rank import env as rank_env
-from flodl.runtime.rank.spec import JobSpec
+from flodl.runtime.wire import rank_env
+from flodl.runtime.wire.job_spec import JobSpec
 from flodl.runtime.wire.store import serve_store, shared_store
 
 log = logging.getLogger(__name__)
@@ -244,8 +244,8 @@ def _own_rank(role: rank_env.RankEnv, secret: bytes, failures: list[BaseExceptio
 
 
 def follow_job(role: rank_env.ExternalRole, config: TrainerConfig) -> int:
-    """A follower's part in one job (see :func:`flodl.runtime.rank.env.is_follower`): train as a
-    worker of rank 0's; the exit code (a solo job trains on rank 0 alone: nothing to do)."""
+    """A follower's part in one job (see :func:`flodl.runtime.wire.rank_env.is_follower`): train
+    as a follower of rank 0's; the exit code (a solo job trains on rank 0 alone: nothing to do)."""
     if config.elche.mode is Mode.SOLO:
         return 0
     return follow(role, config.cluster.start_timeout_s)

@@ -13,7 +13,7 @@ The controller is composed of parts, each owning its state and given what it nee
 =====================================================  =======================================
 part                                                   owns
 =====================================================  =======================================
-:class:`~flodl.runtime.wire.links.Outbound`                 the links to the ranks (sending)
+:class:`~flodl.runtime.wire.rank_link.Outbound`                 the links to the ranks (sending)
 :class:`~flodl.runtime.controller.membership.Membership`          the alive mask, generation,
 heartbeats
 :class:`~flodl.runtime.controller.planning.Planner`               cursors, open windows, epochs,
@@ -55,8 +55,7 @@ from flodl.runtime.controller.opening import Opening, make_elche
 from flodl.runtime.controller.planning import Planner, PlanningConfig
 from flodl.runtime.controller.snapshots import Checkpointer, ResumePoint
 from flodl.runtime.controller.tracking import ControllerResult, WindowTrack
-from flodl.runtime.rank import chaos
-from flodl.runtime.wire.links import Outbound
+from flodl.runtime.wire import chaos
 from flodl.runtime.wire.messages import (
     EvalResult,
     Final,
@@ -69,6 +68,7 @@ from flodl.runtime.wire.messages import (
     Settled,
     Stop,
 )
+from flodl.runtime.wire.rank_link import Outbound
 
 log = logging.getLogger(__name__)
 

@@ -23,18 +23,18 @@ import torch
 from torch import nn
 
 from flodl.config import ElCheConfig, Mode
-from flodl.runtime.rank import chaos
 from flodl.runtime.sync.averaging import FlatState, collective_average
 from flodl.runtime.sync.codec import Packed, RankCodec
 from flodl.runtime.sync.compress import Compressor
 from flodl.runtime.sync.gradsync import GradSync
 from flodl.runtime.sync.outer import make_outer
 from flodl.runtime.sync.sharded_optimizer import ShardedOptimizer
+from flodl.runtime.wire import chaos
 from flodl.runtime.wire.messages import Average, Plan, Regroup, Window
 
 
 class Member(Protocol):
-    """What a sync mode reads and asks of its rank (:class:`flodl.runtime.rank.worker.Worker`)."""
+    """What a sync mode reads and asks of its rank (:class:`flodl.runtime.rank.loop.RankLoop`)."""
 
     rank: int
     world: int

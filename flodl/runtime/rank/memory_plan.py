@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from flodl.config import Mode, TrainerConfig
-from flodl.rig.memory import DeviceMemory, MiB, training_state
+from flodl.rig.device_memory import DeviceMemory, MiB, training_state
 from flodl.runtime.rank.shard_plan import MemoryPlanError, shardable, wrap
 
 log = logging.getLogger(__name__)
@@ -220,7 +220,7 @@ class _Meter:
 def _probe(worker: Any, meter: _Meter, size: int, plan: tuple[str, ...]) -> int | None:
     """Peak of one step of the rank's model at batch ``size`` under ``plan`` (two micro-batches
     when gradients accumulate)."""
-    from flodl.step.memory import HostOptimizer, set_recompute
+    from flodl.step.plan_elements import HostOptimizer, set_recompute
 
     model = worker.model
     set_recompute(model, "recompute" in plan)
@@ -308,7 +308,7 @@ def choose_plan(
             return _with_shard_numbers(worker, meter, plan, {})
         return _choose(worker, meter, size, may_shard)
     finally:
-        from flodl.step.memory import set_recompute
+        from flodl.step.plan_elements import set_recompute
 
         set_recompute(worker.model, True)
         with torch.no_grad():
@@ -326,7 +326,7 @@ def _with_shard_numbers(
 ) -> MemoryPlan:
     """``plan`` with the memory it leaves free for optimizer state (its step without the
     state) and the whole state's cost (its step with it, less without)."""
-    from flodl.step.memory import recompute
+    from flodl.step.plan_elements import recompute
 
     if "offload" in plan.elements:  # its state is on the host: it holds no share
         return dataclasses.replace(plan, free_bytes=0, state_bytes=0)
@@ -343,7 +343,7 @@ def _with_shard_numbers(
 
 
 def _choose(worker: Any, meter: _Meter, size: int, may_shard: bool = False) -> MemoryPlan:
-    from flodl.step.memory import recompute
+    from flodl.step.plan_elements import recompute
 
     recompute(worker.model)  # patched once, switched per probe
     total = int(meter.total)
@@ -402,7 +402,7 @@ class RankMemory:
 
     def simulate(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """CPU rig with ``cluster.memory_mb``: from here on the rank's allocations count against
-        its simulated device (flodl/rig/memory.py); past it, torch.OutOfMemoryError."""
+        its simulated device (flodl/rig/device_memory.py); past it, torch.OutOfMemoryError."""
         budget = self.cfg.cluster.rank_memory_mb(self.rank) if self.paced else None
         if budget is None or self.device.type != "cpu":
             return
@@ -439,7 +439,7 @@ class RankMemory:
         ``worker`` (its model, batch size and optimizer); announced by the controller from
         Ready."""
         from flodl.config.cluster import parse_memory_plan
-        from flodl.step.memory import recompute, set_recompute
+        from flodl.step.plan_elements import recompute, set_recompute
 
         requested = parse_memory_plan(self.cfg.cluster.rank_memory_plan(self.rank))
         cohort_may_shard = shardable(worker)
@@ -458,7 +458,7 @@ class RankMemory:
 
     def host_optimizer(self, worker: Any) -> Any:
         """The optimizer stepping on host copies (``offload``), its traffic charged on the rig."""
-        from flodl.step.memory import HostOptimizer
+        from flodl.step.plan_elements import HostOptimizer
 
         host = self.rig.host if self.rig is not None else contextlib.nullcontext
         charge = self._charge_offload if self.paced else None
@@ -473,14 +473,14 @@ class RankMemory:
 
     def _charge_offload(self, moved: int, stepped: int) -> None:
         """The rig: an offloaded step's host traffic and host step, in simulated time."""
-        from flodl.rig.memory import offload_step_s
+        from flodl.rig.device_memory import offload_step_s
 
         self.pacer.charge(offload_step_s(moved, stepped))
 
     def unplanned(self, model: torch.nn.Module) -> Any:
         """Steps as the device runs them without a plan (calibration's nominal step): nothing
         recomputed, nothing counted against the rig's memory (a measurement, not training)."""
-        from flodl.step.memory import recompute_off
+        from flodl.step.plan_elements import recompute_off
 
         stack = contextlib.ExitStack()
         stack.enter_context(recompute_off(model))

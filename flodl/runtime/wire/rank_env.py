@@ -29,7 +29,7 @@ LIFELINE = "FLODL_LIFELINE"  # "1": stdin stays open; its EOF means the launcher
 PLACED_BY = "FLODL_PLACED_BY"  # who placed an external rank ("torchrun" unless told)
 RENDEZVOUS_FILE = "FLODL_RENDEZVOUS_FILE"  # SLURM rank0 mode: where rank 0 publishes itself
 SECRET_FILE = "FLODL_SECRET_FILE"  # external placement: a file holding the control-plane secret
-CHAOS = "FLODL_CHAOS"  # test-only fault injection (flodl/runtime/rank/chaos.py); unset in real runs
+CHAOS = "FLODL_CHAOS"  # test-only fault injection (flodl/runtime/wire/chaos.py); unset in real runs
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import threading
 from collections import Counter
 from dataclasses import dataclass
 
-from flodl.runtime.rank import env as rank_env
+from flodl.runtime.wire import rank_env
 
 RANK_MOMENTS = (
     "hello",  # the process just started: before it reaches the controller

@@ -1,7 +1,7 @@
 """What a step can give up to fit a small device: activations recomputed, optimizer state on host.
 
 The two elements of a rank's memory plan (``cluster.memory_plan``; chosen per rank by
-:mod:`flodl.runtime.rank.memory`), both usable on any device:
+:mod:`flodl.runtime.rank.memory_plan`), both usable on any device:
 
 * **Activation recomputation** (:func:`recompute`): the model's blocks keep only their inputs for
   backward and run their forward again there (``torch.utils.checkpoint``, non-reentrant), so a

@@ -26,14 +26,13 @@ from flodl.data.residency import place
 from flodl.data.source import BatchSource, count_batches, resolve_dataset
 from flodl.monitor.metrics import drain_scalars
 from flodl.rig import links
-from flodl.rig.memory import DeviceMemory
+from flodl.rig.device_memory import DeviceMemory
 from flodl.rig.pacing import Pacer
-from flodl.runtime.rank import blame, chaos, shard_plan
+from flodl.runtime.rank import blame, shard_plan
 from flodl.runtime.rank.calibration import Calibration
 from flodl.runtime.rank.eval_shard import EvalShard
 from flodl.runtime.rank.lr_schedule import LrSchedule, scale_lr
-from flodl.runtime.rank.memory import RankMemory, own_batch_size
-from flodl.runtime.rank.spec import JobSpec, state_signature
+from flodl.runtime.rank.memory_plan import RankMemory, own_batch_size
 from flodl.runtime.rank.state import CheckpointState
 from flodl.runtime.rank.stepping import RankStep
 from flodl.runtime.rank.sync_modes import SoloSync, sync_for
@@ -42,6 +41,8 @@ from flodl.runtime.sync import groups
 from flodl.runtime.sync.averaging import FlatState
 from flodl.runtime.sync.compress import Compressor
 from flodl.runtime.sync.trainable import base_fingerprint
+from flodl.runtime.wire import chaos
+from flodl.runtime.wire.job_spec import JobSpec, state_signature
 from flodl.runtime.wire.messages import (
     Average,
     Final,
@@ -90,7 +91,7 @@ class _CohortBroke(RuntimeError):
         self.abandoned = abandoned
 
 
-class Worker:
+class RankLoop:
     """One rank's training state and loop."""
 
     def __init__(
