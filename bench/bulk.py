@@ -386,10 +386,10 @@ def disk(params: int, where: str) -> dict[str, Any]:
     import torch
 
     from flodl.checkpoint import shards
-    from flodl.runtime.wire.streaming import tensor_bytes
+    from flodl.runtime.wire.streaming import tensor_view
 
     flat = torch.randn(params)
-    view = tensor_bytes(flat)
+    view = tensor_view(flat)
     plain, shard = [], []
     with tempfile.TemporaryDirectory(prefix="flodl-bench-disk-", dir=where) as tmp:
 

@@ -152,7 +152,7 @@ def _stream(sums: SnapshotSums, report: Report) -> None:
     assert sorted(claimed) == list(range(len(tensors)))
     piece = sums_module.PIECE_BYTES
     for index in sorted(claimed):
-        view = streaming.tensor_bytes(tensors[index])
+        view = streaming.tensor_view(tensors[index])
         for lo in range(0, len(view), piece):
             claimed[index](lo, view[lo : lo + piece])
 

@@ -226,7 +226,7 @@ def test_the_dry_build_stays_cheap_no_dynamo_import():
         "spec = JobSpec(TrainerConfig(), lambda d: torch.nn.Linear(2, 2),\n"
         "    lambda p: torch.optim.Adam(p, lr=0.1), None, None,\n"
         "    scheduler_factory=lambda o: torch.optim.lr_scheduler.StepLR(o, 1))\n"
-        "assert preflight.model_signature(spec, {})\n"
+        "assert preflight.launch_signature(spec, {})\n"
         "topology = resolve_topology(spec.config, probe_hosts=False)\n"
         "assert preflight.check_launch(spec, topology)['base_lr'] == 0.1\n"
         "assert 'torch._dynamo' not in sys.modules, 'launch checks imported torch._dynamo'\n"
@@ -387,10 +387,10 @@ def test_python_api_signature_guards_resume():
             dataset=None,
         )
 
-    first = launch.model_signature(spec(model), {})
-    assert first and first == launch.model_signature(spec(model), {})
-    assert first != launch.model_signature(spec(wider), {})
-    assert launch.model_signature(spec(wider), {"model_signature": "hydra"}) == "hydra"
+    first = launch.launch_signature(spec(model), {})
+    assert first and first == launch.launch_signature(spec(model), {})
+    assert first != launch.launch_signature(spec(wider), {})
+    assert launch.launch_signature(spec(wider), {"model_signature": "hydra"}) == "hydra"
 
 
 def test_a_metric_named_in_its_source_is_checked_without_importing_its_package(tmp_path):

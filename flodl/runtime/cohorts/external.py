@@ -60,8 +60,9 @@ def next_run_key(role: rank_env.ExternalRole) -> str:
     return f"flodl/{role.restart}/{next(_RUNS)}/"
 
 
-def rendezvous_store(role: rank_env.ExternalRole, timeout_s: float) -> Any:
-    """The launcher's store at MASTER_ADDR:MASTER_PORT: torchrun's agent store, or rank 0's."""
+def placed_store(role: rank_env.ExternalRole, timeout_s: float) -> Any:
+    """The store of a placed rank (torchrun, srun) at MASTER_ADDR:MASTER_PORT: torchrun's agent
+    store, or rank 0's."""
     return shared_store(
         role.master_addr, role.master_port, role.rank == 0 and not role.agent_store, timeout_s
     )
@@ -197,7 +198,7 @@ class ExternalCohort:
             _write_private(Path(role.rendezvous_file), {"controller": controller, "secret": secret})
             return role.master_addr, self._store.port
         _check_secret_source(role)  # torchrun / srun: their store at MASTER_ADDR:MASTER_PORT
-        self._store = rendezvous_store(role, self.spec.config.cluster.start_timeout_s)
+        self._store = placed_store(role, self.spec.config.cluster.start_timeout_s)
         if role.secret_file:
             self._store.set(key + "controller", controller)
         else:  # one host: the secret and address go through this user's private folder
@@ -262,7 +263,7 @@ def follow(role: rank_env.ExternalRole, timeout_s: float = 120.0) -> int:
         controller, secret = published["controller"], bytes.fromhex(published["secret"])
     else:
         _check_secret_source(role)
-        store = rendezvous_store(role, timeout_s)
+        store = placed_store(role, timeout_s)
         file_secret = _file_secret(role)
         if file_secret is not None:
             store.wait([key + "controller"], timedelta(seconds=timeout_s))

@@ -268,7 +268,7 @@ class Planner:
             n = b = 0
             for _, part in rank_chunks:
                 n += part
-                b -= -part // size  # ceil: chunk_batches
+                b -= -part // size  # ceil: count_batches
             samples.append(n)
             batches.append(b)
         if self.world > 1:

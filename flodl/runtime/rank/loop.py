@@ -35,7 +35,7 @@ from flodl.runtime.rank.lr_schedule import LrSchedule, scale_lr
 from flodl.runtime.rank.memory_plan import RankMemory, own_batch_size
 from flodl.runtime.rank.state import CheckpointState
 from flodl.runtime.rank.stepping import RankStep
-from flodl.runtime.rank.sync_modes import SoloSync, sync_for
+from flodl.runtime.rank.sync_modes import SyncMode, sync_for
 from flodl.runtime.rank.window_feed import WindowFeed
 from flodl.runtime.sync import groups
 from flodl.runtime.sync.averaging import FlatState
@@ -152,7 +152,7 @@ class RankLoop:
         self.optimizer = self.spec.optim_factory(self.model.parameters())
         self.device_memory.simulate(self.model, self.optimizer)
         # How this rank agrees on weights with the others: chosen once, from elche.mode.
-        self.sync: SoloSync = sync_for(self, self.cfg.elche, self.spec.world_size)
+        self.sync: SyncMode = sync_for(self, self.cfg.elche, self.spec.world_size)
         self.compressor: Compressor | None = self.sync.compressor  # the plan's probe reads it
         with self.device_memory.host():  # read or generated into host memory (placement decides)
             dataset = resolve_dataset(self.spec.dataset)
