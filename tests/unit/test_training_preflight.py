@@ -49,7 +49,7 @@ def test_16_mixed_is_refused_for_cpu_ranks_and_bf16_is_not():
 def test_auto_batch_search_finds_the_largest_fitting_size_in_few_probes(monkeypatch):
     from types import SimpleNamespace
 
-    from flodl.runtime.rank import memory
+    from flodl.runtime.rank import memory_plan as memory
 
     probes: list[int] = []
 
