@@ -301,3 +301,29 @@ def test_no_folder_holds_more_than_fifteen_modules() -> None:
             folders[key] = folders.get(key, 0) + 1
     crowded = {k: n for k, n in folders.items() if n > MAX_MODULES_PER_FOLDER}
     assert not crowded, f"folders over {MAX_MODULES_PER_FOLDER} modules: {crowded}"
+
+
+# The command line sits on top: the library (everything but flodl.cli and `python -m flodl`)
+# never imports it, so the Python API runs without the CLI's modules.
+CLI = "flodl.cli"
+CLI_ENTRIES = ("flodl.cli", "flodl.__main__")
+
+
+def cli_importers(graph: dict[str, set[str]]) -> list[str]:
+    return [
+        f"{source} -> {target}"
+        for source, targets in sorted(graph.items())
+        if not any(_inside(source, entry) for entry in CLI_ENTRIES)
+        for target in sorted(targets)
+        if _inside(target, CLI)
+    ]
+
+
+def test_the_cli_rule_catches_a_library_import() -> None:
+    graph = {"flodl.trainer": {"flodl.cli.signals"}, "flodl.__main__": {"flodl.cli.train"}}
+    assert cli_importers(graph) == ["flodl.trainer -> flodl.cli.signals"]
+
+
+def test_the_library_does_not_import_the_cli() -> None:
+    bad = cli_importers(import_graph())
+    assert not bad, "the library imports the CLI:\n" + "\n".join(bad)
