@@ -21,7 +21,6 @@ from flodl.config.elche import (
     ELCHE_PRESETS,
     ElCheConfig,
     Guard,
-    Mode,
     Outer,
     preset_yaml_keys,
 )
@@ -29,6 +28,7 @@ from flodl.config.groups import SCHEMA_GROUPS, schema_node
 from flodl.config.loader import LoaderConfig, LoaderOverride, Placement
 from flodl.config.locate import check_locatable, defined_in_source, resolve_dotted
 from flodl.config.logger import LoggerConfig, MlflowConfig, WandbConfig
+from flodl.config.modes import MODES, Mode, ModePolicy
 from flodl.config.run import RunConfig, explain, validate_run_config, validate_trainer_config
 from flodl.config.task import SchedulerConfig, TargetConfig, TaskConfig
 from flodl.config.trainer import (
@@ -41,6 +41,7 @@ from flodl.config.trainer import (
 
 __all__ = [
     "ELCHE_PRESETS",
+    "MODES",
     "SCHEMA_GROUPS",
     "CallbackPolicy",
     "ClusterConfig",
@@ -54,6 +55,7 @@ __all__ = [
     "LoggerConfig",
     "MlflowConfig",
     "Mode",
+    "ModePolicy",
     "MonitorConfig",
     "Outer",
     "Placement",

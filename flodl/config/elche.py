@@ -8,27 +8,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from flodl.config.base import _Schema
-
-
-class Mode(str, Enum):
-    """Averaging mode (docs/design/modes.md); ``nccl`` = the collective backend (NCCL on CUDA,
-    else gloo)."""
-
-    NCCL_SYNC = "nccl_sync"
-    NCCL_CADENCE = "nccl_cadence"
-    CPU_SYNC = "cpu_sync"
-    CPU_CADENCE = "cpu_cadence"
-    CPU_ASYNC = "cpu_async"
-    SOLO = "solo"
-
-    @property
-    def is_sync(self) -> bool:
-        return self in (Mode.NCCL_SYNC, Mode.CPU_SYNC)
-
-    @property
-    def via_controller(self) -> bool:
-        """True when averaging goes through the controller (snapshots in, average out)."""
-        return self in (Mode.CPU_SYNC, Mode.CPU_CADENCE, Mode.CPU_ASYNC)
+from flodl.config.modes import MODES, Mode
 
 
 class Guard(str, Enum):
@@ -103,12 +83,12 @@ class ElCheConfig(_Schema):
             raise ValueError(f"min_anchor={lo} exceeds max_anchor={self.max_anchor}")
         if self.anchor > self.max_anchor:
             raise ValueError(f"anchor={self.anchor} exceeds max_anchor={self.max_anchor}")
-        if self.compress != "none" and self.mode in (Mode.NCCL_SYNC, Mode.SOLO):
-            nccl_sync = self.mode is Mode.NCCL_SYNC
-            why = "reduces gradients, not averages" if nccl_sync else "averages nothing"
+        why = self.mode.policy.compress_refusal
+        if self.compress != "none" and why is not None:
+            takers = [m.value for m, p in MODES.items() if p.compress_refusal is None]
             raise ValueError(
                 f"elche.compress={self.compress}: mode={self.mode.value} {why}; compression "
-                "applies to nccl_cadence, cpu_sync, cpu_cadence and cpu_async "
+                f"applies to {', '.join(takers[:-1])} and {takers[-1]} "
                 "(or set elche.compress=none)"
             )
         return self
@@ -125,7 +105,7 @@ class ElCheConfig(_Schema):
 
     @property
     def effective_easgd_alpha(self) -> float | None:
-        if self.mode is not Mode.CPU_ASYNC:
+        if not self.mode.policy.easgd:
             return None
         return self.easgd_alpha if self.easgd_alpha is not None else 0.5
 
@@ -161,21 +141,11 @@ class ElCheConfig(_Schema):
         return cls.preset(Mode.SOLO, **kw)
 
 
-#: What each ElChe preset changes from :class:`ElCheConfig`'s defaults: the one table behind
-#: ``ElCheConfig.<mode>()`` and ``conf/elche/<mode>.yaml`` (which states just these keys; the
-#: rest comes from the schema, registered for Hydra as ``elche/_schema``, flodl/config/groups.py).
-ELCHE_PRESETS: dict[Mode, dict[str, Any]] = {
-    Mode.NCCL_SYNC: {"anchor": 1},  # sync every step
-    Mode.NCCL_CADENCE: {},
-    Mode.CPU_SYNC: {"anchor": 1},
-    Mode.CPU_CADENCE: {},
-    # cpu_async windows as nccl_cadence (docs/design/modes.md; the original's preset keeps anchor
-    # 10): at
-    # anchor 1 its overlapped averaging never measures an overhead to grow the anchor from, so
-    # it averaged every slow-rank batch, each arrival an EASGD pull toward a stale centre
-    Mode.CPU_ASYNC: {},
-    Mode.SOLO: {},
-}
+#: What each ElChe preset changes from :class:`ElCheConfig`'s defaults (each mode's ``preset``
+#: in flodl/config/modes.py): the one table behind ``ElCheConfig.<mode>()`` and
+#: ``conf/elche/<mode>.yaml`` (which states just these keys; the rest comes from the schema,
+#: registered for Hydra as ``elche/_schema``, flodl/config/groups.py).
+ELCHE_PRESETS: dict[Mode, dict[str, Any]] = {m: dict(p.preset) for m, p in MODES.items()}
 
 
 def preset_yaml_keys(mode: Mode) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from flodl.config.cluster import ClusterConfig
 from flodl.config.elche import ElCheConfig
 from flodl.config.loader import LoaderConfig
 from flodl.config.logger import LoggerConfig
+from flodl.config.modes import MODES
 
 
 class CallbackPolicy(_Schema):
@@ -153,12 +154,13 @@ class TrainerConfig(TrainerKnobs):
 
     @model_validator(mode="after")
     def _shard_needs_sync(self) -> TrainerConfig:
-        if self.cluster.plans_shard() and self.elche.mode.value != "nccl_sync":
+        if self.cluster.plans_shard() and not self.elche.mode.policy.shards_state:
+            sharding = " or ".join(m.value for m, p in MODES.items() if p.shards_state)
             raise ValueError(
                 f"cluster.memory_plan={self.cluster.memory_plan}: shard splits the optimizer "
                 "state across ranks that step with the same gradient, which only "
-                f"elche.mode=nccl_sync does (mode is {self.elche.mode.value}); use offload, "
-                "or elche.mode=nccl_sync"
+                f"elche.mode={sharding} does (mode is {self.elche.mode.value}); use offload, "
+                f"or elche.mode={sharding}"
             )
         return self
 

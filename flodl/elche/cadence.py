@@ -88,7 +88,7 @@ class ElChe:
             raise ValueError(f"world_size={world_size}: must be an integer >= 1")
         self._config = config
         self._world = world_size
-        self._sync = config.mode.is_sync
+        self._sync = config.mode.policy.lock_step
         self._lo, self._hi = config.effective_min_anchor, config.max_anchor
         self._hint = _check_hint(speed_hint, world_size)
         self._ratios = config.partition_ratios

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from flodl.config import ConfigError, Mode, TrainerConfig
+from flodl.config import ConfigError, TrainerConfig
 from flodl.placement.topology import Topology
 
 
@@ -33,7 +33,7 @@ def rank_batch_sizes(config: TrainerConfig, topology: Topology) -> list[int | No
     cluster, world = config.cluster, topology.world_size
     sizes: list[int | str | None]
     if isinstance(cluster.batch_sizes, list):
-        solo = config.elche.mode is Mode.SOLO  # rank 0 alone: its size
+        solo = config.elche.mode.policy.alone  # rank 0 alone: its size
         if len(cluster.batch_sizes) != world and not solo:
             raise ConfigError(
                 f"cluster.batch_sizes={cluster.batch_sizes}: {len(cluster.batch_sizes)} entries "

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from types import EllipsisType
 
-from flodl.config import ClusterConfig, ConfigError, Mode, TrainerConfig, WorkerConfig
+from flodl.config import ClusterConfig, ConfigError, TrainerConfig, WorkerConfig
 from flodl.runtime.wire import rank_env
 
 
@@ -87,7 +87,7 @@ def resolve_topology(
     (``probe_hosts=False`` skips that, for validation only).
     """
     cluster = config.cluster
-    solo = config.elche.mode is Mode.SOLO
+    solo = config.elche.mode.policy.alone  # rank 0 trains alone
     external = rank_env.external_role() if isinstance(placed, EllipsisType) else placed
     if external is not None and rank_env.placed_cohort(external, solo):
         return _external(cluster, external)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from flodl.config import ConfigError, LoaderConfig, LoaderOverride, Mode, TrainerConfig
+from flodl.config import ConfigError, LoaderConfig, LoaderOverride, TrainerConfig
 from flodl.config.extras import check_extras
 from flodl.placement.batches import place_batches, rank_devices
 from flodl.placement.topology import Topology
@@ -114,7 +114,7 @@ def rank_loaders(config: TrainerConfig, topology: Topology) -> list[LoaderConfig
     base, world = config.loader, topology.world_size
     overrides: list[LoaderOverride | None]
     if base.ranks is not None:
-        if len(base.ranks) != world and config.elche.mode is not Mode.SOLO:
+        if len(base.ranks) != world and not config.elche.mode.policy.alone:
             raise ConfigError(
                 f"loader.ranks: {len(base.ranks)} entries but the run has {world} rank(s); "
                 "give one override per rank ({} inherits the loader node)"

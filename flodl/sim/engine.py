@@ -298,7 +298,7 @@ class Simulator:
         if r.state == "dead":
             return
         b = count_batches(w.chunks, self.work.batch_size)
-        divergence = None if self.mode.is_sync else 0.01
+        divergence = None if self.mode.policy.lock_step else 0.01
         report = Report(
             r.rank,
             w.index,

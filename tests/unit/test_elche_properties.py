@@ -97,7 +97,7 @@ def test_cycle_invariants(
         assert cycle.phase is phase_for(elche.state().calibration_count)
         if config.max_batch_diff is not None:
             assert max(cycle.counts) - min(cycle.counts) <= config.max_batch_diff
-        if config.mode.is_sync:
+        if config.mode.policy.lock_step:
             assert cycle.counts == [config.anchor] * world
             assert cycle.anchor == config.anchor
         assert math.isclose(sum(elche.batch_share()), 1.0)

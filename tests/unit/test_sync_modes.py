@@ -55,7 +55,7 @@ def _member(world: int = 2):
 def test_the_mode_is_chosen_once_from_elche_mode(mode: Mode, world: int, kind: type) -> None:
     sync = sync_for(_member(world), ElCheConfig(mode=mode), world)
     assert type(sync) is kind
-    assert (sync.snapshot() is not None) == mode.via_controller
+    assert (sync.snapshot() is not None) == mode.policy.via_controller
 
 
 def test_only_nccl_sync_reduces_gradients_in_backward() -> None:

@@ -42,7 +42,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from flodl.config import Mode, TrainerConfig
+from flodl.config import TrainerConfig
 from flodl.placement.topology import Topology
 from flodl.runtime.cohorts.control_server import ControlPlane
 from flodl.runtime.controller.controller import Controller, ControllerResult, RunFailed
@@ -247,7 +247,7 @@ def _own_rank(role: rank_env.RankEnv, secret: bytes, failures: list[BaseExceptio
 def follow_job(role: rank_env.ExternalRole, config: TrainerConfig) -> int:
     """A follower's part in one job (see :func:`flodl.runtime.wire.rank_env.is_follower`): train
     as a follower of rank 0's; the exit code (a solo job trains on rank 0 alone: nothing to do)."""
-    if config.elche.mode is Mode.SOLO:
+    if config.elche.mode.policy.alone:
         return 0
     return follow(role, config.cluster.start_timeout_s)
 

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from flodl.config import ElCheConfig, Mode, Outer
+from flodl.config import ElCheConfig, Outer
 from flodl.elche import ElChe
 from flodl.elche.guard import Verdict
 from flodl.monitor.metrics import EpochMetrics, SyncEvent
@@ -44,14 +44,15 @@ class Aggregator:
         saved: dict[str, Any] | None = None,
     ) -> None:
         self.elche_cfg, self.world, self.elche = elche_cfg, world, elche
-        self.mode = elche_cfg.mode
+        self.policy = elche_cfg.mode.policy  # does the controller average, count syncs
         self.hooks, self.out, self.eval_metric = hooks, out, eval_metric
         self.events: list[SyncEvent] = []
         self.closed_epochs: list[EpochMetrics] = []
-        compressed = self.mode.via_controller and elche_cfg.compress != "none"
+        via_controller = self.policy.via_controller
+        compressed = via_controller and elche_cfg.compress != "none"
         # elche.compress: averages go down as changes against versions the ranks hold
         self.codec = ConsensusCodec(elche_cfg.compress) if compressed else None
-        self.sums = SnapshotSums(elche_cfg.gamma, self.codec) if self.mode.via_controller else None
+        self.sums = SnapshotSums(elche_cfg.gamma, self.codec) if via_controller else None
         self.down_bytes = 0  # averages' bytes sent, each rank counted (the summary's)
         self.averages = 0  # averages sent (a tainted window's None not counted)
         self.outer: Any = None
@@ -97,7 +98,7 @@ class Aggregator:
 
     def complete(self, track: WindowTrack) -> Verdict | None:
         """A complete window: average it (cpu_* modes), log its cycle; ElChe's verdict."""
-        if self.mode.via_controller and self.world > 1:
+        if self.policy.via_controller and self.world > 1:
             self._average(track, [track.reports[r] for r in sorted(track.reports)])
         return self._record_cycle(track)
 
@@ -210,7 +211,7 @@ class Aggregator:
                 return
             previous = epochs.get(epoch - 1)
             track.start = previous.end if previous is not None else self.t_train
-            syncs = len(self.events) if self.world > 1 and self.mode is not Mode.SOLO else 0
+            syncs = len(self.events) if self.world > 1 and self.policy.averages else 0
             metrics = track.metrics(
                 syncs,
                 self.events[-1] if self.events else None,

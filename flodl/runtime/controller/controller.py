@@ -426,7 +426,7 @@ class Controller:
 
     def complete(self, track: WindowTrack) -> None:
         """Every expected report of ``track`` is in: aggregate it, then plan on."""
-        if not self.cfg.elche.mode.via_controller and self.world > 1:
+        if self.cfg.elche.mode.policy.settles and self.world > 1:
             self.elastic.remember(track)  # until its averaging is known to have held
         verdict = self.aggregator.complete(track)
         if verdict is not None:

@@ -14,7 +14,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from flodl.config import ElCheConfig, Mode, TrainerConfig
+from flodl.config import ElCheConfig, TrainerConfig
 from flodl.elche import (
     ElChe,
     auto_max_overshoot,
@@ -99,7 +99,8 @@ class Planner:
         """``placed``: each rank's batch size as the placement configured it
         (:mod:`flodl.placement.batches`; ``None``: probed on the rank, which says it in Ready)."""
         world = members.world_size
-        self.cfg, self.world, self.mode, self.has_eval = cfg, world, cfg.elche.mode, has_eval
+        self.cfg, self.world, self.has_eval = cfg, world, has_eval
+        self.policy = cfg.elche.mode.policy  # what the mode asks of the planner
         self.members, self.elche, self.checkpointer, self.out = members, elche, checkpointer, out
         self.lookahead = lookahead
         self.cursors: dict[int, EpochCursor] = {}
@@ -144,7 +145,7 @@ class Planner:
         self.fill(paused=False)
 
     def _init_async(self, n_samples: int) -> None:
-        if self.mode is not Mode.CPU_ASYNC:
+        if not self.policy.overshoot:
             return
         configured = self.cfg.elche.max_overshoot
         if configured is not None:
@@ -155,8 +156,9 @@ class Planner:
         self.lookahead = max(self.lookahead, self.overshoot[0] + 1)
 
     def on_verdict(self, verdict: Verdict) -> None:
-        """cpu_async with an automatic overshoot: ElChe's verdict moves the averages in flight."""
-        if self.mode is not Mode.CPU_ASYNC or self.cfg.elche.max_overshoot is not None:
+        """An overshooting mode (cpu_async) with an automatic overshoot: ElChe's verdict moves
+        the averages in flight."""
+        if not self.policy.overshoot or self.cfg.elche.max_overshoot is not None:
             return
         current, initial, cap = self.overshoot
         self.overshoot = (step_max_overshoot(current, verdict, initial, cap), initial, cap)
@@ -192,7 +194,7 @@ class Planner:
         return any(t.all_planned and not t.closed for t in self.epochs.values())
 
     def _windows_per_plan(self) -> int:
-        if not self.mode.is_sync or self.elche is None or not self.elche.calibrated:
+        if not self.policy.lock_step or self.elche is None or not self.elche.calibrated:
             return 1
         slow = max((ms for ms in self.elche.smoothed_ms if ms), default=0.0)
         if slow <= 0:
@@ -228,7 +230,7 @@ class Planner:
         alive = self.members.alive
         if self.elche is None:
             return [min(remaining, self._solo_batches())]
-        if self.mode.is_sync:  # lock-step: one batch each, then average (classic DDP)
+        if self.policy.lock_step:  # lock-step: one batch each, then average (classic DDP)
             counts, left = [], remaining
             for ok in alive:
                 counts.append(1 if ok and left > 0 else 0)
@@ -285,9 +287,9 @@ class Planner:
         settle = consensus = False
         if cursor.done:
             # cpu_async: the epoch ends at one set of weights (what is evaluated, saved, returned)
-            consensus = self.mode is Mode.CPU_ASYNC and len(self.alive) > 1
+            consensus = self.policy.consensus and len(self.alive) > 1
             track.all_planned = True
-            settle = self.world > 1 and self.mode is not Mode.SOLO and not self.mode.via_controller
+            settle = self.world > 1 and self.policy.settles
             if settle:
                 track.unsettled = set(self.alive)
                 self.settle_windows[index] = cursor.epoch
@@ -307,7 +309,7 @@ class Planner:
         # tail with fewer batches than ranks, the parameter average as in the other modes).
         # With sharded optimizer state every rank must step its pieces: a rank without a batch
         # joins the all-reduce with a zero gradient (weight 0) instead.
-        grads = self.mode is Mode.NCCL_SYNC and len(self.alive) > 1
+        grads = self.policy.gradient_sync and len(self.alive) > 1
         grads = grads and (self.sharded_state or all(batches[r] > 0 for r in self.alive))
         self.windows[index] = WindowTrack(
             index, cursor.epoch, batches, list(chunks), set(self.alive)

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from flodl.config import Mode, TrainerConfig
+from flodl.config import TrainerConfig
 from flodl.rig.device_memory import DeviceMemory, MiB, training_state
 from flodl.runtime.rank.shard_plan import MemoryPlanError, shardable, wrap
 
@@ -265,7 +265,7 @@ def _gradient_buckets(worker: Any) -> torch.Tensor | None:
     (flodl/runtime/sync/gradsync.py), so they are there while the next backward makes new
     gradients: as large as the trainable parameters, held through the probe's backward (in
     the optimizer step the gradients are views of them: counted once, as gradients)."""
-    if worker.mode is not Mode.NCCL_SYNC or worker.world <= 1:
+    if not worker.mode.policy.gradient_sync or worker.world <= 1:
         return None
     nbytes = sum(p.numel() * p.element_size() for p in worker.model.parameters() if p.requires_grad)
     return torch.empty(nbytes, dtype=torch.uint8, device=worker.device)
@@ -279,7 +279,7 @@ def _averaging_temporaries(worker: Any) -> None:
         return
     state = worker.state
     held = [state.flatten()]
-    if worker.mode.via_controller or worker.compressor is not None:
+    if worker.mode.policy.via_controller or worker.compressor is not None:
         held.append(state.flatten())
     state.divergence(state.current(), held[0])
     del held

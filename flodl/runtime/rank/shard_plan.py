@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 
-from flodl.config import Mode
 from flodl.config.cluster import parse_memory_plan
 from flodl.runtime.sync import shard_cut
 from flodl.runtime.sync.sharded_optimizer import ShardedOptimizer, elementwise
@@ -38,7 +37,7 @@ def shardable(worker: Any) -> bool:
     for ``shard``, or ``auto`` where budgets exist (the rig's memory_mb, CUDA) and the
     optimizer is elementwise. Every rank computes the same answer from the config."""
     cfg, spec = worker.cfg, worker.spec
-    if cfg.elche.mode is not Mode.NCCL_SYNC or spec.world_size < 2:
+    if not cfg.elche.mode.policy.shards_state or spec.world_size < 2:
         return False
     cluster = cfg.cluster
     if cluster.plans_shard():

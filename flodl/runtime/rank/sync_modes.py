@@ -9,6 +9,10 @@ rank loop calls at fixed points, not ``if mode`` branches inside the loop:
   controller with the report, its average comes back (cpu_async: blended in between steps);
 * :class:`SoloSync` (``solo``, or one rank): nothing to agree on.
 
+Which class runs a mode, and what the mode declares to the controller's side (its policy: the
+hooks read ``self.policy`` instead of the mode's name), is the mode's one entry in the registry,
+:data:`flodl.config.modes.MODES`.
+
 Membership (a lost peer, a new group) stays with the rank (:class:`Member`): a mode asks it to run
 a collective, wait for the next membership, or form one.
 """
@@ -22,7 +26,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from flodl.config import ElCheConfig, Mode
+from flodl.config import ElCheConfig, resolve_dotted
 from flodl.runtime.sync.averaging import FlatState, collective_average
 from flodl.runtime.sync.codec import Packed, RankCodec
 from flodl.runtime.sync.compress import Compressor
@@ -63,6 +67,7 @@ class SyncMode:
     does not override, it does not need (:class:`SoloSync` overrides nothing)."""
 
     def __init__(self, member: Member, elche: ElCheConfig) -> None:
+        self.policy = elche.mode.policy  # what the mode declares (flodl/config/modes.py)
         self.member = member
         self.state = member.state
         self.link = member.link
@@ -130,11 +135,10 @@ class SoloSync(SyncMode):
 class CollectiveSync(SyncMode):
     """``nccl_sync`` and ``nccl_cadence``: the ranks average in a collective among themselves."""
 
-    def __init__(self, member: Member, elche: ElCheConfig, mode: Mode) -> None:
+    def __init__(self, member: Member, elche: ElCheConfig) -> None:
         super().__init__(member, elche)
-        self.mode = mode
         self.grad_sync: GradSync | None = None  # nccl_sync's gradient all-reduce
-        if mode is Mode.NCCL_SYNC:
+        if self.policy.gradient_sync:
             self.grad_sync = GradSync(
                 member.model, doomed=member._doomed, buffers=self.state.buffers
             )
@@ -207,7 +211,7 @@ class CollectiveSync(SyncMode):
             elif self.outer is not None:  # the same update on every rank: still in step
                 self._outer_step()
             return averaged
-        guard = not self.mode.is_sync
+        guard = not self.policy.lock_step
         before = self.state.flatten() if guard and self.outer is not None else None
         if not self._averaged(window.weight, window.buffer_weight, measure=guard):
             member._unaveraged = window.index  # the lost rank's work there never arrived
@@ -262,9 +266,8 @@ class ControllerSync(SyncMode):
     reports carry and sends the average back; cpu_async keeps training meanwhile, within
     ``Window.max_overshoot`` windows, and blends each average in at ``easgd_alpha``."""
 
-    def __init__(self, member: Member, elche: ElCheConfig, mode: Mode) -> None:
+    def __init__(self, member: Member, elche: ElCheConfig) -> None:
         super().__init__(member, elche)
-        self.mode = mode
         self.runner = member.runner
         self.device = member.device
         self.alpha = elche.effective_easgd_alpha
@@ -293,7 +296,7 @@ class ControllerSync(SyncMode):
             return True
         chaos.point("average", self.member.rank)
         self._outstanding.append(window.index)
-        limit = window.max_overshoot if self.mode is Mode.CPU_ASYNC else 0
+        limit = window.max_overshoot if self.policy.overshoot else 0
         if window.consensus:  # cpu_async, an epoch's end: wait for it, take it whole
             self._whole.add(window.index)
             limit = 0
@@ -375,11 +378,11 @@ class ControllerSync(SyncMode):
 
 
 def sync_for(member: Member, elche: ElCheConfig, world_size: int) -> SyncMode:
-    """The rank's sync mode, chosen once from ``elche.mode`` (solo, or one rank without the
-    controller: nothing to agree on)."""
-    mode = elche.mode
-    if mode.via_controller:  # even alone: the controller reads the snapshots
-        return ControllerSync(member, elche, mode)
-    if mode is Mode.SOLO or world_size == 1:
+    """The rank's sync mode, chosen once: the ``rank_side`` class ``elche.mode`` declares
+    (flodl/config/modes.py). A collective mode alone has nothing to agree on (solo's); a mode
+    through the controller keeps its class even alone: the controller reads the snapshots."""
+    policy = elche.mode.policy
+    if world_size == 1 and not policy.via_controller:
         return SoloSync(member, elche)
-    return CollectiveSync(member, elche, mode)
+    rank_side: type[SyncMode] = resolve_dotted(policy.rank_side)
+    return rank_side(member, elche)

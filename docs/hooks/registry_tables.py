@@ -1,0 +1,62 @@
+"""MkDocs hook: render the extension registries' tables at build time.
+
+A page writes ``<!-- registry: NAME -->`` on a line of its own (``modes``, ``links``,
+``plan_elements``, ``codecs``); the hook replaces it with a table read from that registry
+(docs/design/registries.md), so the docs cannot drift from what the code declares.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Callable
+from typing import Any
+
+MARKER = re.compile(r"^<!-- registry: (\w+) -->$", re.MULTILINE)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else ""
+
+
+def modes() -> str:
+    registry = importlib.import_module("flodl.config.modes")
+    rows = []
+    for mode, p in registry.MODES.items():
+        cadence = "alone" if p.alone else "every step" if p.lock_step else "ElChe's windows"
+        where = "—" if p.alone else "controller" if p.via_controller else "collective"
+        rows.append(
+            [
+                f"`{mode.value}`",
+                p.summary,
+                cadence,
+                where,
+                f"`{p.rank_side.rsplit('.', 1)[1]}`",
+                _yes(p.overshoot),
+                _yes(p.gradient_sync),
+                "yes" if p.compress_refusal is None else "",
+            ]
+        )
+    header = ["mode", "how", "averages", "through", "rank side", "overshoot", "grad sync",
+              "compress"]  # fmt: skip
+    return _table(header, rows)
+
+
+RENDERERS: dict[str, Callable[[], str]] = {"modes": modes}
+
+
+def render(markdown: str) -> str:
+    def table(match: re.Match[str]) -> str:
+        return RENDERERS[match.group(1)]()
+
+    return MARKER.sub(table, markdown)
+
+
+def on_page_markdown(markdown: str, **_: Any) -> str:
+    return render(markdown) if "<!-- registry:" in markdown else markdown

@@ -1,0 +1,104 @@
+"""The extension registries: each axis declared once and read by config, code and docs.
+
+Sync modes (flodl/config/modes.py): every mode has one policy and one rank-side class, and no
+module outside the registry branches on a mode's name.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from flodl.config import ELCHE_PRESETS, MODES, ElCheConfig, Mode, resolve_dotted
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "flodl"
+
+
+# -- sync modes -------------------------------------------------------------------------------
+def test_every_mode_is_declared_once_with_its_rank_side_class():
+    from flodl.runtime.rank.sync_modes import SyncMode
+
+    assert list(MODES) == list(Mode)
+    for mode, policy in MODES.items():
+        assert policy.mode is mode and mode.policy is policy
+        assert issubclass(resolve_dotted(policy.rank_side), SyncMode), mode
+        assert policy.summary and ELCHE_PRESETS[mode] == dict(policy.preset)
+
+
+def test_what_the_policies_say_is_what_the_modes_did():
+    """The policies restate the behaviour the controller's branches had (behaviour unchanged)."""
+    flags = {
+        m.value: (p.lock_step, p.via_controller, p.gradient_sync, p.overshoot, p.alone)
+        for m, p in MODES.items()
+    }
+    assert flags == {
+        "nccl_sync": (True, False, True, False, False),
+        "nccl_cadence": (False, False, False, False, False),
+        "cpu_sync": (True, True, False, False, False),
+        "cpu_cadence": (False, True, False, False, False),
+        "cpu_async": (False, True, False, True, False),
+        "solo": (False, False, False, False, True),
+    }
+    assert [m.value for m, p in MODES.items() if p.settles] == ["nccl_sync", "nccl_cadence"]
+    assert [m.value for m, p in MODES.items() if p.compress_refusal] == ["nccl_sync", "solo"]
+    assert ElCheConfig.cpu_async().effective_easgd_alpha == 0.5
+    assert ElCheConfig.cpu_cadence().effective_easgd_alpha is None
+
+
+def _mode_branches(path: Path, root: Path = ROOT) -> list[str]:
+    """``Mode.X`` members and mode-name strings compared in ``path``'s code (a branch on a
+    mode's name), as ``file:line``."""
+    names = {m.value for m in Mode}
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        member = isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+        if member and node.value.id == "Mode" and node.attr.isupper():  # type: ignore[union-attr]
+            found.append(f"{path.relative_to(root)}:{node.lineno}")
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(isinstance(s, ast.Constant) and s.value in names for s in sides):
+                found.append(f"{path.relative_to(root)}:{node.lineno}")
+    return found
+
+
+def test_the_branch_finder_sees_members_and_names(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text(
+        "if mode is Mode.SOLO or cfg.mode == 'cpu_async':\n    pass\nx = Mode('solo')\n"
+    )
+    assert _mode_branches(path, tmp_path) == ["m.py:1", "m.py:1"]
+
+
+# Where a mode is named on purpose: the registry itself, and the public presets
+# (ElCheConfig.nccl_sync() ...), which name each mode once.
+DECLARES_MODES = {"flodl/config/modes.py", "flodl/config/elche.py"}
+
+
+def test_no_module_outside_the_registry_branches_on_a_mode():
+    found = [
+        hit
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if str(path.relative_to(ROOT)) not in DECLARES_MODES
+        for hit in _mode_branches(path)
+    ]
+    assert found == [], "branches on a mode's name outside flodl/config/modes.py: " + str(found)
+
+
+@pytest.mark.parametrize("mode", list(Mode), ids=lambda m: m.value)
+def test_a_sync_mode_object_is_the_policys_class(mode):
+    """sync_for builds the class the policy names (a collective mode alone: solo's)."""
+    from types import SimpleNamespace
+
+    from flodl.runtime.rank.sync_modes import SoloSync, sync_for
+
+    member = SimpleNamespace(state=SimpleNamespace(n_params=4), link=None, model=None)
+    member.runner, member.device, member._pending = None, "cpu", []
+    if mode.policy.gradient_sync:
+        pytest.skip("its gradient hooks need a real model (tests/unit/test_sync_modes.py)")
+    sync = sync_for(member, ElCheConfig(mode=mode), world_size=2)  # type: ignore[arg-type]
+    assert type(sync) is resolve_dotted(mode.policy.rank_side)
+    alone = sync_for(member, ElCheConfig(mode=mode), world_size=1)  # type: ignore[arg-type]
+    assert isinstance(alone, SoloSync) != mode.policy.via_controller
