@@ -48,7 +48,22 @@ def modes() -> str:
     return _table(header, rows)
 
 
-RENDERERS: dict[str, Callable[[], str]] = {"modes": modes}
+def _latency(ms: float) -> str:
+    return f"{ms * 1000:g} µs" if ms < 1 else f"{ms:g} ms"
+
+
+def links() -> str:
+    registry = importlib.import_module("flodl.config.link_profiles")
+    rows = [[f"`{registry.NO_LINK}` (default)", "—", "—", "—", "loopback: nothing charged"]]
+    for name, p in registry.LINK_PROFILES.items():
+        staged = "yes (×2 bytes)" if p.staged else "no"
+        rows.append([f"`{name}`", f"{p.bandwidth_gbps:g}", _latency(p.latency_ms), staged, p.what])
+    header = ["profile", "bandwidth (Gbit/s per direction)", "latency per hop",
+              "staged through host", "stands for"]  # fmt: skip
+    return _table(header, rows)
+
+
+RENDERERS: dict[str, Callable[[], str]] = {"modes": modes, "links": links}
 
 
 def render(markdown: str) -> str:

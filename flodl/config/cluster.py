@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from flodl.config.base import _Schema
+from flodl.config.link_profiles import LINK_NAMES, NO_LINK, known_link
 from flodl.config.loader import LoaderOverride
 
 
@@ -41,8 +42,8 @@ class SshConfig(_Schema):
 
 _LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
 
-#: The rig's link profiles (figures in flodl/rig/links.py); ``none``: loopback, nothing charged.
-LinkProfile = Literal["none", "nvlink", "pcie_no_p2p", "10gbe", "1gbe"]
+#: A link profile's name: ``none`` or one of the registry's (flodl/config/link_profiles.py).
+LinkName = Annotated[str, AfterValidator(known_link)]
 
 
 class LinkConfig(_Schema):
@@ -50,26 +51,28 @@ class LinkConfig(_Schema):
     ones, and (host clusters) the link between hosts. ``cluster.link=1gbe`` is shorthand for
     ``{profile: 1gbe}``."""
 
-    profile: LinkProfile = Field("none", description="the wire every collective crosses")
+    profile: LinkName = Field(NO_LINK, description="the wire every collective crosses")
     bandwidth_gbps: float | None = Field(
         None, gt=0, le=1e5, allow_inf_nan=False, description="Gbit/s per direction (replaces)"
     )
     latency_ms: float | None = Field(
         None, ge=0, le=1e4, allow_inf_nan=False, description="per message or ring hop (replaces)"
     )
-    between_hosts: LinkProfile | None = Field(
+    between_hosts: LinkName | None = Field(
         None, description="hosts clusters: the wire between hosts (collectives then cross it)"
     )
 
     @model_validator(mode="after")
     def _figures_need_a_wire(self) -> LinkConfig:
-        if self.profile == "none" and self.latency_ms is not None and self.bandwidth_gbps is None:
+        if self.profile == NO_LINK and self.latency_ms is not None and self.bandwidth_gbps is None:
             raise ValueError("link.latency_ms without a profile or bandwidth_gbps: set either")
         return self
 
     @property
     def charged(self) -> bool:
-        return self.profile != "none" or self.bandwidth_gbps is not None or bool(self.between_hosts)
+        return (
+            self.profile != NO_LINK or self.bandwidth_gbps is not None or bool(self.between_hosts)
+        )
 
 
 #: The elements a memory plan combines (flodl/step/plan_elements.py): activations recomputed in
@@ -128,7 +131,7 @@ class WorkerConfig(_Schema):
     loader: LoaderOverride | None = Field(
         None, description="this host's ranks depart from the loader node (placement, workers)"
     )
-    link: LinkProfile | None = Field(
+    link: LinkName | None = Field(
         None,
         description="the rig's link model: this host's link to the others (two hosts talk at "
         "the slower of their links); null: cluster.link.between_hosts",
@@ -260,7 +263,7 @@ class ClusterConfig(_Schema):
     )
     link: LinkConfig = Field(
         default_factory=LinkConfig,
-        description="the rig's link model: none, nvlink, pcie_no_p2p, 10gbe, 1gbe (or a dict)",
+        description=f"the rig's link model: {', '.join(LINK_NAMES)} (or a dict)",
     )
     shared_memory: bool = Field(
         True,

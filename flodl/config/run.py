@@ -72,11 +72,13 @@ def _format_location(loc: tuple[Any, ...], prefix: str) -> str:
 
 
 def _lookup(data: Any, loc: tuple[Any, ...]) -> Any:
-    for part in loc:
+    for i, part in enumerate(loc):
         if (isinstance(data, Mapping) and part in data) or (
             isinstance(data, list) and isinstance(part, int) and part < len(data)
         ):
             data = data[part]
+        elif isinstance(data, str) and i == len(loc) - 1:
+            return data  # a shorthand for its section's one key (cluster.link=1gbe)
         else:
             return None
     return data

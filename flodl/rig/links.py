@@ -31,18 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-#: Named link profiles: (bandwidth in Gbit/s per direction, latency per message or hop in ms,
-#: host-staged). ``none`` charges nothing (the rig as it was: loopback).
-PROFILES: dict[str, tuple[float, float, bool]] = {
-    # NVLink bridge of two consumer cards (RTX 3090: 56 GB/s per direction)
-    "nvlink": (450.0, 0.005, False),
-    # PCIe 4.0 x16 (~25 GB/s per direction in practice), no peer-to-peer: staged through host
-    "pcie_no_p2p": (200.0, 0.02, True),
-    # Ethernet between hosts: TCP round trips of tens of microseconds
-    "10gbe": (10.0, 0.05, False),
-    "1gbe": (1.0, 0.1, False),
-}
-LINK_NAMES = ("none", *PROFILES)
+from flodl.config.link_profiles import LINK_NAMES, LINK_PROFILES, NO_LINK, LinkProfile
 
 
 @dataclass(frozen=True)
@@ -87,17 +76,17 @@ class Wire:
 def wire_for(profile: str, bandwidth_gbps: float | None = None, latency_ms: float | None = None):
     """A profile's :class:`Wire`, with explicit figures replacing the profile's; None for
     ``none`` without figures (nothing is charged)."""
-    if profile == "none" and bandwidth_gbps is None:
+    if profile == NO_LINK and bandwidth_gbps is None:
         return None
-    if profile == "none":
-        base = (bandwidth_gbps, 0.0, False)
-    elif profile in PROFILES:
-        base = PROFILES[profile]
+    if profile == NO_LINK:
+        base = LinkProfile(NO_LINK, float(bandwidth_gbps or 0.0), 0.0, False, "")
+    elif profile in LINK_PROFILES:  # the registry's figures (flodl/config/link_profiles.py)
+        base = LINK_PROFILES[profile]
     else:
         raise ValueError(f"unknown link profile {profile!r}; one of {', '.join(LINK_NAMES)}")
-    bw = base[0] if bandwidth_gbps is None else bandwidth_gbps
-    lat = base[1] if latency_ms is None else latency_ms
-    return Wire(float(bw), float(lat), base[2])  # type: ignore[arg-type]
+    bw = base.bandwidth_gbps if bandwidth_gbps is None else bandwidth_gbps
+    lat = base.latency_ms if latency_ms is None else latency_ms
+    return Wire(float(bw), float(lat), base.staged)
 
 
 class LinkModel:
@@ -321,7 +310,8 @@ def model_for_rank(cluster: Any, rank: int):
     home = next((w for w in cluster.workers if w.host == cluster.controller.host), None)
     to_controller = None
     if mine is not None:
-        far = _host_wire(home, link) if home is not None else wire_for(link.between_hosts or "none")
+        between = wire_for(link.between_hosts or NO_LINK)
+        far = _host_wire(home, link) if home is not None else between
         to_controller = slower(_host_wire(mine, link), far)
     return model_for(
         link, spans_hosts=True, remote_controller=remote, between=ring, to_controller=to_controller

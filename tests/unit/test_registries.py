@@ -1,7 +1,9 @@
 """The extension registries: each axis declared once and read by config, code and docs.
 
 Sync modes (flodl/config/modes.py): every mode has one policy and one rank-side class, and no
-module outside the registry branches on a mode's name.
+module outside the registry branches on a mode's name. Link profiles
+(flodl/config/link_profiles.py): the schema accepts exactly the registry's names, the rig
+charges its figures, the docs' table renders them.
 """
 
 from __future__ import annotations
@@ -102,3 +104,54 @@ def test_a_sync_mode_object_is_the_policys_class(mode):
     assert type(sync) is resolve_dotted(mode.policy.rank_side)
     alone = sync_for(member, ElCheConfig(mode=mode), world_size=1)  # type: ignore[arg-type]
     assert isinstance(alone, SoloSync) != mode.policy.via_controller
+
+
+# -- link profiles ----------------------------------------------------------------------------
+def test_the_schema_takes_exactly_the_registrys_link_names():
+    from flodl.config import ClusterConfig, ConfigError, validate_run_config
+    from flodl.config.link_profiles import LINK_NAMES, LINK_PROFILES
+
+    assert LINK_NAMES == ("none", *LINK_PROFILES)
+    for name in LINK_NAMES:
+        cluster = ClusterConfig(kind="cpu_rig", link={"profile": name, "between_hosts": name})
+        assert cluster.link.profile == name
+    with pytest.raises(ConfigError, match=r"cluster.link.profile=2gbe: Input should be 'none'"):
+        validate_run_config({**_minimal_run(), "cluster": {"kind": "cpu_rig", "link": "2gbe"}})
+
+
+def _minimal_run() -> dict:
+    return {
+        "model": {"_target_": "flodl.recipes.models.MLP"},
+        "optimizer": {"_target_": "torch.optim.Adam"},
+        "dataset": {"_target_": "flodl.recipes.datasets.synthetic"},
+        "task": {"train_step": "flodl.recipes.steps.classification_step"},
+    }
+
+
+def test_the_rig_charges_the_registrys_figures():
+    from flodl.config.link_profiles import LINK_PROFILES
+    from flodl.rig.links import Wire, wire_for
+
+    assert wire_for("none") is None
+    for name, p in LINK_PROFILES.items():
+        assert wire_for(name) == Wire(p.bandwidth_gbps, p.latency_ms, p.staged)
+    assert wire_for("none", bandwidth_gbps=2.0) == Wire(2.0, 0.0, False)
+
+
+def test_the_docs_table_is_the_registry():
+    import sys
+
+    from flodl.config.link_profiles import LINK_PROFILES
+
+    sys.path.insert(0, str(ROOT / "docs" / "hooks"))
+    try:
+        import registry_tables
+    finally:
+        sys.path.pop(0)
+    page = (ROOT / "docs" / "guides" / "cpu-rig.md").read_text(encoding="utf-8")
+    assert "<!-- registry: links -->" in page
+    table = registry_tables.render("<!-- registry: links -->")
+    assert [line.split("|")[1].strip() for line in table.splitlines()[2:]] == [
+        "`none` (default)",
+        *(f"`{name}`" for name in LINK_PROFILES),
+    ]
