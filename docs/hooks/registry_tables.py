@@ -56,7 +56,7 @@ def links() -> str:
     registry = importlib.import_module("flodl.config.link_profiles")
     rows = [[f"`{registry.NO_LINK}` (default)", "—", "—", "—", "loopback: nothing charged"]]
     for name, p in registry.LINK_PROFILES.items():
-        staged = "yes (×2 bytes)" if p.staged else "no"
+        staged = "yes (\u00d72 bytes)" if p.staged else "no"
         rows.append([f"`{name}`", f"{p.bandwidth_gbps:g}", _latency(p.latency_ms), staged, p.what])
     header = ["profile", "bandwidth (Gbit/s per direction)", "latency per hop",
               "staged through host", "stands for"]  # fmt: skip

@@ -111,7 +111,7 @@ def test_the_schema_takes_exactly_the_registrys_link_names():
     from flodl.config import ClusterConfig, ConfigError, validate_run_config
     from flodl.config.link_profiles import LINK_NAMES, LINK_PROFILES
 
-    assert LINK_NAMES == ("none", *LINK_PROFILES)
+    assert ("none", *LINK_PROFILES) == LINK_NAMES
     for name in LINK_NAMES:
         cluster = ClusterConfig(kind="cpu_rig", link={"profile": name, "between_hosts": name})
         assert cluster.link.profile == name
