@@ -63,7 +63,29 @@ def links() -> str:
     return _table(header, rows)
 
 
-RENDERERS: dict[str, Callable[[], str]] = {"modes": modes, "links": links}
+def plan_elements() -> str:
+    registry = importlib.import_module("flodl.config.plan_elements")
+    modes = importlib.import_module("flodl.config.modes")
+    rows = []
+    for name, e in registry.PLAN_ELEMENTS.items():
+        needs = []
+        if e.needs_mode is not None:
+            able = [m.value for m, p in modes.MODES.items() if getattr(p, e.needs_mode)]
+            needs.append(" or ".join(f"`{m}`" for m in able))
+        if e.elementwise_optimizer:
+            needs.append("an elementwise optimizer")
+        apart = ", ".join(f"`{other}`" for other in e.excludes)
+        rows.append([f"`{name}` — {e.words}", e.summary, "; ".join(needs), apart, str(e.cost)])
+    header = ["element", "what it does and costs", "needs", "does not combine with",
+              "auto's cost rank"]  # fmt: skip
+    return _table(header, rows)
+
+
+RENDERERS: dict[str, Callable[[], str]] = {
+    "modes": modes,
+    "links": links,
+    "plan_elements": plan_elements,
+}
 
 
 def render(markdown: str) -> str:

@@ -10,6 +10,7 @@ from pydantic import AfterValidator, Field, field_validator, model_validator
 from flodl.config.base import _Schema
 from flodl.config.link_profiles import LINK_NAMES, NO_LINK, known_link
 from flodl.config.loader import LoaderOverride
+from flodl.config.plan_elements import PLAN_ELEMENTS, parse_memory_plan
 
 
 class ControllerAddress(_Schema):
@@ -73,35 +74,6 @@ class LinkConfig(_Schema):
         return (
             self.profile != NO_LINK or self.bandwidth_gbps is not None or bool(self.between_hosts)
         )
-
-
-#: The elements a memory plan combines (flodl/step/plan_elements.py): activations recomputed in
-#: backward, the optimizer's state and step on the host, the optimizer's state sharded across the
-#: ranks in proportion to their free memory (nccl_sync only: runtime/sync/sharded_optimizer.py).
-PLAN_ELEMENTS = ("recompute", "offload", "shard")
-
-
-def parse_memory_plan(plan: str) -> tuple[str, ...] | None:
-    """``auto`` -> None (probed); ``none`` -> (); ``recompute+offload`` -> its elements."""
-    text = plan.strip().lower()
-    if text == "auto":
-        return None
-    if text == "none":
-        return ()
-    parts = tuple(p.strip() for p in text.split("+"))
-    unknown = [p for p in parts if p not in PLAN_ELEMENTS]
-    if unknown or len(set(parts)) != len(parts):
-        raise ValueError(
-            f"memory plan {plan!r}: use auto, none, or a '+'-joined set of "
-            f"{', '.join(PLAN_ELEMENTS)} (e.g. recompute+offload)"
-        )
-    if "offload" in parts and "shard" in parts:
-        raise ValueError(
-            f"memory plan {plan!r}: shard and offload do not combine (sharded state on the "
-            "host is not built); use shard (a share of the state on each device) or offload "
-            "(all of it on the host)"
-        )
-    return tuple(e for e in PLAN_ELEMENTS if e in parts)
 
 
 class WorkerConfig(_Schema):
@@ -257,9 +229,9 @@ class ClusterConfig(_Schema):
     memory_plan: str | list[str] = Field(
         "auto",
         description="what a rank gives up to fit its device memory: auto (probed at start where "
-        "a budget exists: memory_mb on the rig, CUDA), none, or a '+'-joined set of recompute "
-        "(activation checkpointing), offload (optimizer state on host) and shard (nccl_sync: "
-        "optimizer state split across ranks by free memory); one, or one per rank",
+        "a budget exists: memory_mb on the rig, CUDA), none, or a '+'-joined set of "
+        + ", ".join(f"{e.name} ({e.words})" for e in PLAN_ELEMENTS.values())
+        + "; one, or one per rank",
     )
     link: LinkConfig = Field(
         default_factory=LinkConfig,
@@ -306,10 +278,14 @@ class ClusterConfig(_Schema):
             return self.memory_plan[rank] if rank < len(self.memory_plan) else "auto"
         return self.memory_plan
 
-    def plans_shard(self) -> bool:
-        """Whether some rank's plan asks for ``shard`` explicitly."""
+    def planned_elements(self) -> set[str]:
+        """The elements some rank's plan asks for explicitly (``auto`` asks for none)."""
         plans = self.memory_plan if isinstance(self.memory_plan, list) else [self.memory_plan]
-        return any("shard" in (parse_memory_plan(p) or ()) for p in plans)
+        return {e for p in plans for e in parse_memory_plan(p) or ()}
+
+    def plans_cohort(self) -> bool:
+        """Whether some rank's plan asks explicitly for an element the cohort cuts (shard)."""
+        return any(PLAN_ELEMENTS[e].cohort for e in self.planned_elements())
 
     def plans_choose_batches(self) -> bool:
         """Whether an ``auto`` plan may lower a rank's batch (the rig with ``memory_mb``)."""

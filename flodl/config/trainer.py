@@ -12,6 +12,7 @@ from flodl.config.elche import ElCheConfig
 from flodl.config.loader import LoaderConfig
 from flodl.config.logger import LoggerConfig
 from flodl.config.modes import MODES
+from flodl.config.plan_elements import PLAN_ELEMENTS
 
 
 class CallbackPolicy(_Schema):
@@ -153,14 +154,18 @@ class TrainerConfig(TrainerKnobs):
     loader: LoaderConfig = Field(default_factory=LoaderConfig)
 
     @model_validator(mode="after")
-    def _shard_needs_sync(self) -> TrainerConfig:
-        if self.cluster.plans_shard() and not self.elche.mode.policy.shards_state:
-            sharding = " or ".join(m.value for m, p in MODES.items() if p.shards_state)
+    def _elements_fit_the_mode(self) -> TrainerConfig:
+        policy = self.elche.mode.policy
+        for name in sorted(self.cluster.planned_elements()):
+            needs = PLAN_ELEMENTS[name].needs_mode
+            if needs is None or getattr(policy, needs):
+                continue
+            able = " or ".join(m.value for m, p in MODES.items() if getattr(p, needs))
             raise ValueError(
-                f"cluster.memory_plan={self.cluster.memory_plan}: shard splits the optimizer "
-                "state across ranks that step with the same gradient, which only "
-                f"elche.mode={sharding} does (mode is {self.elche.mode.value}); use offload, "
-                f"or elche.mode={sharding}"
+                f"cluster.memory_plan={self.cluster.memory_plan}: {name} splits training state "
+                "across ranks that step with the same gradient, which only "
+                f"elche.mode={able} does (mode is {self.elche.mode.value}); use offload, "
+                f"or elche.mode={able}"
             )
         return self
 

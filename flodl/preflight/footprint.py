@@ -1,13 +1,16 @@
 """Memory plans that cannot fit, refused at launch with the numbers (``cluster.memory_mb``).
 
 The model and one optimizer step are built on the ``meta`` device (shapes, no memory) to size the
-training state: parameters, their gradients, the optimizer's state. No plan takes the parameters
-and their gradients off a device, so a rank whose budget is smaller than both is refused; an
-explicit plan without ``offload`` also needs the optimizer state on the device, and an explicit
-``shard`` needs it in the cohort's memory beyond parameters and gradients. Plans that put
-optimizer state on the host need it in host memory, one copy (and the parameters' host copy) per
-offloading rank. Activations depend on data and are the ranks' to measure (their probe steps).
-A factory that cannot build on ``meta`` leaves every check to the ranks.
+training state: parameters, their gradients, the optimizer's state. What each plan element does
+to them is its footprint rule in the registry (flodl/config/plan_elements.py: the parts it keeps
+on the host, those it divides across the cohort). A rank whose budget is smaller than the parts
+its plan leaves whole on the device (parameters and gradients: no element moves them today) is
+refused; an explicit plan that keeps the optimizer state on the device needs it there too, and
+one that divides parts across the cohort (``shard``) needs them in the cohort's memory beyond
+what stays whole. Plans that put optimizer state on the host need it in host memory, one copy
+(and the parameters' host copy) per offloading rank. Activations depend on data and are the
+ranks' to measure (their probe steps). A factory that cannot build on ``meta`` leaves every check
+to the ranks.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flodl.config import ConfigError
-from flodl.config.cluster import parse_memory_plan
+from flodl.config.plan_elements import PLAN_ELEMENTS, elements_of, parse_memory_plan
 
 log = logging.getLogger(__name__)
 
@@ -86,16 +89,19 @@ def check_memory(spec: Any, world: int) -> None:
         if budget_mb is None or plan == ():
             continue  # no plan: a rank that does not fit fails out of memory, as under DDP
         budget = budget_mb * MiB
-        floor = need.params + need.grads
+        elements = elements_of(plan or ())
+        divided = {part for e in elements for part in e.divides}
+        floor = _whole(need, divided)
         if floor > budget:
             raise ConfigError(
                 f"cluster.memory_mb: rank {rank} needs >= {_size(floor)} for parameters and "
                 f"gradients at batch 1 (no memory plan moves them off the device); its budget "
                 f"is {_size(budget)}. Give it more memory, or train a smaller model"
             )
-        offloads = plan is None or "offload" in plan
-        if plan is not None and "shard" in plan:
-            continue  # a share of the state: the cohort's check below
+        # auto may put the state on the host; an element may keep it there
+        offloads = plan is None or any("state" in e.to_host for e in elements)
+        if divided:
+            continue  # a share of it: the cohort's check below
         if not offloads and need.optimizer is not None and floor + need.optimizer > budget:
             raise ConfigError(
                 f"cluster.memory_plan={cluster.rank_memory_plan(rank)}: rank {rank} needs >= "
@@ -109,23 +115,39 @@ def check_memory(spec: Any, world: int) -> None:
 
 
 def _check_shard(cluster: Any, world: int, need: Footprint) -> None:
-    """An explicit ``shard``: the cohort's memory beyond parameters and gradients must hold the
-    optimizer state (a lower bound: the ranks' probes add activations, and refuse at start)."""
-    if not cluster.plans_shard() or need.optimizer is None:
+    """An explicit cohort element (``shard``): the cohort's memory beyond what each rank holds
+    whole must hold what it divides (a lower bound: the ranks' probes add activations, and
+    refuse at start)."""
+    if not cluster.plans_cohort() or need.optimizer is None:
         return
-    floor = need.params + need.grads
+    divided = _planned_divides(cluster)
+    floor = _whole(need, divided)
     room = [(r, (cluster.rank_memory_mb(r) or 0) * MiB - floor) for r in range(world)]
     if any(cluster.rank_memory_mb(r) is None for r in range(world)):
         return  # a rank without a budget: the ranks decide
     total = sum(max(free, 0) for _, free in room)
-    if need.optimizer > total:
+    sizes = {"params": need.params, "grads": need.grads, "state": need.optimizer}
+    cut = sum(sizes[part] for part in divided)
+    if cut > total:
+        what = "the optimizer state" if divided == {"state"} else "the training state it divides"
+        beyond = "parameters and gradients" if floor else "nothing"
         each = ", ".join(f"rank {r}: {_size(max(free, 0))}" for r, free in room)
         raise ConfigError(
-            f"cluster.memory_plan={cluster.memory_plan}: the optimizer state "
-            f"({_size(need.optimizer)}) does not fit the ranks' memory beyond parameters and "
-            f"gradients ({each}; {_size(total)} in all) even sharded; use memory_plan=offload "
+            f"cluster.memory_plan={cluster.memory_plan}: {what} "
+            f"({_size(cut)}) does not fit the ranks' memory beyond {beyond} "
+            f"({each}; {_size(total)} in all) even sharded; use memory_plan=offload "
             "(state on the host), or give the ranks more memory"
         )
+
+
+def _whole(need: Footprint, divided: set[str]) -> int:
+    """The parameters and gradients a rank holds whole: those no element of its plan divides."""
+    return (0 if "params" in divided else need.params) + (0 if "grads" in divided else need.grads)
+
+
+def _planned_divides(cluster: Any) -> set[str]:
+    """The parts the explicitly planned elements divide across the cohort."""
+    return {p for e in cluster.planned_elements() for p in PLAN_ELEMENTS[e].divides}
 
 
 def _check_host(host_need: int) -> None:

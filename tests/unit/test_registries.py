@@ -3,7 +3,9 @@
 Sync modes (flodl/config/modes.py): every mode has one policy and one rank-side class, and no
 module outside the registry branches on a mode's name. Link profiles
 (flodl/config/link_profiles.py): the schema accepts exactly the registry's names, the rig
-charges its figures, the docs' table renders them.
+charges its figures, the docs' table renders them. Memory-plan elements
+(flodl/config/plan_elements.py): the parser, the auto search and the launch-time rules iterate
+the registry, and no module outside it matches an element's name.
 """
 
 from __future__ import annotations
@@ -138,20 +140,111 @@ def test_the_rig_charges_the_registrys_figures():
     assert wire_for("none", bandwidth_gbps=2.0) == Wire(2.0, 0.0, False)
 
 
-def test_the_docs_table_is_the_registry():
-    import sys
+def _hook():
+    """docs/hooks/registry_tables.py, the MkDocs hook that renders the registries' tables."""
+    import importlib.util
 
+    path = ROOT / "docs" / "hooks" / "registry_tables.py"
+    spec = importlib.util.spec_from_file_location("registry_tables", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_docs_table_is_the_registry():
     from flodl.config.link_profiles import LINK_PROFILES
 
-    sys.path.insert(0, str(ROOT / "docs" / "hooks"))
-    try:
-        import registry_tables
-    finally:
-        sys.path.pop(0)
     page = (ROOT / "docs" / "guides" / "cpu-rig.md").read_text(encoding="utf-8")
     assert "<!-- registry: links -->" in page
-    table = registry_tables.render("<!-- registry: links -->")
+    table = _hook().render("<!-- registry: links -->")
     assert [line.split("|")[1].strip() for line in table.splitlines()[2:]] == [
         "`none` (default)",
         *(f"`{name}`" for name in LINK_PROFILES),
     ]
+
+
+# -- memory-plan elements ---------------------------------------------------------------------
+def test_auto_tries_the_plans_it_tried_before_cheapest_first():
+    from flodl.config.plan_elements import auto_candidates, fallback_plan, words
+
+    alone = [(), ("recompute",), ("offload",), ("recompute", "offload")]
+    assert auto_candidates(cohort=False) == alone
+    cohort = [(), ("recompute",), ("shard",), ("recompute", "shard"), *alone[2:]]
+    assert auto_candidates(cohort=True) == cohort
+    assert fallback_plan() == ("recompute", "offload")
+    assert words(fallback_plan()) == "activation checkpointing and optimizer state on host"
+
+
+def test_the_parser_reads_the_registry():
+    from flodl.config.plan_elements import PLAN_ELEMENTS, parse_memory_plan
+
+    assert parse_memory_plan("offload+recompute") == ("recompute", "offload")
+    for name, element in PLAN_ELEMENTS.items():
+        assert parse_memory_plan(name) == (name,)
+        for other in element.excludes:
+            with pytest.raises(ValueError, match=f"{name} and {other} do not combine"):
+                parse_memory_plan(f"{other}+{name}")
+
+
+def test_each_element_names_its_rank_side_application():
+    import inspect
+
+    from flodl.config.plan_elements import PLAN_ELEMENTS
+
+    for element in PLAN_ELEMENTS.values():
+        apply = resolve_dotted(element.rank_side)
+        assert list(inspect.signature(apply).parameters) == ["memory", "worker", "chosen", "cohort"]
+
+
+def test_a_mode_an_element_needs_is_checked_from_the_registry():
+    from flodl.config import ClusterConfig, TrainerConfig
+
+    cluster = ClusterConfig(kind="cpu_rig", memory_plan="shard")
+    TrainerConfig(cluster=cluster, elche=ElCheConfig.nccl_sync())
+    with pytest.raises(ValueError, match=r"shard splits training state .* elche.mode=nccl_sync"):
+        TrainerConfig(cluster=cluster, elche=ElCheConfig.cpu_sync())
+
+
+def _element_matches(path: Path, names: set[str], root: Path = ROOT) -> list[str]:
+    """An element's name compared (``"shard" in plan``) or listed (``("recompute", ...)``) in
+    ``path``'s code, as ``file:line``; messages and docstrings are not code."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        sides: list[ast.AST] = []
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+        elif isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            sides = list(node.elts)
+        if any(isinstance(x, ast.Constant) and x.value in names for x in sides):
+            found.append(f"{path.relative_to(root)}:{node.lineno}")
+    return found
+
+
+def test_the_element_finder_sees_comparisons_and_lists(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text('if "shard" in plan:\n    x = ("recompute", "offload")\nraise E("shard")\n')
+    assert _element_matches(path, {"shard", "recompute"}, tmp_path) == ["m.py:1", "m.py:2"]
+
+
+def test_no_module_outside_the_registry_matches_an_element_name():
+    from flodl.config.plan_elements import PLAN_ELEMENTS
+
+    names = set(PLAN_ELEMENTS)
+    found = [
+        hit
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path.name != "plan_elements.py" or path.parent.name != "config"
+        for hit in _element_matches(path, names)
+    ]
+    assert found == [], "element names matched outside flodl/config/plan_elements.py: " + str(found)
+
+
+def test_the_guides_table_is_the_registry():
+    from flodl.config.plan_elements import PLAN_ELEMENTS
+
+    page = (ROOT / "docs" / "guides" / "memory-plans.md").read_text(encoding="utf-8")
+    assert "<!-- registry: plan_elements -->" in page
+    table = _hook().render("<!-- registry: plan_elements -->")
+    firsts = [line.split("|")[1].strip().split(" ")[0] for line in table.splitlines()[2:]]
+    assert firsts == [f"`{name}`" for name in PLAN_ELEMENTS]

@@ -58,7 +58,7 @@ class Calibration:
         step_s = float(t.item())
         if self.spec.pace:
             self.pacer.set_nominal(step_s * self.cfg.cluster.pace_margin)
-            if "recompute" in self.memory_plan.elements:
+            if self.memory_plan.recomputes:
                 self.pacer.cost = self._recompute_cost()
         drain_scalars()
         return step_s * 1000.0

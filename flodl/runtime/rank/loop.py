@@ -342,7 +342,7 @@ class RankLoop:
                 n_samples=len(self.source),
                 batch_size=self.batch_size,
                 memory_plan=self.memory_plan.describe(self.rank),
-                sharded_state="shard" in self.memory_plan.elements,
+                sharded_state=self.memory_plan.cohort,
                 base=self.base,
                 shard_sizes=tuple(getattr(self.source.dataset, "shard_sizes", ())),
             )

@@ -25,7 +25,17 @@ from typing import Any
 
 import torch
 
-from flodl.config import TrainerConfig
+from flodl.config import TrainerConfig, resolve_dotted
+from flodl.config.plan_elements import (
+    PLAN_ELEMENTS,
+    auto_candidates,
+    cutting_state,
+    elements_of,
+    fallback_plan,
+    parse_memory_plan,
+    with_elements,
+    words,
+)
 from flodl.rig.device_memory import DeviceMemory, MiB, training_state
 from flodl.runtime.rank.shard_plan import MemoryPlanError, shardable, wrap
 
@@ -130,13 +140,9 @@ def _search(worker: Any, dataset: Any, budget: float, total: int) -> int:
 # sizes part of the plan, the batch is then halved until a step fits. A rank nothing fits fails,
 # naming what it needs against its budget.
 
-PLAN_WORDS = {
-    "recompute": "activation checkpointing",
-    "offload": "optimizer state on host",
-    "shard": "optimizer state sharded",
-}
-_BOTH = ("recompute", "offload")
-_CANDIDATES: tuple[tuple[str, ...], ...] = ((), ("recompute",), ("offload",), _BOTH)
+# The elements, their words, their costs and what combines: the registry
+# (flodl/config/plan_elements.py); each element's rank-side application is an ``apply_*``
+# function below, named there.
 
 
 @dataclass(frozen=True)
@@ -152,6 +158,21 @@ class MemoryPlan:
     free_bytes: int | None = None  # device memory free for optimizer state (None: not counted)
     state_bytes: int = 0  # the whole optimizer state's cost on the device (0: not measured)
     share: float | None = None  # the fraction of the state it holds, once cut
+
+    @property
+    def recomputes(self) -> bool:
+        """Its step runs forward again in backward (calibration times the extra cost)."""
+        return any(e.recomputes for e in elements_of(self.elements))
+
+    @property
+    def cohort(self) -> bool:
+        """Part of its state is cut across the cohort (``shard``)."""
+        return any(e.cohort for e in elements_of(self.elements))
+
+    @property
+    def state_on_host(self) -> bool:
+        """Its optimizer state is in host memory (``offload``): it holds no share of a cut."""
+        return any("state" in e.to_host for e in elements_of(self.elements))
 
     def describe(self, rank: int) -> str:
         """``rank 2 (12.0 GB): batch 8, activation checkpointing, optimizer state on host``;
@@ -169,9 +190,10 @@ class MemoryPlan:
         return f"rank {rank}{budget}: {', '.join(parts)}{peak}"
 
     def _words(self, element: str) -> str:
-        if element == "shard" and self.share is not None:
-            return f"{PLAN_WORDS[element]} ({100 * self.share:.0f} % of it)"
-        return PLAN_WORDS[element]
+        declared = PLAN_ELEMENTS[element]
+        if declared.cohort and self.share is not None:
+            return f"{declared.words} ({100 * self.share:.0f} % of it)"
+        return declared.words
 
 
 def _size(nbytes: int) -> str:
@@ -223,14 +245,14 @@ def _probe(worker: Any, meter: _Meter, size: int, plan: tuple[str, ...]) -> int 
     from flodl.step.plan_elements import HostOptimizer, set_recompute
 
     model = worker.model
-    set_recompute(model, "recompute" in plan)
+    set_recompute(model, any(e.recomputes for e in elements_of(plan)))
     source = copy.copy(worker.source)  # its data as placed (resident data counts), cut at size
     source.batch_size = size
     holder: dict[str, Any] = {}
 
     def step() -> None:
         held = _gradient_buckets(worker)
-        if "offload" in plan or "shard" in plan:  # shard: the step without the state
+        if any(e.state_off_device for e in elements_of(plan)):  # shard: without the state
             holder["opt"] = HostOptimizer(
                 model.parameters(), worker.spec.optim_factory, host=meter.host
             )
@@ -296,7 +318,8 @@ def choose_plan(
     size = worker.batch_size
     rig = worker.memory
     has_budget = rig is not None or worker.device.type == "cuda"
-    if not has_budget or (requested is not None and not (may_shard and "offload" not in requested)):
+    on_host = requested is not None and any("state" in e.to_host for e in elements_of(requested))
+    if not has_budget or (requested is not None and not (may_shard and not on_host)):
         budget = rig.budget if rig is not None else None
         return MemoryPlan(requested or (), size, budget, None, size)
     meter = _Meter(worker)
@@ -318,7 +341,7 @@ def choose_plan(
 
 
 def _with_shard(plan: tuple[str, ...]) -> tuple[str, ...]:
-    return tuple(e for e in ("recompute", "offload", "shard") if e in plan or e == "shard")
+    return with_elements(plan, add=cutting_state())
 
 
 def _with_shard_numbers(
@@ -328,10 +351,10 @@ def _with_shard_numbers(
     state) and the whole state's cost (its step with it, less without)."""
     from flodl.step.plan_elements import recompute
 
-    if "offload" in plan.elements:  # its state is on the host: it holds no share
+    if plan.state_on_host:  # it holds no share
         return dataclasses.replace(plan, free_bytes=0, state_bytes=0)
     recompute(worker.model)  # patched once, switched per probe
-    base = tuple(e for e in plan.elements if e != "shard")
+    base = with_elements(plan.elements, drop=cutting_state())
     for p in (base, _with_shard(base)):
         if p not in peaks:
             peaks[p] = _probe(worker, meter, plan.batch_size, p)
@@ -356,13 +379,12 @@ def _choose(worker: Any, meter: _Meter, size: int, may_shard: bool = False) -> M
     # shard before offload: a share of the state on the device steps faster than all of it on
     # the host (whether the share fits is the cohort's decision: the plan falls back to
     # offload when it does not)
-    first = _CANDIDATES
-    if may_shard:
-        first = ((), ("recompute",), ("shard",), ("recompute", "shard"), *_CANDIDATES[2:])
+    first = auto_candidates(cohort=may_shard)
+    fallback = fallback_plan()  # at smaller batches: the most a rank gives up alone
     peaks: dict[tuple[str, ...], int | None] = {}
     last_peak: int | None = None
     for b in batches:
-        for plan in first if b == size else (_BOTH,):
+        for plan in first if b == size else [fallback]:
             peak = _probe(worker, meter, b, plan)
             if b == size:
                 peaks[plan] = peak
@@ -378,11 +400,36 @@ def _choose(worker: Any, meter: _Meter, size: int, may_shard: bool = False) -> M
     needs = f"needs {_size(last_peak)}" if last_peak is not None else "runs out of memory"
     raise MemoryPlanError(
         f"rank {worker.rank}: no memory plan fits its device ({_size(total)}, memory_fraction "
-        f"{worker.cfg.cluster.memory_fraction}): a step at batch {batches[-1]} with activation "
-        f"checkpointing and optimizer state on host {needs} (the parameters alone take "
+        f"{worker.cfg.cluster.memory_fraction}): a step at batch {batches[-1]} with "
+        f"{words(fallback)} {needs} (the parameters alone take "
         f"{_size(state)}, their gradients as much); give the rank more memory or train a "
         "smaller model"
     )
+
+
+# -- each element applied on a rank (named by its entry in flodl/config/plan_elements.py) ---------
+def apply_recompute(memory: RankMemory, worker: Any, chosen: bool, cohort: bool) -> None:
+    """Activations recomputed in backward, or not (the probes patched the model's blocks)."""
+    from flodl.step.plan_elements import recompute, set_recompute
+
+    if chosen:
+        recompute(worker.model)
+    else:
+        set_recompute(worker.model, False)
+
+
+def apply_offload(memory: RankMemory, worker: Any, chosen: bool, cohort: bool) -> None:
+    """The optimizer replaced by one stepping on host copies."""
+    if chosen:
+        del worker.optimizer
+        worker.optimizer = memory.host_optimizer(worker)
+
+
+def apply_shard(memory: RankMemory, worker: Any, chosen: bool, cohort: bool) -> None:
+    """A cohort that may shard: the optimizer wrapped, whole until the cohort cuts (after the
+    group met: flodl/runtime/rank/shard_plan.py), whether this rank asked or ``auto`` may."""
+    if cohort:
+        worker.optimizer = wrap(worker)
 
 
 # -- the rank's memory -----------------------------------------------------------------------------
@@ -438,22 +485,13 @@ class RankMemory:
         """``cluster.memory_plan``: choose (auto: probe) and apply this rank's plan to
         ``worker`` (its model, batch size and optimizer); announced by the controller from
         Ready."""
-        from flodl.config.cluster import parse_memory_plan
-        from flodl.step.plan_elements import recompute, set_recompute
-
         requested = parse_memory_plan(self.cfg.cluster.rank_memory_plan(self.rank))
         cohort_may_shard = shardable(worker)
         plan = choose_plan(worker, requested, cohort_may_shard)
         worker.batch_size = worker.source.batch_size = plan.batch_size
-        if "recompute" in plan.elements:
-            recompute(worker.model)
-        else:
-            set_recompute(worker.model, False)
-        if "offload" in plan.elements:
-            del worker.optimizer
-            worker.optimizer = self.host_optimizer(worker)
-        if cohort_may_shard:  # whole until the cohort cuts (after the group met)
-            worker.optimizer = wrap(worker)
+        for element in PLAN_ELEMENTS.values():  # in the registry's order
+            apply: Callable[..., None] = resolve_dotted(element.rank_side)
+            apply(self, worker, element.name in plan.elements, cohort_may_shard)
         return plan
 
     def host_optimizer(self, worker: Any) -> Any:

@@ -21,7 +21,12 @@ from typing import Any
 
 import torch
 
-from flodl.config.cluster import parse_memory_plan
+from flodl.config.plan_elements import (
+    cutting_state,
+    hosting_state,
+    parse_memory_plan,
+    with_elements,
+)
 from flodl.runtime.sync import shard_cut
 from flodl.runtime.sync.sharded_optimizer import ShardedOptimizer, elementwise
 
@@ -40,7 +45,7 @@ def shardable(worker: Any) -> bool:
     if not cfg.elche.mode.policy.shards_state or spec.world_size < 2:
         return False
     cluster = cfg.cluster
-    if cluster.plans_shard():
+    if cluster.plans_cohort():
         if not elementwise(worker.optimizer):
             raise ValueError(
                 f"cluster.memory_plan={cluster.memory_plan}: shard steps each rank's pieces of "
@@ -65,12 +70,12 @@ def wrap(worker: Any) -> ShardedOptimizer:
 
 def _demand(worker: Any) -> list[float]:
     plan = worker.memory_plan
-    offloads = "offload" in plan.elements
+    offloads = plan.state_on_host
     auto = parse_memory_plan(worker.cfg.cluster.rank_memory_plan(worker.rank)) is None
     free = 0 if offloads else plan.free_bytes
     return [
         1.0,  # present
-        float("shard" in plan.elements),
+        float(plan.cohort),
         float(auto),
         -1.0 if free is None else float(max(free, 0)),
         float(plan.state_bytes),
@@ -106,8 +111,8 @@ def agree(worker: Any) -> None:
         optimizer.state_cost = max(d.state for d in demands)
         optimizer.assign(decision.cut, worker.rank)
         share = shard_cut.owned(decision.cut, worker.rank) / max(optimizer.n, 1)
-        elements = tuple(e for e in plan.elements if e not in ("offload", "shard"))
-        worker.memory_plan = dataclasses.replace(plan, elements=(*elements, "shard"), share=share)
+        elements = with_elements(plan.elements, add=cutting_state(), drop=hosting_state())
+        worker.memory_plan = dataclasses.replace(plan, elements=elements, share=share)
     elif worker.rank in decision.fallback:  # auto: the cohort cannot hold it; on the host
         log.info(
             "rank %d: the cohort's free memory cannot hold the sharded optimizer state; "
@@ -115,8 +120,8 @@ def agree(worker: Any) -> None:
             worker.rank,
         )
         optimizer.replace_whole(worker.device_memory.host_optimizer(worker))
-        elements = tuple(e for e in plan.elements if e != "shard")
-        worker.memory_plan = dataclasses.replace(plan, elements=(*elements, "offload"))
+        elements = with_elements(plan.elements, add=hosting_state(), drop=cutting_state())
+        worker.memory_plan = dataclasses.replace(plan, elements=elements)
 
 
 def recut(worker: Any, members: tuple[int, ...]) -> None:
