@@ -81,7 +81,20 @@ def plan_elements() -> str:
     return _table(header, rows)
 
 
+def codecs() -> str:
+    registry = importlib.import_module("flodl.config.codecs")
+    rows = [[f"`{registry.NO_CODEC}` (default)", "fp32, whole", "4", "", ""]]
+    for name, c in registry.CODECS.items():
+        carried = "all-reduce" if c.collective == "all_reduce" else "all-gather"
+        rows.append(
+            [f"`{name}`", c.summary, f"{c.value_bytes:.4g}", carried, _yes(c.error_feedback)]
+        )
+    header = ["compress", "what travels", "bytes a value", "collective modes", "error feedback"]
+    return _table(header, rows)
+
+
 RENDERERS: dict[str, Callable[[], str]] = {
+    "codecs": codecs,
     "modes": modes,
     "links": links,
     "plan_elements": plan_elements,

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any, Literal
+from typing import Annotated, Any
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from flodl.config.base import _Schema
+from flodl.config.codecs import CODECS, NO_CODEC, known_codec
 from flodl.config.modes import MODES, Mode
 
 
@@ -63,8 +64,8 @@ class ElCheConfig(_Schema):
     outer: Outer = Field(Outer.AVERAGE, description="outer optimizer on the averaged update")
     outer_lr: float = Field(0.7, gt=0, description="outer learning rate (outer=nesterov)")
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="outer momentum (outer=nesterov)")
-    compress: Literal["none", "bf16", "fp16", "int8"] = Field(
-        "none",
+    compress: Annotated[str, AfterValidator(known_codec)] = Field(
+        NO_CODEC,
         description="nccl_cadence and cpu_*: send each average's change in bf16/fp16 (half the "
         "bytes) or int8 with error feedback (a quarter); fp32 weights stay exact",
     )
@@ -83,6 +84,7 @@ class ElCheConfig(_Schema):
             raise ValueError(f"min_anchor={lo} exceeds max_anchor={self.max_anchor}")
         if self.anchor > self.max_anchor:
             raise ValueError(f"anchor={self.anchor} exceeds max_anchor={self.max_anchor}")
+        self._codec_fits_the_mode()
         why = self.mode.policy.compress_refusal
         if self.compress != "none" and why is not None:
             takers = [m.value for m, p in MODES.items() if p.compress_refusal is None]
@@ -92,6 +94,15 @@ class ElCheConfig(_Schema):
                 "(or set elche.compress=none)"
             )
         return self
+
+    def _codec_fits_the_mode(self) -> None:
+        codec = CODECS.get(self.compress)
+        if codec is not None and not codec.streams and self.mode.policy.via_controller:
+            raise ValueError(
+                f"elche.compress={self.compress}: the controller's modes sum each change as it "
+                f"streams in, which {self.compress}'s payload does not allow; use it with a "
+                "collective mode (nccl_cadence), or another codec"
+            )
 
     @property
     def effective_min_anchor(self) -> int:

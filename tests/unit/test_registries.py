@@ -5,7 +5,9 @@ module outside the registry branches on a mode's name. Link profiles
 (flodl/config/link_profiles.py): the schema accepts exactly the registry's names, the rig
 charges its figures, the docs' table renders them. Memory-plan elements
 (flodl/config/plan_elements.py): the parser, the auto search and the launch-time rules iterate
-the registry, and no module outside it matches an element's name.
+the registry, and no module outside it matches an element's name. Compression codecs
+(flodl/config/codecs.py): the schema, the collectives and the controller's codec read the
+registry, and nothing outside it branches on a codec's name.
 """
 
 from __future__ import annotations
@@ -248,3 +250,73 @@ def test_the_guides_table_is_the_registry():
     table = _hook().render("<!-- registry: plan_elements -->")
     firsts = [line.split("|")[1].strip().split(" ")[0] for line in table.splitlines()[2:]]
     assert firsts == [f"`{name}`" for name in PLAN_ELEMENTS]
+
+
+# -- compression codecs -----------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["bf16", "fp16", "int8"])
+def test_each_codec_encodes_as_its_entry_declares(name):
+    import torch
+
+    from flodl.config.codecs import CODECS
+    from flodl.runtime.sync.codec import pack, unpack
+    from flodl.runtime.sync.compress import WireCodec, codec_for
+
+    spec = CODECS[name]
+    codec = codec_for(name)
+    assert isinstance(codec, WireCodec) and codec.spec is spec
+    change = torch.randn(5000)
+    values, scales = codec.encode(change)
+    assert values.dtype == getattr(torch, spec.wire_dtype)
+    assert (scales is not None) == spec.scaled
+    assert torch.allclose(codec.decode(values, scales, 5000), change, atol=0.05, rtol=0.02)
+    packed = pack(name, change, base=3)
+    assert packed.values.numel() == 5000  # a block's padding is not sent
+    assert packed.nbytes == pytest.approx(5000 * spec.value_bytes, rel=0.01)
+    assert torch.equal(unpack(packed), codec.decode(values, scales, 5000))
+
+
+def test_the_schema_takes_exactly_the_registrys_codecs():
+    from flodl.config.codecs import CODECS, COMPRESS_NAMES
+
+    assert ("none", *CODECS) == COMPRESS_NAMES
+    for name in COMPRESS_NAMES:
+        assert ElCheConfig.cpu_cadence(compress=name).compress == name
+    with pytest.raises(ValueError, match="Input should be 'none', 'bf16'"):
+        ElCheConfig.cpu_cadence(compress="int4")
+
+
+def test_a_codec_that_does_not_stream_is_refused_through_the_controller(monkeypatch):
+    import dataclasses
+
+    from flodl.config import codecs
+
+    table = dict(codecs.CODECS)
+    table["int8"] = dataclasses.replace(table["int8"], streams=False)
+    monkeypatch.setattr(codecs, "CODECS", table)
+    monkeypatch.setattr("flodl.config.elche.CODECS", table)
+    ElCheConfig.nccl_cadence(compress="int8")  # a collective carries it whole
+    with pytest.raises(ValueError, match="sum each change as it streams in"):
+        ElCheConfig.cpu_cadence(compress="int8")
+
+
+def test_no_module_outside_the_registry_branches_on_a_codec():
+    from flodl.config.codecs import CODECS
+
+    names = set(CODECS)
+    found = [
+        hit
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path.name != "codecs.py" or path.parent.name != "config"
+        for hit in _element_matches(path, names)
+    ]
+    assert found == [], "codec names matched outside flodl/config/codecs.py: " + str(found)
+
+
+def test_the_codecs_table_is_the_registry():
+    from flodl.config.codecs import CODECS
+
+    page = (ROOT / "docs" / "guides" / "cpu-rig.md").read_text(encoding="utf-8")
+    assert "<!-- registry: codecs -->" in page
+    table = _hook().render("<!-- registry: codecs -->")
+    firsts = [line.split("|")[1].strip().split(" ")[0] for line in table.splitlines()[2:]]
+    assert firsts == ["`none`", *(f"`{name}`" for name in CODECS)]

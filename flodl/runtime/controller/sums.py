@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from flodl.config.codecs import CODECS
 from flodl.runtime.sync.codec import ConsensusCodec, Packed, unpack_piece, wire_dtype
 from flodl.runtime.sync.compress import BLOCK
 from flodl.runtime.wire.channel import PIECE_BYTES  # bytes added per step (the lock grid of a sum)
@@ -117,7 +118,7 @@ class SnapshotSums:
         n, kind = packed.n, packed.kind
         values = packed.values
         scales = packed.scales
-        if not _is_placeholder(values) or (kind == "int8") != _is_placeholder(scales):
+        if not _is_placeholder(values) or CODECS[kind].scaled != _is_placeholder(scales):
             return {}
         if tuple(descriptors[values.index]) != (str(wire_dtype(kind)).removeprefix("torch."), (n,)):
             return {}
@@ -261,7 +262,7 @@ def packed_adders(
     rank as finished. Pieces are aligned on PIECE_BYTES, so an int8 piece starts on a block."""
     dtype = wire_dtype(kind)
     size = torch.empty(0, dtype=dtype).element_size()
-    scales = torch.empty(-(-n // BLOCK)) if kind == "int8" else None
+    scales = torch.empty(-(-n // BLOCK)) if CODECS[kind].scaled else None
 
     def take_scales(byte_offset: int, piece: memoryview) -> None:
         assert scales is not None

@@ -46,11 +46,12 @@ from typing import Any
 
 import torch
 
-from flodl.runtime.sync.compress import BLOCK, WIRE_DTYPES, dequantize, quantize
+from flodl.config.codecs import CODECS
+from flodl.runtime.sync.compress import codec_for
 
 log = logging.getLogger(__name__)
 
-KINDS = (*WIRE_DTYPES, "int8")
+KINDS = tuple(CODECS)
 
 
 @dataclass(frozen=True)
@@ -77,31 +78,25 @@ class Packed:
 def pack(kind: str, change: torch.Tensor, base: int) -> Packed:
     """``change`` (fp32, 1-D) in the wire form of ``kind``."""
     n = change.numel()
-    if kind == "int8":
-        q, scales = quantize(change)
-        return Packed(kind, base, n, scales, q[:n].clone())  # the padding is not sent
-    return Packed(kind, base, n, None, change.to(WIRE_DTYPES[kind]))
+    values, scales = codec_for(kind).encode(change)
+    if values.numel() != n:  # a block's padding is not sent
+        values = values[:n].clone()
+    return Packed(kind, base, n, scales, values)
 
 
 def unpack(packed: Packed) -> torch.Tensor:
     """The change ``packed`` carries, fp32."""
-    if packed.kind == "int8":
-        return dequantize(packed.values, packed.scales, packed.n)
-    return packed.values.to(torch.float32)
+    return codec_for(packed.kind).decode(packed.values, packed.scales, packed.n)
 
 
 def unpack_piece(kind: str, piece: torch.Tensor, offset: int, scales: Any) -> torch.Tensor:
-    """Values ``offset..`` of a streamed change, fp32 (int8: ``offset`` is on a block)."""
-    if kind != "int8":
-        return piece.to(torch.float32)
-    assert offset % BLOCK == 0, "int8 pieces start on a block"
-    first = offset // BLOCK
-    blocks = -(-piece.numel() // BLOCK)
-    return dequantize(piece, scales[first : first + blocks], piece.numel())
+    """Values ``offset..`` of a streamed change, fp32 (a scaled codec: ``offset`` is on a
+    block)."""
+    return codec_for(kind).decode_piece(piece, offset, scales)
 
 
 def wire_dtype(kind: str) -> torch.dtype:
-    return torch.int8 if kind == "int8" else WIRE_DTYPES[kind]
+    return codec_for(kind).dtype
 
 
 class RankCodec:
@@ -109,7 +104,7 @@ class RankCodec:
 
     def __init__(self, kind: str) -> None:
         if kind not in KINDS:
-            raise ValueError(f"elche.compress={kind!r}: one of none, bf16, fp16, int8")
+            raise ValueError(f"elche.compress={kind!r}: one of none, {', '.join(KINDS)}")
         self.kind = kind
         self.ref: torch.Tensor | None = None
         self.version = -1  # the window of the average ``ref`` is
@@ -128,10 +123,11 @@ class RankCodec:
             self.sent_bytes += flat.numel() * 4
             return None
         change = flat.detach().to("cpu", torch.float32, copy=True).sub_(self.ref)
-        if self.kind == "int8" and self.residual is not None:
+        feedback = CODECS[self.kind].error_feedback
+        if feedback and self.residual is not None:
             change.add_(self.residual)
         packed = pack(self.kind, change, self.version)
-        if self.kind == "int8":  # what this packing lost goes with the next change
+        if feedback:  # what this packing lost goes with the next change
             self.residual = change.sub_(unpack(packed))
         self.sent_bytes += packed.nbytes
         return packed
@@ -167,7 +163,7 @@ class ConsensusCodec:
 
     def __init__(self, kind: str) -> None:
         if kind not in KINDS:
-            raise ValueError(f"elche.compress={kind!r}: one of none, bf16, fp16, int8")
+            raise ValueError(f"elche.compress={kind!r}: one of none, {', '.join(KINDS)}")
         self.kind = kind
         self.refs: dict[int, torch.Tensor] = {}  # version -> the consensus it names
         self.held: dict[int, int] = {}  # rank -> the version it last reported against
@@ -205,11 +201,12 @@ class ConsensusCodec:
         else:
             assert base is not None
             change = mean.sub_(ref)  # the mean's memory holds the change, then the consensus
-            if self.kind == "int8" and self.residual is not None and self.residual_base == base:
+            feedback = CODECS[self.kind].error_feedback
+            if feedback and self.residual is not None and self.residual_base == base:
                 change.add_(self.residual)
             payload = pack(self.kind, change, base)
             sent = unpack(payload)
-            if self.kind == "int8":
+            if feedback:
                 self.residual, self.residual_base = change.sub(sent), window
             mean.copy_(ref).add_(sent)  # the consensus: what every rank computes from Q
         self.refs[window] = mean

@@ -12,20 +12,88 @@ are fp32, and every rank adds the same reduced change to the same reference.
 The reference is a copy of the weights (one more copy per rank). It is dropped whenever the
 ranks may no longer share it (a failed average, a new membership, a resume); the next average is
 then sent uncompressed and sets it again.
+
+Each codec is declared once (flodl/config/codecs.py: its wire dtype, error feedback, whether a
+collective all-reduces its values or all-gathers its encodings) and implemented here as a
+:class:`WireCodec` (:func:`codec_for`); nothing below branches on a codec's name.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
+from flodl.config import resolve_dotted
+from flodl.config.codecs import CODECS, COMPRESS_NAMES, CodecSpec
 from flodl.rig import links
 from flodl.runtime.sync import groups
 
 BLOCK = 4096  # int8: values per scale
-WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+WIRE_DTYPES = {s.name: getattr(torch, s.wire_dtype) for s in CODECS.values() if not s.scaled}
+
+
+class WireCodec:
+    """A codec's torch side: a change (fp32, 1-D) encoded as ``(values, scales)`` (``scales``:
+    None unless the codec is ``scaled``) and decoded back. Subclasses implement ``encode`` and
+    ``decode``; ``decode_piece`` decodes values ``offset..`` of a streamed encoding."""
+
+    def __init__(self, spec: CodecSpec) -> None:
+        self.spec = spec
+        self.dtype: torch.dtype = getattr(torch, spec.wire_dtype)
+
+    def encode(self, change: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        raise NotImplementedError
+
+    def decode(self, values: torch.Tensor, scales: torch.Tensor | None, n: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def decode_piece(
+        self, piece: torch.Tensor, offset: int, scales: torch.Tensor | None
+    ) -> torch.Tensor:
+        return self.decode(piece, scales, piece.numel())
+
+
+class CastCodec(WireCodec):
+    """The change cast to a narrower float (bf16, fp16): sums in that dtype (an all-reduce)."""
+
+    def encode(self, change: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return change.to(self.dtype), None
+
+    def decode(self, values: torch.Tensor, scales: torch.Tensor | None, n: int) -> torch.Tensor:
+        return values.to(torch.float32)
+
+
+class Int8Codec(WireCodec):
+    """Symmetric int8 with one fp32 scale per block of :data:`BLOCK` values (:func:`quantize`);
+    the encoding keeps its last block's padding (a collective's tensors are whole blocks)."""
+
+    def encode(self, change: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return quantize(change)
+
+    def decode(self, values: torch.Tensor, scales: torch.Tensor | None, n: int) -> torch.Tensor:
+        assert scales is not None
+        return dequantize(values, scales, n)
+
+    def decode_piece(
+        self, piece: torch.Tensor, offset: int, scales: torch.Tensor | None
+    ) -> torch.Tensor:
+        assert scales is not None and offset % BLOCK == 0, "int8 pieces start on a block"
+        first = offset // BLOCK
+        blocks = -(-piece.numel() // BLOCK)
+        return dequantize(piece, scales[first : first + blocks], piece.numel())
+
+
+@functools.cache
+def codec_for(name: str) -> WireCodec:
+    """The codec ``elche.compress=name`` names (its registry entry's ``impl``)."""
+    if name not in CODECS:
+        raise ValueError(f"elche.compress={name!r}: one of {', '.join(COMPRESS_NAMES)}")
+    spec = CODECS[name]
+    codec: WireCodec = resolve_dotted(spec.impl)(spec)
+    return codec
 
 
 class Compressor:
@@ -33,8 +101,7 @@ class Compressor:
     feedback."""
 
     def __init__(self, kind: str) -> None:
-        if kind not in (*WIRE_DTYPES, "int8"):
-            raise ValueError(f"elche.compress={kind!r}: one of none, bf16, fp16, int8")
+        self.codec = codec_for(kind)
         self.kind = kind
         self.ref: torch.Tensor | None = None
         self.residual: torch.Tensor | None = None
@@ -66,40 +133,45 @@ class Compressor:
         change = flat.sub_(self.ref)
         change[:n_params] *= weight
         change[n_params:] *= buffer_weight
-        if self.kind == "int8":
-            reduced = self._int8_sum(change, group, doomed)
-        else:
-            wire = change.to(WIRE_DTYPES[self.kind])
+        if self.codec.spec.collective == "all_gather":
+            reduced = self._gathered_sum(change, group, doomed)
+        else:  # the encoding sums as it is: an all-reduce of the narrower values
+            wire, _ = self.codec.encode(change)
             _wait(dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=group, async_op=True), doomed)
             nbytes = links.tensor_bytes(wire)
             self.sent_bytes += nbytes
             links.all_reduce(nbytes, dist.get_world_size(group))
-            reduced = wire.to(torch.float32)
+            reduced = self.codec.decode(wire, None, change.numel())
         return reduced.add_(self.ref)
 
-    def _int8_sum(
+    def _gathered_sum(
         self,
         change: torch.Tensor,
         group: dist.ProcessGroup | None,
         doomed: Callable[[], bool] | None,
     ) -> torch.Tensor:
-        if self.residual is not None and self.residual.shape == change.shape:
+        """Each rank's encoded change gathered and decoded, summed in fp32 (a codec whose
+        encodings do not sum as they are: int8's scales differ by rank)."""
+        feedback = self.codec.spec.error_feedback
+        if feedback and self.residual is not None and self.residual.shape == change.shape:
             change.add_(self.residual)
-        q, scales = quantize(change)
-        self.residual = change.sub_(dequantize(q, scales, change.numel()))
+        q, scales = self.codec.encode(change)
+        decoded = self.codec.decode(q, scales, change.numel())
+        self.residual = change.sub_(decoded) if feedback else None
         world = dist.get_world_size(group)
-        qs = [torch.empty_like(q) for _ in range(world)]
-        ss = [torch.empty_like(scales) for _ in range(world)]
-        _wait(dist.all_gather(qs, q, group=group, async_op=True), doomed)
-        _wait(dist.all_gather(ss, scales, group=group, async_op=True), doomed)
-        nbytes = links.tensor_bytes(q) + links.tensor_bytes(scales)
+        parts = [q] if scales is None else [q, scales]
+        gathered = [[torch.empty_like(t) for _ in range(world)] for t in parts]
+        for out, t in zip(gathered, parts, strict=True):
+            _wait(dist.all_gather(out, t, group=group, async_op=True), doomed)
+        nbytes = sum(links.tensor_bytes(t) for t in parts)
         self.sent_bytes += nbytes
         link = links.installed()
         if link is not None:
             link.charge(link.wire.all_gather_s(nbytes, world), nbytes)
         total = torch.zeros_like(change)
-        for q_r, s_r in zip(qs, ss, strict=True):
-            total.add_(dequantize(q_r, s_r, change.numel()))
+        for r in range(world):
+            s_r = gathered[1][r] if scales is not None else None
+            total.add_(self.codec.decode(gathered[0][r], s_r, change.numel()))
         return total
 
 
