@@ -26,7 +26,7 @@ def _yes(flag: bool) -> str:
 
 
 def modes() -> str:
-    registry = importlib.import_module("flodl.config.modes")
+    registry = importlib.import_module("flodl.config.registries.modes")
     rows = []
     for mode, p in registry.MODES.items():
         cadence = "alone" if p.alone else "every step" if p.lock_step else "ElChe's windows"
@@ -53,7 +53,7 @@ def _latency(ms: float) -> str:
 
 
 def links() -> str:
-    registry = importlib.import_module("flodl.config.link_profiles")
+    registry = importlib.import_module("flodl.config.registries.link_profiles")
     rows = [[f"`{registry.NO_LINK}` (default)", "—", "—", "—", "loopback: nothing charged"]]
     for name, p in registry.LINK_PROFILES.items():
         staged = "yes (\u00d72 bytes)" if p.staged else "no"
@@ -64,8 +64,8 @@ def links() -> str:
 
 
 def plan_elements() -> str:
-    registry = importlib.import_module("flodl.config.plan_elements")
-    modes = importlib.import_module("flodl.config.modes")
+    registry = importlib.import_module("flodl.config.registries.plan_elements")
+    modes = importlib.import_module("flodl.config.registries.modes")
     rows = []
     for name, e in registry.PLAN_ELEMENTS.items():
         needs = []
@@ -82,7 +82,7 @@ def plan_elements() -> str:
 
 
 def codecs() -> str:
-    registry = importlib.import_module("flodl.config.codecs")
+    registry = importlib.import_module("flodl.config.registries.codecs")
     rows = [[f"`{registry.NO_CODEC}` (default)", "fp32, whole", "4", "", ""]]
     for name, c in registry.CODECS.items():
         carried = "all-reduce" if c.collective == "all_reduce" else "all-gather"

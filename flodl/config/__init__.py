@@ -28,7 +28,7 @@ from flodl.config.groups import SCHEMA_GROUPS, schema_node
 from flodl.config.loader import LoaderConfig, LoaderOverride, Placement
 from flodl.config.locate import check_locatable, defined_in_source, resolve_dotted
 from flodl.config.logger import LoggerConfig, MlflowConfig, WandbConfig
-from flodl.config.modes import MODES, Mode, ModePolicy
+from flodl.config.registries.modes import MODES, Mode, ModePolicy
 from flodl.config.run import RunConfig, explain, validate_run_config, validate_trainer_config
 from flodl.config.task import SchedulerConfig, TargetConfig, TaskConfig
 from flodl.config.trainer import (

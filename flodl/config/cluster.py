@@ -8,9 +8,9 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from flodl.config.base import _Schema
-from flodl.config.link_profiles import LINK_NAMES, NO_LINK, known_link
 from flodl.config.loader import LoaderOverride
-from flodl.config.plan_elements import PLAN_ELEMENTS, parse_memory_plan
+from flodl.config.registries.link_profiles import LINK_NAMES, NO_LINK, known_link
+from flodl.config.registries.plan_elements import PLAN_ELEMENTS, parse_memory_plan
 
 
 class ControllerAddress(_Schema):
@@ -43,7 +43,8 @@ class SshConfig(_Schema):
 
 _LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
 
-#: A link profile's name: ``none`` or one of the registry's (flodl/config/link_profiles.py).
+#: A link profile's name: ``none`` or one of the registry's
+#: (flodl/config/registries/link_profiles.py).
 LinkName = Annotated[str, AfterValidator(known_link)]
 
 

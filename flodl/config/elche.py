@@ -8,8 +8,8 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from flodl.config.base import _Schema
-from flodl.config.codecs import CODECS, NO_CODEC, known_codec
-from flodl.config.modes import MODES, Mode
+from flodl.config.registries.codecs import CODECS, NO_CODEC, known_codec
+from flodl.config.registries.modes import MODES, Mode
 
 
 class Guard(str, Enum):
@@ -153,7 +153,7 @@ class ElCheConfig(_Schema):
 
 
 #: What each ElChe preset changes from :class:`ElCheConfig`'s defaults (each mode's ``preset``
-#: in flodl/config/modes.py): the one table behind ``ElCheConfig.<mode>()`` and
+#: in flodl/config/registries/modes.py): the one table behind ``ElCheConfig.<mode>()`` and
 #: ``conf/elche/<mode>.yaml`` (which states just these keys; the rest comes from the schema,
 #: registered for Hydra as ``elche/_schema``, flodl/config/groups.py).
 ELCHE_PRESETS: dict[Mode, dict[str, Any]] = {m: dict(p.preset) for m, p in MODES.items()}

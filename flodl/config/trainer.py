@@ -11,8 +11,8 @@ from flodl.config.cluster import ClusterConfig
 from flodl.config.elche import ElCheConfig
 from flodl.config.loader import LoaderConfig
 from flodl.config.logger import LoggerConfig
-from flodl.config.modes import MODES
-from flodl.config.plan_elements import PLAN_ELEMENTS
+from flodl.config.registries.modes import MODES
+from flodl.config.registries.plan_elements import PLAN_ELEMENTS
 
 
 class CallbackPolicy(_Schema):

@@ -2,15 +2,15 @@
 
 The model and one optimizer step are built on the ``meta`` device (shapes, no memory) to size the
 training state: parameters, their gradients, the optimizer's state. What each plan element does
-to them is its footprint rule in the registry (flodl/config/plan_elements.py: the parts it keeps
-on the host, those it divides across the cohort). A rank whose budget is smaller than the parts
-its plan leaves whole on the device (parameters and gradients: no element moves them today) is
-refused; an explicit plan that keeps the optimizer state on the device needs it there too, and
-one that divides parts across the cohort (``shard``) needs them in the cohort's memory beyond
-what stays whole. Plans that put optimizer state on the host need it in host memory, one copy
-(and the parameters' host copy) per offloading rank. Activations depend on data and are the
-ranks' to measure (their probe steps). A factory that cannot build on ``meta`` leaves every check
-to the ranks.
+to them is its footprint rule in the registry (flodl/config/registries/plan_elements.py: the
+parts it keeps on the host, those it divides across the cohort). A rank whose budget is smaller
+than the parts its plan leaves whole on the device (parameters and gradients: no element moves
+them today) is refused; an explicit plan that keeps the optimizer state on the device needs it
+there too, and one that divides parts across the cohort (``shard``) needs them in the cohort's
+memory beyond what stays whole. Plans that put optimizer state on the host need it in host
+memory, one copy (and the parameters' host copy) per offloading rank. Activations depend on data
+and are the ranks' to measure (their probe steps). A factory that cannot build on ``meta``
+leaves every check to the ranks.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flodl.config import ConfigError
-from flodl.config.plan_elements import PLAN_ELEMENTS, elements_of, parse_memory_plan
+from flodl.config.registries.plan_elements import PLAN_ELEMENTS, elements_of, parse_memory_plan
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from flodl.config.link_profiles import LINK_NAMES, LINK_PROFILES, NO_LINK, LinkProfile
+from flodl.config.registries.link_profiles import LINK_NAMES, LINK_PROFILES, NO_LINK, LinkProfile
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,9 @@ def wire_for(profile: str, bandwidth_gbps: float | None = None, latency_ms: floa
         return None
     if profile == NO_LINK:
         base = LinkProfile(NO_LINK, float(bandwidth_gbps or 0.0), 0.0, False, "")
-    elif profile in LINK_PROFILES:  # the registry's figures (flodl/config/link_profiles.py)
+    elif (
+        profile in LINK_PROFILES
+    ):  # the registry's figures (flodl/config/registries/link_profiles.py)
         base = LINK_PROFILES[profile]
     else:
         raise ValueError(f"unknown link profile {profile!r}; one of {', '.join(LINK_NAMES)}")

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from flodl.config import ClusterConfig, ConfigError
-from flodl.config.plan_elements import parse_memory_plan
+from flodl.config.registries.plan_elements import parse_memory_plan
 from flodl.preflight.footprint import check_memory, footprint
 from flodl.rig.device_memory import DeviceMemory, MiB, offload_step_s, training_state
 from flodl.rig.pacing import Pacer

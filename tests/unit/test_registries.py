@@ -1,12 +1,12 @@
-"""The extension registries: each axis declared once and read by config, code and docs.
+"""The extension registries (flodl/config/registries/): each axis declared once and read by
+config, code and docs.
 
-Sync modes (flodl/config/modes.py): every mode has one policy and one rank-side class, and no
-module outside the registry branches on a mode's name. Link profiles
-(flodl/config/link_profiles.py): the schema accepts exactly the registry's names, the rig
-charges its figures, the docs' table renders them. Memory-plan elements
-(flodl/config/plan_elements.py): the parser, the auto search and the launch-time rules iterate
-the registry, and no module outside it matches an element's name. Compression codecs
-(flodl/config/codecs.py): the schema, the collectives and the controller's codec read the
+Sync modes (``modes.py``): every mode has one policy and one rank-side class, and no module
+outside the registry branches on a mode's name. Link profiles (``link_profiles.py``): the schema
+accepts exactly the registry's names, the rig charges its figures, the docs' table renders them.
+Memory-plan elements (``plan_elements.py``): the parser, the auto search and the launch-time
+rules iterate the registry, and no module outside it matches an element's name. Compression
+codecs (``codecs.py``): the schema, the collectives and the controller's codec read the
 registry, and nothing outside it branches on a codec's name.
 """
 
@@ -80,7 +80,7 @@ def test_the_branch_finder_sees_members_and_names(tmp_path):
 
 # Where a mode is named on purpose: the registry itself, and the public presets
 # (ElCheConfig.nccl_sync() ...), which name each mode once.
-DECLARES_MODES = {"flodl/config/modes.py", "flodl/config/elche.py"}
+DECLARES_MODES = {"flodl/config/registries/modes.py", "flodl/config/elche.py"}
 
 
 def test_no_module_outside_the_registry_branches_on_a_mode():
@@ -90,7 +90,7 @@ def test_no_module_outside_the_registry_branches_on_a_mode():
         if str(path.relative_to(ROOT)) not in DECLARES_MODES
         for hit in _mode_branches(path)
     ]
-    assert found == [], "branches on a mode's name outside flodl/config/modes.py: " + str(found)
+    assert found == [], f"branches on a mode's name outside registries/modes.py: {found}"
 
 
 @pytest.mark.parametrize("mode", list(Mode), ids=lambda m: m.value)
@@ -113,7 +113,7 @@ def test_a_sync_mode_object_is_the_policys_class(mode):
 # -- link profiles ----------------------------------------------------------------------------
 def test_the_schema_takes_exactly_the_registrys_link_names():
     from flodl.config import ClusterConfig, ConfigError, validate_run_config
-    from flodl.config.link_profiles import LINK_NAMES, LINK_PROFILES
+    from flodl.config.registries.link_profiles import LINK_NAMES, LINK_PROFILES
 
     assert ("none", *LINK_PROFILES) == LINK_NAMES
     for name in LINK_NAMES:
@@ -133,7 +133,7 @@ def _minimal_run() -> dict:
 
 
 def test_the_rig_charges_the_registrys_figures():
-    from flodl.config.link_profiles import LINK_PROFILES
+    from flodl.config.registries.link_profiles import LINK_PROFILES
     from flodl.rig.links import Wire, wire_for
 
     assert wire_for("none") is None
@@ -155,7 +155,7 @@ def _hook():
 
 
 def test_the_docs_table_is_the_registry():
-    from flodl.config.link_profiles import LINK_PROFILES
+    from flodl.config.registries.link_profiles import LINK_PROFILES
 
     page = (ROOT / "docs" / "guides" / "cpu-rig.md").read_text(encoding="utf-8")
     assert "<!-- registry: links -->" in page
@@ -168,7 +168,7 @@ def test_the_docs_table_is_the_registry():
 
 # -- memory-plan elements ---------------------------------------------------------------------
 def test_auto_tries_the_plans_it_tried_before_cheapest_first():
-    from flodl.config.plan_elements import auto_candidates, fallback_plan, words
+    from flodl.config.registries.plan_elements import auto_candidates, fallback_plan, words
 
     alone = [(), ("recompute",), ("offload",), ("recompute", "offload")]
     assert auto_candidates(cohort=False) == alone
@@ -179,7 +179,7 @@ def test_auto_tries_the_plans_it_tried_before_cheapest_first():
 
 
 def test_the_parser_reads_the_registry():
-    from flodl.config.plan_elements import PLAN_ELEMENTS, parse_memory_plan
+    from flodl.config.registries.plan_elements import PLAN_ELEMENTS, parse_memory_plan
 
     assert parse_memory_plan("offload+recompute") == ("recompute", "offload")
     for name, element in PLAN_ELEMENTS.items():
@@ -192,7 +192,7 @@ def test_the_parser_reads_the_registry():
 def test_each_element_names_its_rank_side_application():
     import inspect
 
-    from flodl.config.plan_elements import PLAN_ELEMENTS
+    from flodl.config.registries.plan_elements import PLAN_ELEMENTS
 
     for element in PLAN_ELEMENTS.values():
         apply = resolve_dotted(element.rank_side)
@@ -230,20 +230,20 @@ def test_the_element_finder_sees_comparisons_and_lists(tmp_path):
 
 
 def test_no_module_outside_the_registry_matches_an_element_name():
-    from flodl.config.plan_elements import PLAN_ELEMENTS
+    from flodl.config.registries.plan_elements import PLAN_ELEMENTS
 
     names = set(PLAN_ELEMENTS)
     found = [
         hit
         for path in sorted(PACKAGE.rglob("*.py"))
-        if path.name != "plan_elements.py" or path.parent.name != "config"
+        if path.name != "plan_elements.py" or path.parent.name != "registries"
         for hit in _element_matches(path, names)
     ]
-    assert found == [], "element names matched outside flodl/config/plan_elements.py: " + str(found)
+    assert found == [], f"element names matched outside registries/plan_elements.py: {found}"
 
 
 def test_the_guides_table_is_the_registry():
-    from flodl.config.plan_elements import PLAN_ELEMENTS
+    from flodl.config.registries.plan_elements import PLAN_ELEMENTS
 
     page = (ROOT / "docs" / "guides" / "memory-plans.md").read_text(encoding="utf-8")
     assert "<!-- registry: plan_elements -->" in page
@@ -257,7 +257,7 @@ def test_the_guides_table_is_the_registry():
 def test_each_codec_encodes_as_its_entry_declares(name):
     import torch
 
-    from flodl.config.codecs import CODECS
+    from flodl.config.registries.codecs import CODECS
     from flodl.runtime.sync.codec import pack, unpack
     from flodl.runtime.sync.compress import WireCodec, codec_for
 
@@ -276,7 +276,7 @@ def test_each_codec_encodes_as_its_entry_declares(name):
 
 
 def test_the_schema_takes_exactly_the_registrys_codecs():
-    from flodl.config.codecs import CODECS, COMPRESS_NAMES
+    from flodl.config.registries.codecs import CODECS, COMPRESS_NAMES
 
     assert ("none", *CODECS) == COMPRESS_NAMES
     for name in COMPRESS_NAMES:
@@ -288,7 +288,7 @@ def test_the_schema_takes_exactly_the_registrys_codecs():
 def test_a_codec_that_does_not_stream_is_refused_through_the_controller(monkeypatch):
     import dataclasses
 
-    from flodl.config import codecs
+    from flodl.config.registries import codecs
 
     table = dict(codecs.CODECS)
     table["int8"] = dataclasses.replace(table["int8"], streams=False)
@@ -300,20 +300,20 @@ def test_a_codec_that_does_not_stream_is_refused_through_the_controller(monkeypa
 
 
 def test_no_module_outside_the_registry_branches_on_a_codec():
-    from flodl.config.codecs import CODECS
+    from flodl.config.registries.codecs import CODECS
 
     names = set(CODECS)
     found = [
         hit
         for path in sorted(PACKAGE.rglob("*.py"))
-        if path.name != "codecs.py" or path.parent.name != "config"
+        if path.name != "codecs.py" or path.parent.name != "registries"
         for hit in _element_matches(path, names)
     ]
-    assert found == [], "codec names matched outside flodl/config/codecs.py: " + str(found)
+    assert found == [], f"codec names matched outside registries/codecs.py: {found}"
 
 
 def test_the_codecs_table_is_the_registry():
-    from flodl.config.codecs import CODECS
+    from flodl.config.registries.codecs import CODECS
 
     page = (ROOT / "docs" / "guides" / "cpu-rig.md").read_text(encoding="utf-8")
     assert "<!-- registry: codecs -->" in page

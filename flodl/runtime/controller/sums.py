@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from flodl.config.codecs import CODECS
+from flodl.config.registries.codecs import CODECS
 from flodl.runtime.sync.codec import ConsensusCodec, Packed, unpack_piece, wire_dtype
 from flodl.runtime.sync.compress import BLOCK
 from flodl.runtime.wire.channel import PIECE_BYTES  # bytes added per step (the lock grid of a sum)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from flodl.config import TrainerConfig, resolve_dotted
-from flodl.config.plan_elements import (
+from flodl.config.registries.plan_elements import (
     PLAN_ELEMENTS,
     auto_candidates,
     cutting_state,
@@ -141,7 +141,7 @@ def _search(worker: Any, dataset: Any, budget: float, total: int) -> int:
 # naming what it needs against its budget.
 
 # The elements, their words, their costs and what combines: the registry
-# (flodl/config/plan_elements.py); each element's rank-side application is an ``apply_*``
+# (flodl/config/registries/plan_elements.py); each element's rank-side application is an ``apply_*``
 # function below, named there.
 
 
@@ -407,7 +407,7 @@ def _choose(worker: Any, meter: _Meter, size: int, may_shard: bool = False) -> M
     )
 
 
-# -- each element applied on a rank (named by its entry in flodl/config/plan_elements.py) ---------
+# -- each element applied on a rank (named by its entry in config/registries/plan_elements.py) -
 def apply_recompute(memory: RankMemory, worker: Any, chosen: bool, cohort: bool) -> None:
     """Activations recomputed in backward, or not (the probes patched the model's blocks)."""
     from flodl.step.plan_elements import recompute, set_recompute

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from flodl.config.plan_elements import (
+from flodl.config.registries.plan_elements import (
     cutting_state,
     hosting_state,
     parse_memory_plan,

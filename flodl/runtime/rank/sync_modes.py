@@ -11,7 +11,7 @@ rank loop calls at fixed points, not ``if mode`` branches inside the loop:
 
 Which class runs a mode, and what the mode declares to the controller's side (its policy: the
 hooks read ``self.policy`` instead of the mode's name), is the mode's one entry in the registry,
-:data:`flodl.config.modes.MODES`.
+:data:`flodl.config.registries.modes.MODES`.
 
 Membership (a lost peer, a new group) stays with the rank (:class:`Member`): a mode asks it to run
 a collective, wait for the next membership, or form one.
@@ -67,7 +67,7 @@ class SyncMode:
     does not override, it does not need (:class:`SoloSync` overrides nothing)."""
 
     def __init__(self, member: Member, elche: ElCheConfig) -> None:
-        self.policy = elche.mode.policy  # what the mode declares (flodl/config/modes.py)
+        self.policy = elche.mode.policy  # what the mode declares (flodl/config/registries/modes.py)
         self.member = member
         self.state = member.state
         self.link = member.link
@@ -379,8 +379,9 @@ class ControllerSync(SyncMode):
 
 def sync_for(member: Member, elche: ElCheConfig, world_size: int) -> SyncMode:
     """The rank's sync mode, chosen once: the ``rank_side`` class ``elche.mode`` declares
-    (flodl/config/modes.py). A collective mode alone has nothing to agree on (solo's); a mode
-    through the controller keeps its class even alone: the controller reads the snapshots."""
+    (flodl/config/registries/modes.py). A collective mode alone has nothing to agree on
+    (solo's); a mode through the controller keeps its class even alone: the controller reads
+    the snapshots."""
     policy = elche.mode.policy
     if world_size == 1 and not policy.via_controller:
         return SoloSync(member, elche)

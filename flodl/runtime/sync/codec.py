@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from flodl.config.codecs import CODECS
+from flodl.config.registries.codecs import CODECS
 from flodl.runtime.sync.compress import codec_for
 
 log = logging.getLogger(__name__)

@@ -13,8 +13,8 @@ The reference is a copy of the weights (one more copy per rank). It is dropped w
 ranks may no longer share it (a failed average, a new membership, a resume); the next average is
 then sent uncompressed and sets it again.
 
-Each codec is declared once (flodl/config/codecs.py: its wire dtype, error feedback, whether a
-collective all-reduces its values or all-gathers its encodings) and implemented here as a
+Each codec is declared once (flodl/config/registries/codecs.py: its wire dtype, error feedback,
+whether a collective all-reduces its values or all-gathers its encodings) and implemented here as a
 :class:`WireCodec` (:func:`codec_for`); nothing below branches on a codec's name.
 """
 
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from flodl.config import resolve_dotted
-from flodl.config.codecs import CODECS, COMPRESS_NAMES, CodecSpec
+from flodl.config.registries.codecs import CODECS, COMPRESS_NAMES, CodecSpec
 from flodl.rig import links
 from flodl.runtime.sync import groups
 

@@ -85,7 +85,9 @@ def _modes(*policies: ModePolicy) -> Mapping[Mode, ModePolicy]:
     table = {p.mode: p for p in policies}
     missing = [m.value for m in Mode if m not in table]
     if missing or len(table) != len(policies):
-        raise RuntimeError(f"flodl.config.modes: each Mode is declared once (missing: {missing})")
+        raise RuntimeError(
+            f"flodl.config.registries.modes: each Mode is declared once (missing: {missing})"
+        )
     return MappingProxyType(table)
 
 

@@ -34,7 +34,9 @@ class PlanElement:
     divides: frozenset[str] = frozenset()  # parts it divides across the cohort (a cohort cut)
     recomputes: bool = False  # the step runs forward again in backward (calibration times it)
     holds_model: bool = False  # it changes how the model is held (wraps the model and its step)
-    needs_mode: str | None = None  # a ModePolicy flag its mode must have (flodl/config/modes.py)
+    needs_mode: str | None = (
+        None  # a ModePolicy flag its mode must have (flodl/config/registries/modes.py)
+    )
     elementwise_optimizer: bool = False  # it steps pieces of parameters on their own
     excludes: Mapping[str, str] = field(default_factory=dict)  # element -> why they do not mix
 
