@@ -128,7 +128,7 @@ def plain_one(payload: dict[str, Any]) -> dict[str, Any]:
     optimizer and batches, in a fresh process with the same imports; its peak RSS."""
     import torch
 
-    import flodl.runtime.rank.worker  # noqa: F401  (the same baseline as a rank)
+    import flodl.runtime.rank.loop  # noqa: F401  (the same baseline as a rank)
     from flodl.recipes.steps import classification_step
 
     torch.manual_seed(0)
@@ -155,7 +155,7 @@ def memory_one(payload: dict[str, Any]) -> dict[str, Any]:
 
     rows = payload["params"] // WIDTH
     mode = payload["mode"]
-    import flodl.runtime.rank.worker  # noqa: F401  (torch and flodl imported: the baseline)
+    import flodl.runtime.rank.loop  # noqa: F401  (torch and flodl imported: the baseline)
 
     baseline_mb = _hwm_mb()
     watch = _RankPeaks()
@@ -386,10 +386,10 @@ def disk(params: int, where: str) -> dict[str, Any]:
     import torch
 
     from flodl.checkpoint import shards
-    from flodl.runtime.wire.streaming import tensor_bytes
+    from flodl.runtime.wire.streaming import tensor_view
 
     flat = torch.randn(params)
-    view = tensor_bytes(flat)
+    view = tensor_view(flat)
     plain, shard = [], []
     with tempfile.TemporaryDirectory(prefix="flodl-bench-disk-", dir=where) as tmp:
 

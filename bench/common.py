@@ -100,7 +100,7 @@ class OptimFactory:
     def __init__(self, name: str) -> None:
         import yaml
 
-        spec = yaml.safe_load((REPO / "flodl" / "conf" / "optimizer" / f"{name}.yaml").read_text())
+        spec = yaml.safe_load((REPO / "conf" / "optimizer" / f"{name}.yaml").read_text())
         self.target = spec.pop("_target_")
         self.kwargs = spec
 

@@ -6,7 +6,7 @@ same per-epoch permutation flodl uses (``flodl.data.source.epoch_permutation(n, 
 cut into
 batches of ``batch_size``. Pacing is flodl's own: ``T`` = ``pace_margin`` x the MAX over ranks of
 the median of ``warmup_steps`` timed steps on a throwaway copy (``measure_step_s``, first ``B x
-warmup_steps`` samples of epoch 0, as ``Worker.calibrate``); each step (forward, backward with
+warmup_steps`` samples of epoch 0, as ``RankLoop.calibrate``); each step (forward, backward with
 DDP's gradient all-reduce, optimizer step) runs under ``Pacer.run`` and ends at ``start +
 T / speed``.
 """
@@ -33,7 +33,7 @@ def _worker(rank: int, cfg: dict[str, Any], rendezvous: str, out: str) -> None:
     from flodl.config.cluster import LinkConfig
     from flodl.data.source import epoch_permutation
     from flodl.rig import links
-    from flodl.rig.memory import DeviceMemory, MiB, training_state
+    from flodl.rig.device_memory import DeviceMemory, MiB, training_state
     from flodl.rig.pacing import Pacer, measure_step_s
 
     torch.set_num_threads(1)
@@ -52,7 +52,7 @@ def _worker(rank: int, cfg: dict[str, Any], rendezvous: str, out: str) -> None:
         model, make_optim, train_step, n, batch_at, evaluate = _parts(cfg)
         model.train()
 
-        # calibration: a throwaway copy, as flodl's Worker.calibrate; all ranks at once (flodl's
+        # calibration: a throwaway copy, as flodl's RankLoop.calibrate; all ranks at once (flodl's
         # ranks start calibrating together too, right after their initial broadcast)
         dist.barrier()
         probe = copy.deepcopy(model)
@@ -79,7 +79,8 @@ def _worker(rank: int, cfg: dict[str, Any], rendezvous: str, out: str) -> None:
             ddp.register_comm_hook(None, links.ddp_comm_hook(world))
         optimizer = make_optim(ddp.parameters())
         budgets = cfg.get("memory_mb")
-        if budgets:  # the rig's simulated device memory, as flodl's ranks get (flodl/rig/memory.py)
+        # the rig's simulated device memory, as flodl's ranks get (flodl/rig/device_memory.py)
+        if budgets:
             memory = DeviceMemory(int(budgets[rank] * MiB), name=f"ddp rank {rank}")
             memory.adopt(training_state(ddp.module, optimizer))
             memory.__enter__()

@@ -128,7 +128,7 @@ def compose_config(workload: str, variant: str, extra: list[str]) -> dict[str, A
         overrides += [f"cluster.speeds=[{RIG[0]}]", "cluster.ranks=1"]
     elif variant == "solo-slow":
         overrides += [f"cluster.speeds=[{RIG[1]}]", "cluster.ranks=1"]
-    with initialize_config_dir(config_dir=str(REPO / "flodl" / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         return plain_config(compose(config_name="config", overrides=overrides))
 
 

@@ -176,11 +176,11 @@ def summarise(repeats: list[dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
 
 def _state_ratio() -> dict[str, float]:
     """The model's training state against the small budget, sized on meta (no memory), as
-    the launch check sizes it (flodl/preflight/memory.py)."""
+    the launch check sizes it (flodl/preflight/footprint.py)."""
     from types import SimpleNamespace
 
     from bench.common import WORKLOADS, ModelFactory, OptimFactory
-    from flodl.preflight.memory import footprint
+    from flodl.preflight.footprint import footprint
 
     spec = SimpleNamespace(
         model_factory=ModelFactory(WORKLOAD),

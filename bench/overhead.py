@@ -77,7 +77,7 @@ def hand_loop(name: str, epochs: int) -> dict[str, Any]:
     inputs, target = dataset_factory(name, "train")().tensors
     n = len(target)
 
-    # the same untimed warm-up as flodl's Worker.calibrate: a throwaway copy, 1 + 8 steps
+    # the same untimed warm-up as flodl's RankLoop.calibrate: a throwaway copy, 1 + 8 steps
     probe = copy.deepcopy(model)
     probe_opt = make_optim(probe.parameters())
     first = epoch_permutation(n, SEED, 0)[: BATCH * WARMUP_STEPS]

@@ -30,14 +30,14 @@ from typing import Any
 
 import torch
 
-from flodl.runtime.rank.worker import WindowTally, Worker
+from flodl.runtime.rank.loop import RankLoop, WindowTally
 from flodl.runtime.wire.messages import Plan, Regroup, Stop, Window
 
 
 class CooperativeWorker:
-    """Drives a rank's :class:`Worker` from your loop instead of the managed one."""
+    """Drives a rank's :class:`RankLoop` from your loop instead of the managed one."""
 
-    def __init__(self, core: Worker, finish_hook: Any = None) -> None:
+    def __init__(self, core: RankLoop, finish_hook: Any = None) -> None:
         self._core = core
         self._finish_hook = finish_hook
         self._queue: collections.deque[Window] = collections.deque()

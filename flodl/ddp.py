@@ -82,13 +82,13 @@ class Rendezvous:
         """Read torchrun's ``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK`` (and
         ``LOCAL_RANK`` when set) from ``environ`` (default ``os.environ``).
 
-        The variables are read by :mod:`flodl.runtime.rank.env`, the one reader of rank
+        The variables are read by :mod:`flodl.runtime.wire.rank_env`, the one reader of rank
         environment. Under torchrun the
         agent serves the store (``TORCHELASTIC_USE_AGENT_STORE=True``) and every rank is a
         client; otherwise rank 0 serves it, as with ``init_method="env://"``.
         Raises ``RuntimeError`` naming the missing or malformed variable.
         """
-        from flodl.runtime.rank.env import torchrun_vars
+        from flodl.runtime.wire.rank_env import torchrun_vars
 
         found = torchrun_vars(environ)
         return cls(

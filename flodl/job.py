@@ -35,7 +35,7 @@ from flodl.preflight import (
     check_launch,
     check_run,
     format_lr_scaling,
-    model_signature,
+    launch_signature,
     rank_loaders,
 )
 from flodl.runtime.cohorts.factory import open_cohort
@@ -48,8 +48,8 @@ from flodl.runtime.controller.controller import (
     RunFailed,
 )
 from flodl.runtime.controller.snapshots import ResumePoint
-from flodl.runtime.rank.env import ExternalRole
-from flodl.runtime.rank.spec import Callbacks, JobSpec
+from flodl.runtime.wire.job_spec import Callbacks, JobSpec
+from flodl.runtime.wire.rank_env import ExternalRole
 from flodl.step.evaluation import primary_name
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ class Job:
         self.topology: Topology = resolve_topology(spec.config, placed=placed)
         # Before any rank: the closures' dry build (Python API), the callback rank, a writable
         # save_path, the resume bundle.
-        signature = model_signature(spec, run_info)
+        signature = launch_signature(spec, run_info)
         self._resume: ResumePoint | None = check_run(
             spec.config, self.topology.world_size, signature
         )

@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from flodl.checkpoint.results import RunResult, TrainedState
-from flodl.cli.signals import sigterm_as_interrupt
 from flodl.config import (
     ClusterConfig,
     EarlyStoppingConfig,
@@ -34,8 +33,9 @@ from flodl.config import (
 )
 from flodl.monitor.metrics import EpochMetrics, RunSummary
 from flodl.runtime.cohorts import fork_server
-from flodl.runtime.rank.env import ExternalRole, external_role, is_follower, placed_cohort
-from flodl.runtime.rank.spec import Callbacks, JobSpec
+from flodl.runtime.wire.job_spec import Callbacks, JobSpec
+from flodl.runtime.wire.rank_env import ExternalRole, external_role, is_follower, placed_cohort
+from flodl.signals import sigterm_as_interrupt
 
 log = logging.getLogger(__name__)
 
@@ -304,7 +304,7 @@ class TrainerBuilder:
 
     def into_worker(self) -> Any:
         """The cooperative tier (see :mod:`flodl.cooperative`): you own the loop body."""
-        from flodl.runtime.rank.env import is_rank_process
+        from flodl.runtime.wire.rank_env import is_rank_process
 
         if is_rank_process():
             from flodl.runtime.rank.process import cooperative_worker

@@ -1,16 +1,5 @@
-"""Deprecated: the recipes moved to :mod:`flodl.recipes` (a top-level ``recipes`` package collides
-with a project's own). ``import recipes.models`` keeps working for one release, with a warning."""
+"""Models, datasets and train steps that ``conf/`` points at (components live in ``flodl/``).
 
-import importlib
-import sys
-import warnings
-
-warnings.warn(
-    "the 'recipes' package moved to 'flodl.recipes'; import from flodl.recipes instead "
-    "(the old path goes away in the next release)",
-    DeprecationWarning,
-    stacklevel=2,
-)
-
-for _name in ("datasets", "lm", "models", "steps", "text"):
-    sys.modules[f"{__name__}.{_name}"] = importlib.import_module(f"flodl.recipes.{_name}")
+Everything here is a plain ``nn.Module`` or function: no ``torch.distributed``, no rank logic.
+The runner decides where and how often a step runs; a recipe only says what one step is.
+"""

@@ -44,7 +44,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from bench.chaos import run_one
-from flodl.runtime.rank.chaos import RANK_MOMENTS
+from flodl.runtime.wire.chaos import RANK_MOMENTS
 
 MODES = ("nccl_cadence", "cpu_async", "nccl_sync")
 #: Moments that are no named point of the code: a kill some time after one (chaos.py's

@@ -3,7 +3,7 @@
     python -m bench.chaos.run_one --mode nccl_cadence --ranks 3 --faults 1:report:2 [--ckpt DIR]
         [--hosts HOSTS.json]
 
-The faults go into ``FLODL_CHAOS`` (flodl/runtime/rank/chaos.py) before the ranks start, so every
+The faults go into ``FLODL_CHAOS`` (flodl/runtime/wire/chaos.py) before the ranks start, so every
 rank inherits them (remote ranks through their role env) and strikes at its own moment. With
 ``--hosts`` (written by ``matrix --cohort ssh``: fake hosts from tests/netns_hosts.py) the
 ranks run on those hosts over ssh — rank 0 on the first, the others on the second — instead

@@ -297,7 +297,7 @@ def _check_key(key: str) -> None:
 
 
 def _sigterm_as_interrupt() -> Any:
-    from flodl.cli.signals import sigterm_as_interrupt
+    from flodl.signals import sigterm_as_interrupt
 
     return sigterm_as_interrupt()
 
@@ -406,7 +406,7 @@ def hydra_error_line(exc: BaseException) -> str | None:
             hint = f"; available: {', '.join(options)}"
         return (
             f"{head.rstrip('.')} in your config directory or flodl's config groups "
-            f"(flodl/conf/){hint}"
+            f"(conf/, pkg://flodl.conf){hint}"
         )
     if isinstance(exc.__cause__, OmegaConfBaseException):
         head = f"{head} ({str(exc.__cause__).splitlines()[0].strip()})"
@@ -422,11 +422,26 @@ def hydra_error_line(exc: BaseException) -> str | None:
                 f"{key}: no such key{hint}; {parent or 'the config'} has "
                 f"{', '.join(known)}; a new key is added with +{key}=VALUE"
             )
-        head += (
-            f"; your config has no such key: list flodl's `{group}: default` (or another "
-            f"{group} option) in its defaults, or add the key with +{key}=VALUE"
+        options = flodl_options(group)
+        listed = (
+            f"list one of flodl's {group} options ({', '.join(options)}) in its defaults, or "
+            if options
+            else ""
         )
+        head += f"; your config has no such key: {listed}add the key with +{key}=VALUE"
     return head
+
+
+def flodl_options(group: str) -> list[str]:
+    """The options of flodl's config group ``group`` (``pkg://flodl.conf``), [] for none."""
+    from importlib import resources
+
+    folder = resources.files("flodl.conf").joinpath(group)
+    if not folder.is_dir():
+        return []
+    return sorted(
+        p.name.removesuffix(".yaml") for p in folder.iterdir() if p.name.endswith(".yaml")
+    )
 
 
 def _sibling_keys(cause: BaseException | None) -> list[str]:
@@ -450,7 +465,7 @@ def _warm_early(args: list[str]) -> None:
     killed, not waited for). Not when torchrun or srun placed this process, nor for Hydra's
     informational flags (nothing trains)."""
     from flodl.runtime.cohorts import fork_server
-    from flodl.runtime.rank.env import external_role
+    from flodl.runtime.wire.rank_env import external_role
 
     if any(arg.split("=", 1)[0] in _INFO_FLAGS for arg in args):
         return

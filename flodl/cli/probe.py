@@ -27,14 +27,16 @@ import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from flodl.config import ClusterConfig, ControllerAddress, SlurmConfig, WorkerConfig
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
-"""The project's Hydra config dir (``run.py`` composes from it); cluster files are under it."""
+CONF = Path(str(resources.files("flodl.conf")))
+"""flodl's Hydra config groups (``pkg://flodl.conf``: the repository's ``conf/``, shipped in the
+wheel); its cluster files are under it."""
 
 
 @dataclass
@@ -421,6 +423,7 @@ def load_cluster(args: list[str]) -> ClusterConfig:
         raise ConfigError(f"cluster={spec}: {path}: {_first_line(exc)}") from None
     if not isinstance(node, DictConfig):
         raise ConfigError(f"cluster={spec}: {path} must hold a mapping of cluster keys")
+    node = _on_schema(node)
     for key, value in overrides:
         try:
             # from_dotlist types the value as YAML; update() also walks list indices.
@@ -436,6 +439,19 @@ def load_cluster(args: list[str]) -> ClusterConfig:
         return ClusterConfig.model_validate(data)
     except ValidationError as exc:
         raise explain(exc, data, "cluster") from None
+
+
+def _on_schema(node: Any) -> Any:
+    """A cluster file as Hydra composes it: its keys over ``cluster/_schema`` (every key at its
+    default, flodl/config/groups.py) where its defaults list names it, else as written."""
+    from omegaconf import OmegaConf
+
+    from flodl.config import schema_node
+
+    defaults = node.pop("defaults", None) if "defaults" in node else None
+    if defaults is None or "_schema" not in list(defaults):
+        return node
+    return OmegaConf.merge(OmegaConf.create(schema_node("cluster")), node)
 
 
 def _first_line(exc: Exception) -> str:

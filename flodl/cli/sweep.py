@@ -108,7 +108,7 @@ def written_at(message: str, config: Any) -> str:
 
 
 def _launch(launcher: Any, ctx: Any, jobs: list, sweep_dir: Path, logger: Any) -> list:
-    from flodl.runtime.rank.env import external_role, is_follower
+    from flodl.runtime.wire.rank_env import external_role, is_follower
 
     role = external_role()  # this process's placement, read once
     if is_follower(role):
@@ -154,7 +154,7 @@ def _warm_ranks(cluster: Any) -> None:
     Any other job:
     end the server ``cli`` started on speculation."""
     from flodl.runtime.cohorts import fork_server
-    from flodl.runtime.rank.env import external_role
+    from flodl.runtime.wire.rank_env import external_role
 
     if fork_server.serves(cluster, placed=external_role() is not None):
         fork_server.start()
@@ -345,7 +345,7 @@ class FailedJobs(Callback):
         self._t0 = time.time()
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
-        from flodl.runtime.rank.env import external_role, is_follower
+        from flodl.runtime.wire.rank_env import external_role, is_follower
 
         if is_follower(external_role()):
             return  # torchrun/srun placed us: rank 0 writes the jobs' summaries and judges them

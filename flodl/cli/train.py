@@ -6,7 +6,7 @@ flodl train -m elche=nccl_sync,nccl_cadence   # a sweep; ends with ab_report.md
 flodl train --config-dir path/to/conf --config-name other
 
 The project's config directory (``--config-dir``; default ``./conf`` where it exists, else flodl's
-own default job, ``flodl/conf/config.yaml``) is Hydra's primary config path; flodl's groups
+own default job, ``conf/config.yaml``) is Hydra's primary config path; flodl's groups
 (``elche``, ``cluster``, ``logger``, ...) come from the ``flodl_searchpath`` plugin. Every run,
 single or sweep, goes through the flodl launcher in Hydra's MULTIRUN mode, set here, so the
 project's files need no ``hydra: {mode: MULTIRUN}``. The working directory goes first on
@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-#: flodl's own default primary config (``flodl/conf/config.yaml``) as Hydra addresses it.
+#: flodl's own default primary config (``conf/config.yaml``) as Hydra addresses it.
 PACKAGED_CONFIG = "pkg://flodl.conf"
 
 USAGE = (

@@ -1,11 +1,12 @@
 """The one source of truth for every knob: a pydantic schema, validated once in the launcher.
 
-YAML in ``flodl/conf/`` (and a project's own ``conf/``) only composes; these modules decide what is
+YAML in ``conf/`` (and a project's own ``conf/``) only composes; these modules decide what is
 valid, one module per config group (``elche``, ``cluster``, ``loader``, ``logger``, ``trainer``,
-``task``), with ``run`` for a whole composed run, ``locate`` for dotted ``_target_`` paths and
-``extras`` for the optional dependencies a config needs. Every model is frozen and forbids unknown
-keys, so a typo (``trainer.nmu_epochs``) is an error that names the key, never a silently ignored
-setting. Below this boundary code receives typed objects, never a ``DictConfig``.
+``task``), with ``run`` for a whole composed run, ``groups`` for the groups whose options compose
+from the schema, ``locate`` for dotted ``_target_`` paths and ``extras`` for the optional
+dependencies a config needs. Every model is frozen and forbids unknown keys, so a typo
+(``trainer.nmu_epochs``) is an error that names the key, never a silently ignored setting. Below
+this boundary code receives typed objects, never a ``DictConfig``.
 """
 
 from flodl.config.base import ConfigError
@@ -22,9 +23,9 @@ from flodl.config.elche import (
     Guard,
     Mode,
     Outer,
-    elche_schema_node,
     preset_yaml_keys,
 )
+from flodl.config.groups import SCHEMA_GROUPS, schema_node
 from flodl.config.loader import LoaderConfig, LoaderOverride, Placement
 from flodl.config.locate import check_locatable, defined_in_source, resolve_dotted
 from flodl.config.logger import LoggerConfig, MlflowConfig, WandbConfig
@@ -40,6 +41,7 @@ from flodl.config.trainer import (
 
 __all__ = [
     "ELCHE_PRESETS",
+    "SCHEMA_GROUPS",
     "CallbackPolicy",
     "ClusterConfig",
     "ConfigError",
@@ -67,10 +69,10 @@ __all__ = [
     "WorkerConfig",
     "check_locatable",
     "defined_in_source",
-    "elche_schema_node",
     "explain",
     "preset_yaml_keys",
     "resolve_dotted",
+    "schema_node",
     "validate_run_config",
     "validate_trainer_config",
 ]

@@ -72,9 +72,9 @@ class LinkConfig(_Schema):
         return self.profile != "none" or self.bandwidth_gbps is not None or bool(self.between_hosts)
 
 
-#: The elements a memory plan combines (flodl/step/memory.py): activations recomputed in backward,
-#: the optimizer's state and step on the host, the optimizer's state sharded across the ranks in
-#: proportion to their free memory (nccl_sync only: flodl/runtime/sync/sharded_optimizer.py).
+#: The elements a memory plan combines (flodl/step/plan_elements.py): activations recomputed in
+#: backward, the optimizer's state and step on the host, the optimizer's state sharded across the
+#: ranks in proportion to their free memory (nccl_sync only: runtime/sync/sharded_optimizer.py).
 PLAN_ELEMENTS = ("recompute", "offload", "shard")
 
 

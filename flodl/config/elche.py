@@ -163,7 +163,7 @@ class ElCheConfig(_Schema):
 
 #: What each ElChe preset changes from :class:`ElCheConfig`'s defaults: the one table behind
 #: ``ElCheConfig.<mode>()`` and ``conf/elche/<mode>.yaml`` (which states just these keys; the
-#: rest comes from the schema, registered for Hydra as ``elche/_schema``).
+#: rest comes from the schema, registered for Hydra as ``elche/_schema``, flodl/config/groups.py).
 ELCHE_PRESETS: dict[Mode, dict[str, Any]] = {
     Mode.NCCL_SYNC: {"anchor": 1},  # sync every step
     Mode.NCCL_CADENCE: {},
@@ -181,8 +181,3 @@ ELCHE_PRESETS: dict[Mode, dict[str, Any]] = {
 def preset_yaml_keys(mode: Mode) -> dict[str, Any]:
     """The keys ``conf/elche/<mode>.yaml`` states: the mode and what its preset changes."""
     return {"mode": mode.value, **ELCHE_PRESETS[mode]}
-
-
-def elche_schema_node() -> dict[str, Any]:
-    """Every ElChe key at its schema default, as plain data: Hydra's base for the presets."""
-    return ElCheConfig().model_dump(mode="json")

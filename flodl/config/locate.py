@@ -105,4 +105,12 @@ def _module_spec(name: str) -> Any:
 def _find(name: str, search: Any) -> Any:
     if search is None:  # top level: every finder on sys.meta_path (editable installs included)
         return importlib.util.find_spec(name)
-    return importlib.machinery.PathFinder.find_spec(name, list(search))
+    # A submodule: each finder on sys.meta_path with the parent's path, as an import asks them
+    # (an editable install's finder maps flodl.recipes to the repository's recipes/), none of
+    # them running the parent's code.
+    for finder in sys.meta_path:
+        find = getattr(finder, "find_spec", None)
+        spec = find(name, list(search)) if find is not None else None
+        if spec is not None:
+            return spec
+    return None

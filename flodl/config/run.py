@@ -20,7 +20,7 @@ from flodl.config.trainer import TrainerConfig, TrainerKnobs
 
 
 class RunConfig(_Schema):
-    """The composed Hydra config (``flodl/conf/config.yaml`` or a project's own), validated once
+    """The composed Hydra config (``conf/config.yaml`` or a project's own), validated once
     in the launcher."""
 
     model: TargetConfig
@@ -132,7 +132,7 @@ def explain(
             return ConfigError(f"{key}: unknown key{hint}")
         return ConfigError(
             f"{key}: unknown key (check the spelling; flodl's keys are in the schema, "
-            "flodl.config, and its config groups, flodl/conf/)"
+            "flodl.config, and its config groups, conf/)"
         )
     if err["type"] == "missing":
         return ConfigError(f"{key}: required key is missing")

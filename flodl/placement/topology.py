@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from types import EllipsisType
 
 from flodl.config import ClusterConfig, ConfigError, Mode, TrainerConfig, WorkerConfig
-from flodl.runtime.rank import env as rank_env
+from flodl.runtime.wire import rank_env
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ def resolve_topology(
     """Decide the cohort from this process's placement and the cluster section.
 
     ``placed``: what another launcher said of this process, as the entry point read it from the
-    environment (:func:`flodl.runtime.rank.env.external_role`); ``...`` reads it here.
+    environment (:func:`flodl.runtime.wire.rank_env.external_role`); ``...`` reads it here.
 
     Precedence (as torchrun users expect): ranks placed by another launcher (torchrun / srun
     environment) > ``cluster.kind`` > auto-promote (>= 2 GPUs, probed without touching CUDA) >

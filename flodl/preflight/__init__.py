@@ -9,7 +9,7 @@ Cheapest first, so a pure-config refusal exits before torch is imported:
 3. a Hydra job's ``_target_`` factories (:func:`check_factories`: signatures, annotations,
    dataset length, then a dry build of model, optimizer and scheduler; imports torch);
 4. the task's dotted paths and metrics (:func:`check_task_targets`; torchmetrics in the background);
-5. per run, once the topology is known (:func:`check_run`, :func:`model_signature`,
+5. per run, once the topology is known (:func:`check_run`, :func:`launch_signature`,
    :func:`check_launch`): callback rank, save path, resume bundle, the Python API's closures.
 """
 
@@ -20,8 +20,8 @@ from flodl.preflight.launch import (
     check_precision,
     check_run,
     format_lr_scaling,
+    launch_signature,
     lr_scaling,
-    model_signature,
     rank_loaders,
 )
 from flodl.preflight.targets import bind, check_factories, check_task_targets, resolve
@@ -35,8 +35,8 @@ __all__ = [
     "check_run",
     "check_task_targets",
     "format_lr_scaling",
+    "launch_signature",
     "lr_scaling",
-    "model_signature",
     "rank_batch_sizes",
     "rank_devices",
     "rank_loaders",

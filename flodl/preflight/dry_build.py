@@ -108,7 +108,7 @@ def _build_all(
 ) -> str:
     from torch import nn
 
-    from flodl.runtime.rank.spec import state_signature
+    from flodl.runtime.wire.job_spec import state_signature
 
     build_model, build_optimizer, build_scheduler = builders
     model = _refusal(names[0], lambda: build_model(device), explain)

@@ -5,7 +5,7 @@ API included; a refusal is a :class:`ConfigError`, exit code 2).
 per-rank batch sizes against the ranks' devices, the callback rank and a writable ``save_path``
 (:func:`check_outputs`). :func:`check_run` checks the callback rank, a
 writable ``save_path`` and the resume bundle (exists, intact, same architecture, epochs left);
-:func:`model_signature` dry-builds the Python API's closures for that comparison
+:func:`launch_signature` dry-builds the Python API's closures for that comparison
 (:mod:`.dry_build`). :func:`check_launch` announces the LR scaling with real numbers and warns
 about a per-step scheduler under ``interval=epoch``: the optimizer and scheduler factories are
 built on one CPU parameter (a factory that needs the model's own parameter groups is left to
@@ -25,12 +25,12 @@ from flodl.placement.topology import Topology
 if TYPE_CHECKING:
     import torch
 
-    from flodl.runtime.rank.spec import JobSpec
+    from flodl.runtime.wire.job_spec import JobSpec
 
 log = logging.getLogger("flodl")
 
 
-def model_signature(spec: JobSpec, run_info: dict[str, Any]) -> str | None:
+def launch_signature(spec: JobSpec, run_info: dict[str, Any]) -> str | None:
     """The architecture signature: a Hydra job's (its targets were dry-built when its config
     was checked) or, for the Python API, its closures' dry build, which refuses a factory that
     fails before any rank starts."""
@@ -151,7 +151,7 @@ def check_launch(spec: JobSpec, topology: Topology) -> dict[str, Any]:
     """Run the launch-time checks (a refusal is a :class:`ConfigError`, before any rank).
     Returns the LR scaling, which the job announces and records in summary.json."""
     from flodl.preflight.dry_build import without_dynamo_import
-    from flodl.preflight.memory import check_memory
+    from flodl.preflight.footprint import check_memory
 
     check_precision(spec.config.precision, rank_devices(topology, spec.config.device))
     with without_dynamo_import():  # the launcher trains nothing: torch._dynamo costs 1-3 s

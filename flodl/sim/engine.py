@@ -8,7 +8,7 @@ aggregation and membership parts) and the :class:`flodl.elche.ElChe` it owns rec
 the same messages (``Ready``, ``Report``, ``Settled``, ``Regrouped``, ``Final``, a rank's
 ``Exited``) that reader threads post in a launch, through the same per-message steps as
 ``Controller.run``; their ``Plan``, ``Regroup`` and ``Stop`` replies reach the virtual ranks
-after ``latency_ms``. A virtual rank behaves as :class:`flodl.runtime.rank.worker.Worker` does in
+after ``latency_ms``. A virtual rank behaves as :class:`flodl.runtime.rank.loop.RankLoop` does in
 the collective modes: it trains a window, reports it, averages with its group (a collective that
 fails when a member is lost), skips windows voided by a regroup, and re-averages on ``Regroup``.
 
@@ -29,7 +29,7 @@ from typing import Any
 
 from flodl.config import ClusterConfig, ElCheConfig, Mode, TrainerConfig
 from flodl.runtime.controller.controller import Controller, Exited
-from flodl.runtime.controller.dispatch import chunk_batches
+from flodl.runtime.controller.dispatch import count_batches
 from flodl.runtime.wire import streaming
 from flodl.runtime.wire.messages import (
     Final,
@@ -203,20 +203,20 @@ class Simulator:
         while self._heap:
             self.now, _, fn, args = heapq.heappop(self._heap)
             fn(*args)
-        if not self.ctl._finished():
+        if not self.ctl.finished():
             raise RuntimeError(f"simulation stalled at {self.now:.0f} virtual ms")
         return self._result()
 
     def to_controller(self, rank: int, msg: Any) -> None:
         """One message through the controller's own per-message steps (those of
-        ``Controller.run``: the finish check, the deadline checks, the handler). The arrival
+        ``Controller.run``: finished, check_deadlines, handle). The arrival
         stamp is a reader thread's work in a launch (``Controller.post``), as is decoding."""
         ctl = self.ctl
         ctl.members.seen(rank)
         t0 = time.process_time()
-        ctl._finished()
-        ctl._check_deadlines()
-        ctl._handle_timed(rank, msg)
+        ctl.finished()
+        ctl.check_deadlines()
+        ctl.handle(rank, msg)
         self.cpu_s += max(0.0, time.process_time() - t0 - self._clock_cost)
         sent, self.outgoing = self.outgoing, []
         for to, out in sent:  # delivered in the order sent, latency_ms from now
@@ -224,7 +224,7 @@ class Simulator:
 
     def _result(self) -> SimResult:
         ctl, total = self.ctl, self.n_samples * self.epochs
-        res = ctl._result()
+        res = ctl.result()
         end = max(r.done_at for r in self.ranks if r.state == "done")
         lock = lockstep_ms(
             total, self.scenario, self.n, self.work, self.comm, self.lost_ms, self.seed
@@ -289,7 +289,7 @@ class Simulator:
         if r.sync_started is not None:
             r.last_sync_ms = self.now - r.sync_started
         t = self.now
-        for _ in range(chunk_batches(w.chunks, self.work.batch_size)):
+        for _ in range(count_batches(w.chunks, self.work.batch_size)):
             t += batch_ms(self.work, self.scenario.speed(r.rank, t), self.rng)
         r.state = "compute"
         self.schedule(t - self.now, self._computed, r, w, t - self.now)
@@ -297,7 +297,7 @@ class Simulator:
     def _computed(self, r: _Rank, w: Window, compute_ms: float) -> None:
         if r.state == "dead":
             return
-        b = chunk_batches(w.chunks, self.work.batch_size)
+        b = count_batches(w.chunks, self.work.batch_size)
         divergence = None if self.mode.is_sync else 0.01
         report = Report(
             r.rank,

@@ -1,11 +1,12 @@
-"""Schema of ``hydra/launcher=flodl`` and the ElChe presets' base, registered in Hydra's
+"""Schema of ``hydra/launcher=flodl`` and the base of every group composed from the schema
+(``elche/_schema``, ``cluster/_schema``, ...: flodl/config/groups.py), registered in Hydra's
 ConfigStore at discovery (pydantic only: no torch)."""
 
 from dataclasses import dataclass
 
 from hydra.core.config_store import ConfigStore
 
-from flodl.config import elche_schema_node
+from flodl.config.groups import SCHEMA_GROUPS, schema_node, subsection_nodes
 
 
 @dataclass
@@ -15,5 +16,9 @@ class FlodlLauncherConf:
 
 
 ConfigStore.instance().store(group="hydra/launcher", name="flodl", node=FlodlLauncherConf)
-# Every ElChe key at ElCheConfig's default: conf/elche/<mode>.yaml extends it with its changes.
-ConfigStore.instance().store(group="elche", name="_schema", node=elche_schema_node())
+# Every key of a section at its schema default: conf/<group>/<option>.yaml extends it with its
+# changes, so every key is settable from the command line without `+`.
+for _group in SCHEMA_GROUPS:
+    ConfigStore.instance().store(group=_group, name="_schema", node=schema_node(_group))
+for (_group, _name), _node in subsection_nodes().items():  # logger/_wandb, logger/_mlflow
+    ConfigStore.instance().store(group=_group, name=_name, node=_node)

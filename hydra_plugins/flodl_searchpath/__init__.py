@@ -15,7 +15,7 @@ import sys
 from hydra.core.config_search_path import ConfigSearchPath
 from hydra.plugins.search_path_plugin import SearchPathPlugin
 
-#: Where flodl's groups live in an installed flodl (``flodl/conf/``, package data).
+#: Where flodl's groups live in an installed flodl (the repository's ``conf/``, package data).
 FLODL_CONF = "pkg://flodl.conf"
 
 

@@ -139,8 +139,8 @@ def test_a_knob_the_projects_config_does_not_have_says_how_to_get_it(tmp_path):
     project = make_project(tmp_path / "proj", CONFIG.replace("  - logger: default\n", ""))
     assert_refused(
         flodl_train(project, "logger.level=DEBUG"),
-        "list flodl's `logger: default` (or another logger option) in its defaults, or add the "
-        "key with +logger.level=VALUE",
+        "list one of flodl's logger options (all, csv, default, mlflow, wandb) in its defaults, "
+        "or add the key with +logger.level=VALUE",
     )
 
 

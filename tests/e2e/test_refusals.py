@@ -111,7 +111,7 @@ def launcher_refusal(overrides: list[str]) -> str:
     from flodl.placement.topology import resolve_topology
     from flodl.preflight import check_run
 
-    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "flodl" / "conf")):
+    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
         cfg = compose("config", overrides=overrides)
     with pytest.raises(ConfigError) as info:
         checked = check_job(cfg)  # its signature is what train() passes on to the run's checks

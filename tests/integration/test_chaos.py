@@ -1,5 +1,5 @@
 """The chaos matrix's in-suite part: faults that used to hang or fail a run, each a real 3-rank
-run with a rank killed at a named moment (flodl/runtime/rank/chaos.py). The whole matrix:
+run with a rank killed at a named moment (flodl/runtime/wire/chaos.py). The whole matrix:
 ``python -m bench.chaos.matrix`` (README: "Chaos matrix")."""
 
 from __future__ import annotations

@@ -171,7 +171,7 @@ import socket, sys, time
 import torch, torch.distributed as dist
 from flodl.runtime.sync import groups
 from flodl.runtime.wire.channel import Channel
-from flodl.runtime.wire.links import SocketLink
+from flodl.runtime.wire.rank_link import SocketLink
 
 rank, store_port, control_port = (int(a) for a in sys.argv[1:4])
 store = dist.TCPStore("127.0.0.1", store_port, 2, is_master=rank == 0, use_libuv=False)

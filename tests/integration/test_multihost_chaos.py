@@ -1,7 +1,8 @@
 """The chaos hook through ssh hosts (issue 17, item 5): a rank on a network-namespace host
 (tests/netns_hosts.py), started over real ssh, killed or frozen at a named moment
-(flodl/runtime/rank/chaos.py). FLODL_CHAOS reaches the remote ranks through their role env
-(flodl/runtime/rank/env.py ``role_env``); each cell checks the survivors finish with exact coverage
+(flodl/runtime/wire/chaos.py). FLODL_CHAOS reaches the remote ranks through their role env
+(flodl/runtime/wire/rank_env.py ``role_env``); each cell checks the survivors finish with exact
+coverage
 within a bound derived from the heartbeat and start timeouts, and that no remote rank outlives
 the run. The whole matrix through ssh: ``python -m bench.chaos.matrix --cohort ssh``."""
 

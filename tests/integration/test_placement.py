@@ -162,7 +162,7 @@ def test_srun_style_placement_trains(tmp_path):
 
 @pytest.mark.light
 def test_srun_environment_is_read(monkeypatch):
-    from flodl.runtime.rank.env import external_role
+    from flodl.runtime.wire.rank_env import external_role
 
     role = external_role(
         {
@@ -181,7 +181,7 @@ def test_srun_environment_is_read(monkeypatch):
 
 @pytest.mark.light
 def test_srun_without_master_addr_derives_it_or_fails_loudly():
-    from flodl.runtime.rank.env import external_role
+    from flodl.runtime.wire.rank_env import external_role
 
     step = {"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "0"}
     role = external_role(

@@ -76,7 +76,7 @@ _DDP = """
 import sys, torch, torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from flodl.rig.memory import DeviceMemory, MiB, training_state
+from flodl.rig.device_memory import DeviceMemory, MiB, training_state
 rank, budget_mb = int(sys.argv[1]), float(sys.argv[3])
 dist.init_process_group("gloo", init_method=sys.argv[2], rank=rank, world_size=2)
 torch.manual_seed(0)

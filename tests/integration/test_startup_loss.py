@@ -1,7 +1,7 @@
 """A rank lost at any moment of start-up, group formation included, is survived like any other
 loss, or fails the job at once naming it (issue 41, item 4); lost-rank messages and failed
 summaries say what happened (item 6). Real 2- and 3-rank runs over gloo, the rank SIGKILLed at
-a named moment (flodl/runtime/rank/chaos.py)."""
+a named moment (flodl/runtime/wire/chaos.py)."""
 
 from __future__ import annotations
 

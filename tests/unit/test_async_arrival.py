@@ -10,11 +10,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from flodl.runtime.rank.loop import RankLoop, WindowTally
 from flodl.runtime.rank.sync_modes import ControllerSync
-from flodl.runtime.rank.worker import WindowTally, Worker
 from flodl.runtime.sync.averaging import FlatState
-from flodl.runtime.wire.links import QueueLink
 from flodl.runtime.wire.messages import Average, Plan, Regroup, Stop
+from flodl.runtime.wire.rank_link import QueueLink
 
 
 def _rank(outstanding: list[int], inbox: list, pending_micro_batches: int = 0):
@@ -34,7 +34,7 @@ def _rank(outstanding: list[int], inbox: list, pending_micro_batches: int = 0):
         rank._outstanding.remove(msg.window)
 
     rank.take = apply
-    rank.sync = SimpleNamespace(take=apply)  # the rank's sync mode, for Worker._await_regroup
+    rank.sync = SimpleNamespace(take=apply)  # the rank's sync mode, for RankLoop._await_regroup
     return rank, applied, box
 
 
@@ -141,6 +141,6 @@ def test_an_average_arriving_while_a_regroup_is_awaited_is_taken_not_queued() ->
     rank, applied, box = _rank([3], [Average(3, None), Regroup(2, (0,), 3, {0: 1.0})])
     rank.cfg = SimpleNamespace(cluster=SimpleNamespace(heartbeat_timeout_s=1.0))
     rank.regroup = lambda msg: applied.append(("regroup", msg.generation))
-    Worker._await_regroup(rank)
+    RankLoop._await_regroup(rank)
     assert applied == [3, ("regroup", 2)] and rank._outstanding == [] and not rank._pending
     assert box.empty()

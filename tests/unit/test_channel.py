@@ -170,8 +170,8 @@ def test_the_rank_link_keeps_no_received_tensor_while_it_awaits_the_next() -> No
 
     import torch
 
-    from flodl.runtime.wire.links import SocketLink
     from flodl.runtime.wire.messages import Average
+    from flodl.runtime.wire.rank_link import SocketLink
 
     a, b = socket.socketpair()
     controller, rank_end = Channel(a), Channel(b)
@@ -198,8 +198,8 @@ def test_a_rank_link_beats_well_inside_a_short_heartbeat_timeout() -> None:
     import itertools
     import time
 
-    from flodl.runtime.wire.links import SocketLink, beat_interval_s
     from flodl.runtime.wire.messages import Heartbeat
+    from flodl.runtime.wire.rank_link import SocketLink, beat_interval_s
 
     assert beat_interval_s(30.0) == 1.0 and beat_interval_s(0.4) == pytest.approx(0.1)
     a, b = socket.socketpair()

@@ -16,8 +16,7 @@ from bench.chaos import matrix
 from flodl import ClusterBuilder, SshConfig
 from flodl.placement.remote import shell_line, ssh_argv
 from flodl.runtime.controller.events import Exited
-from flodl.runtime.rank import chaos
-from flodl.runtime.rank import env as rank_env
+from flodl.runtime.wire import chaos, rank_env
 from tests.integration.helpers import is_rank_itself, rank_pid
 
 

@@ -12,7 +12,7 @@ from flodl import ClusterBuilder, ClusterConfig, ConfigError, SshConfig, Trainer
 from flodl.config import validate_run_config
 from flodl.placement.remote import shell_line, ssh_argv, worker_env
 from flodl.placement.topology import resolve_topology
-from flodl.runtime.rank import env as rank_env
+from flodl.runtime.wire import rank_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,11 +27,11 @@ def two_hosts(**worker_b):
     )
 
 
-@pytest.mark.parametrize(
-    "path", sorted((ROOT / "flodl" / "conf" / "cluster").glob("*.yaml")), ids=str
-)
+@pytest.mark.parametrize("path", sorted((ROOT / "conf" / "cluster").glob("*.yaml")), ids=str)
 def test_every_shipped_cluster_file_validates(path):
-    cluster = ClusterConfig.model_validate(yaml.safe_load(path.read_text()))
+    stated = yaml.safe_load(path.read_text())
+    assert stated.pop("defaults") == ["_schema", "_self_"]  # composes from the schema
+    cluster = ClusterConfig.model_validate(stated)
     kinds = {"auto": "auto", "cpu_rig": "cpu_rig", "slurm": "slurm", "example_hosts": "hosts"}
     assert cluster.kind == kinds[path.stem]
     assert (cluster.slurm is not None) == (cluster.kind == "slurm")

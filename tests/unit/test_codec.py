@@ -152,7 +152,7 @@ def _stream(sums: SnapshotSums, report: Report) -> None:
     assert sorted(claimed) == list(range(len(tensors)))
     piece = sums_module.PIECE_BYTES
     for index in sorted(claimed):
-        view = streaming.tensor_bytes(tensors[index])
+        view = streaming.tensor_view(tensors[index])
         for lo in range(0, len(view), piece):
             claimed[index](lo, view[lo : lo + piece])
 
@@ -222,8 +222,8 @@ def test_a_modelled_link_charges_a_compressed_average_by_its_real_bytes() -> Non
     charged by the packed bytes, a half (bf16) or a quarter (int8) of the whole vector's."""
     from flodl.config.cluster import LinkConfig
     from flodl.rig import links as rig_links
-    from flodl.runtime.wire.links import _charge_round_trip
     from flodl.runtime.wire.messages import Average
+    from flodl.runtime.wire.rank_link import _charge_round_trip
 
     charged = {}
     try:

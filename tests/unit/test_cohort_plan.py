@@ -9,7 +9,6 @@ import time
 from flodl.config import ElCheConfig, TrainerConfig
 from flodl.runtime.controller.controller import Controller
 from flodl.runtime.wire.channel import Channel
-from flodl.runtime.wire.links import SocketLink
 from flodl.runtime.wire.messages import (
     CohortPlan,
     Plan,
@@ -19,6 +18,7 @@ from flodl.runtime.wire.messages import (
     Window,
     own_part,
 )
+from flodl.runtime.wire.rank_link import SocketLink
 from tests.unit.test_controller import FakeLink, drive
 
 
@@ -78,7 +78,7 @@ def _run(links: list) -> Controller:
     for rank, link in enumerate(links):
         ctl.attach(rank, link)
     for rank in range(4):
-        ctl._handle(rank, Ready(rank, "sig", 10, 1.0, "cpu", 2000))
+        ctl.handle(rank, Ready(rank, "sig", 10, 1.0, "cpu", 2000))
     drive(ctl, links, ms_per_batch=(1.0, 2.0, 1.5, 3.0))
     return ctl
 
@@ -99,7 +99,7 @@ def test_socket_links_get_one_pickle_per_step_and_the_same_plans_as_object_links
     assert len({id(p) for p in payloads}) == steps and len(payloads) == 4 * steps
     for rank in range(4):
         assert _windows(shared[rank]) == _windows(plain[rank]) != []
-    coverage = ctl._result().coverage
+    coverage = ctl.result().coverage
     assert coverage is not None and all(coverage.exact(e) for e in range(2))
 
 

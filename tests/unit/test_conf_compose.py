@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from types import UnionType
+from typing import Any, Union, get_args, get_origin
 
 import pytest
 from hydra import compose, initialize_config_dir
+from pydantic import BaseModel
 
 from flodl.cli.app import plain_config
-from flodl.config import Mode, validate_run_config
+from flodl.config import SCHEMA_GROUPS, Mode, RunConfig, validate_run_config
 
-CONF = Path(__file__).resolve().parents[2] / "flodl" / "conf"
+CONF = Path(__file__).resolve().parents[2] / "conf"
 GROUPS = [
     "model",
     "optimizer",
@@ -40,9 +44,9 @@ def test_every_group_has_options():
         assert list((CONF / group).glob("*.yaml")), f"conf/{group}/ is empty"
 
 
-@pytest.mark.parametrize(("group", "option"), _options(), ids=lambda x: str(x))
-def test_option_composes_and_validates(group, option):
-    overrides = [f"{group}={option}"]
+def _needs(group: str, option: str) -> list[str]:
+    """What an option needs beside it to compose into a valid run (its data, its model)."""
+    overrides = []
     if group == "model" and option == "resnet":
         overrides += ["dataset=synthetic", "dataset.input_shape=[3,32,32]"]
     if (group, option) in {("dataset", "shakespeare"), ("task", "language_model")}:
@@ -53,7 +57,12 @@ def test_option_composes_and_validates(group, option):
         ("task", "seq_classification"),
     }:
         overrides += ["model=hf"]  # Hugging Face text: the MLP has nothing to read
-    cfg = _compose(overrides)
+    return overrides
+
+
+@pytest.mark.parametrize(("group", "option"), _options(), ids=lambda x: str(x))
+def test_option_composes_and_validates(group, option):
+    cfg = _compose([f"{group}={option}", *_needs(group, option)])
     run = validate_run_config(plain_config(cfg))
     if group == "elche":
         assert run.elche.mode is Mode(option)
@@ -109,7 +118,7 @@ def test_plugin_import_is_light():
 
     code = (
         "import sys, hydra_plugins.flodl_launcher.launcher;"
-        "print('torch' in sys.modules, 'flodl.runtime.rank.worker' in sys.modules)"
+        "print('torch' in sys.modules, 'flodl.runtime.rank.loop' in sys.modules)"
     )
     out = subprocess.run(
         [sys.executable, "-c", code],
@@ -142,3 +151,84 @@ def test_elche_presets_have_one_source(mode):
     run = validate_run_config(plain_config(_compose([f"elche={mode.value}", "elche.gamma=2.0"])))
     assert run.elche == getattr(ElCheConfig, mode.value)(gamma=2.0)
     assert set(ELCHE_PRESETS) == set(Mode)
+
+
+def _section_model(annotation: Any) -> type[BaseModel] | None:
+    """The schema model a field holds (``X`` or ``X | None``); None for lists, dicts, values."""
+    options = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else ()
+    for option in (annotation, *options):
+        if isinstance(option, type) and issubclass(option, BaseModel):
+            return option
+    return None
+
+
+#: Groups a run may leave out (``scheduler: null`` in the defaults): no section, no keys.
+OPTIONAL_SECTIONS = ("scheduler",)
+
+
+def _absent_keys(model: type[BaseModel], data: Mapping[str, Any], prefix: str) -> list[str]:
+    """Every schema key of ``model`` (nested sections too) that the composed ``data`` lacks."""
+    absent = []
+    for name, field in model.model_fields.items():
+        key = field.alias or name
+        if key not in data:
+            if not prefix and key in OPTIONAL_SECTIONS:
+                continue
+            absent.append(f"{prefix}{key}")
+            continue
+        inner = _section_model(field.annotation)
+        if inner is not None and isinstance(data[key], Mapping):
+            absent += _absent_keys(inner, data[key], f"{prefix}{key}.")
+    return absent
+
+
+@pytest.mark.parametrize(("group", "option"), _options(), ids=lambda x: str(x))
+def test_every_schema_key_is_in_every_option(group, option):
+    """Whatever option a run picks, every key of the schema is in the composed config, so each
+    is settable from the command line and a project's config without ``+``."""
+    composed = plain_config(_compose([f"{group}={option}", *_needs(group, option)]))
+    assert _absent_keys(RunConfig, composed, "") == []
+
+
+def test_the_key_check_sees_a_missing_nested_key():
+    composed = plain_config(_compose([]))
+    del composed["cluster"]["link"]["latency_ms"], composed["trainer"]["seed"]
+    assert _absent_keys(RunConfig, composed, "") == ["trainer.seed", "cluster.link.latency_ms"]
+
+
+@pytest.mark.parametrize("group", sorted(SCHEMA_GROUPS))
+def test_schema_groups_state_only_what_they_change(group):
+    """Each option of a group composed from the schema extends ``_schema`` first (its own keys
+    after), so the schema, not a hand-copied list, says which keys exist."""
+    import yaml
+
+    options = sorted((CONF / group).glob("*.yaml"))
+    for path in options:  # _schema first, or another option of the group that lists it
+        stated = yaml.safe_load(path.read_text()) or {}
+        assert stated.get("defaults", [None])[0] in ["_schema", *(p.stem for p in options)], path
+
+
+@pytest.mark.parametrize("cluster", ["auto", "cpu_rig", "slurm", "example_hosts"])
+def test_nested_and_memory_keys_override_in_every_cluster_option(cluster):
+    overrides = [
+        f"cluster={cluster}",
+        "cluster.memory_plan=none",
+        "cluster.shared_memory=false",
+        "cluster.link.profile=1gbe",
+        "cluster.link.bandwidth_gbps=0.1",
+        "cluster.link.latency_ms=2",
+    ]
+    run = validate_run_config(plain_config(_compose(overrides)))
+    assert (run.cluster.memory_plan, run.cluster.shared_memory) == ("none", False)
+    link = run.cluster.link
+    assert (link.profile, link.bandwidth_gbps, link.latency_ms) == ("1gbe", 0.1, 2.0)
+
+
+def test_the_rig_takes_memory_mb_and_both_link_forms():
+    def cluster(*overrides: str):
+        return validate_run_config(plain_config(_compose(["cluster=cpu_rig", *overrides]))).cluster
+
+    assert cluster("cluster.memory_mb=[300,200]").memory_mb == [300, 200]
+    assert cluster("cluster.link=1gbe").link.profile == "1gbe"
+    whole = cluster("cluster.link={profile: 10gbe, bandwidth_gbps: 0.1}").link
+    assert (whole.profile, whole.bandwidth_gbps, whole.latency_ms) == ("10gbe", 0.1, None)

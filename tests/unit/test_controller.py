@@ -7,7 +7,7 @@ import torch
 
 from flodl.config import CallbackPolicy, ElCheConfig, TrainerConfig
 from flodl.runtime.controller.controller import Controller, RunFailed
-from flodl.runtime.controller.dispatch import chunk_batches
+from flodl.runtime.controller.dispatch import count_batches
 from flodl.runtime.wire.messages import EvalResult, Final, Plan, Ready, Report, Settled, Stop
 from flodl.step.evaluation import SampleMean
 
@@ -27,7 +27,7 @@ def make(world=2, epochs=2, n=1000, bs=10, has_eval=True, **elche):
     for rank, link in enumerate(links):
         ctl.attach(rank, link)
     for rank in range(world):
-        ctl._handle(rank, Ready(rank, "sig", 10, 1.0, "cpu", n))
+        ctl.handle(rank, Ready(rank, "sig", 10, 1.0, "cpu", n))
     return ctl, links
 
 
@@ -51,8 +51,8 @@ def drive(ctl, links, ms_per_batch=(1.0, 2.0), bs=10, eval_parts=half):
                 progressed = True
                 if isinstance(msg, Plan):
                     for w in msg.windows:
-                        b = chunk_batches(w.chunks, bs)
-                        ctl._handle(
+                        b = count_batches(w.chunks, bs)
+                        ctl.handle(
                             rank,
                             Report(
                                 rank,
@@ -70,23 +70,23 @@ def drive(ctl, links, ms_per_batch=(1.0, 2.0), bs=10, eval_parts=half):
                             ),
                         )
                         if w.settle:  # its averaging held (real ranks say so after it)
-                            ctl._handle(rank, Settled(rank, w.index))
+                            ctl.handle(rank, Settled(rank, w.index))
                         if w.eval_after:
                             parts = eval_parts(rank, w)
                             result = EvalResult(rank, w.epoch, w.index, parts, 1.0, w.eval_shard[0])
-                            ctl._handle(rank, result)
+                            ctl.handle(rank, result)
                 elif isinstance(msg, Stop):
                     stopped[rank] = True
                     if msg.send_state:
-                        ctl._handle(rank, Final(rank, {}, {}))
+                        ctl.handle(rank, Final(rank, {}, {}))
         assert progressed, "controller stalled"
 
 
 def test_every_epoch_is_covered_exactly_and_run_finishes():
     ctl, links = make()
     drive(ctl, links)
-    assert ctl._finished()
-    result = ctl._result()
+    assert ctl.finished()
+    result = ctl.result()
     assert [m.epoch for m in result.epochs] == [1, 2]  # counted from 1, as the console
     assert all(result.coverage.exact(e) for e in (0, 1))
     assert result.samples == 2000
@@ -96,7 +96,7 @@ def test_every_epoch_is_covered_exactly_and_run_finishes():
 def test_cadence_shares_follow_speed():
     ctl, links = make(epochs=3, n=6000)
     drive(ctl, links, ms_per_batch=(1.0, 2.5))
-    share = ctl._result().epochs[-1].per_rank_batch_share
+    share = ctl.result().epochs[-1].per_rank_batch_share
     assert share[0] == pytest.approx(2.5 / 3.5, abs=0.05)
 
 
@@ -104,8 +104,8 @@ def test_sync_mode_plans_lock_step_windows():
     ctl, links = make(mode="nccl_sync", anchor=1)
     drive(ctl, links)
     windows = [w for m in links[0].sent if isinstance(m, Plan) for w in m.windows]
-    assert all(chunk_batches(w.chunks, 10) == 1 for w in windows)
-    assert ctl._result().epochs[0].per_rank_batch_share == [0.5, 0.5]
+    assert all(count_batches(w.chunks, 10) == 1 for w in windows)
+    assert ctl.result().epochs[0].per_rank_batch_share == [0.5, 0.5]
 
 
 def test_eval_goes_to_the_fastest_rank_or_the_pinned_one():
@@ -121,7 +121,7 @@ def test_eval_goes_to_the_fastest_rank_or_the_pinned_one():
     pl = [FakeLink(), FakeLink()]
     for r in range(2):
         pinned.attach(r, pl[r])
-        pinned._handle(r, Ready(r, "sig", 10, 1.0, "cpu", 100))
+        pinned.handle(r, Ready(r, "sig", 10, 1.0, "cpu", 100))
     drive(pinned, pl, ms_per_batch=(3.0, 1.0))
     assert any(w.eval_after for m in pl[0].sent if isinstance(m, Plan) for w in m.windows)
 
@@ -131,9 +131,9 @@ def test_mismatched_architectures_fail():
     ctl = Controller(cfg, 2, [1.0, 1.0], has_eval=False)
     for r in range(2):
         ctl.attach(r, FakeLink())
-    ctl._handle(0, Ready(0, "aaa", 10, 1.0, "cpu", 100))
+    ctl.handle(0, Ready(0, "aaa", 10, 1.0, "cpu", 100))
     with pytest.raises(RunFailed, match="different model architectures"):
-        ctl._handle(1, Ready(1, "bbb", 10, 1.0, "cpu", 100))
+        ctl.handle(1, Ready(1, "bbb", 10, 1.0, "cpu", 100))
 
 
 def test_lookahead_keeps_one_window_queued():
@@ -155,12 +155,12 @@ def test_graceful_stop_mid_epoch_saves_the_uncovered_rest(tmp_path):
     links = [FakeLink(), FakeLink()]
     for r in range(2):
         ctl.attach(r, links[r])
-        ctl._handle(r, Ready(r, "sig", 10, 1.0, "cpu", 1000))
+        ctl.handle(r, Ready(r, "sig", 10, 1.0, "cpu", 1000))
     # answer only the first window, then ask to stop
     for rank in range(2):
         w = links[rank].sent[0].windows[0]
-        b = chunk_batches(w.chunks, 10)
-        ctl._handle(
+        b = count_batches(w.chunks, 10)
+        ctl.handle(
             rank,
             Report(
                 rank,
@@ -183,8 +183,8 @@ def test_graceful_stop_mid_epoch_saves_the_uncovered_rest(tmp_path):
     for rank in range(2):
         for plan in in_flight[rank]:
             for w in plan.windows:
-                b = chunk_batches(w.chunks, 10)
-                ctl._handle(
+                b = count_batches(w.chunks, 10)
+                ctl.handle(
                     rank,
                     Report(
                         rank,
@@ -210,9 +210,9 @@ def test_graceful_stop_mid_epoch_saves_the_uncovered_rest(tmp_path):
         shards = {f"rank{rank}": mine}
         if rank == 0:
             shards["model"] = {"params": weights, "buffers": {}, "outer": None}
-        ctl._handle(rank, RankState(rank, -1, stops[0].save_tag, shards))
-    ctl._handle(0, Final(0, weights, {}))
-    assert ctl._finished()
+        ctl.handle(rank, RankState(rank, -1, stops[0].save_tag, shards))
+    ctl.handle(0, Final(0, weights, {}))
+    assert ctl.finished()
     _, meta = load_bundle(stem)
     assert meta.save_reason == "interrupted" and meta.epoch == 0
     covered = sum(
@@ -237,15 +237,15 @@ def test_an_epoch_closes_only_once_its_last_averaging_held():
                 msg = link.sent[seen[rank]]
                 seen[rank] += 1
                 for w in msg.windows if isinstance(msg, Plan) else ():
-                    b = chunk_batches(w.chunks, 10)
+                    b = count_batches(w.chunks, 10)
                     samples = sum(s for _, s in w.chunks)
                     report = Report(rank, w.index, w.epoch, w.chunks, b, samples, 1.0 * b, 1.0, b)
-                    ctl._handle(rank, report)
+                    ctl.handle(rank, report)
                     held += [(rank, w.index)] if w.settle else []
     assert len(held) == 2 and not ctl.aggregator.closed_epochs  # reported, unsettled: open
-    ctl._handle(*held[0][:1], Settled(*held[0]))
+    ctl.handle(*held[0][:1], Settled(*held[0]))
     assert not ctl.aggregator.closed_epochs  # one rank's averaging is still unconfirmed
-    ctl._handle(*held[1][:1], Settled(*held[1]))
+    ctl.handle(*held[1][:1], Settled(*held[1]))
     assert len(ctl.aggregator.closed_epochs) == 1
 
 
@@ -257,12 +257,12 @@ def test_one_rank_windows_last_a_quarter_second_once_measured(ms, expected):
     ctl, links = make(world=1, epochs=2, n=50_000, has_eval=False)
     drive(ctl, links, ms_per_batch=(ms,))
     windows = [w for m in links[0].sent if isinstance(m, Plan) for w in m.windows]
-    sizes = [chunk_batches(w.chunks, 10) for w in windows]
+    sizes = [count_batches(w.chunks, 10) for w in windows]
     assert sizes[:2] == [10, 10]  # planned before any report: anchor batches
     ends = {max(i for i, w in enumerate(windows) if w.epoch == e) for e in (0, 1)}
     measured = [s for i, s in enumerate(sizes) if i >= 2 and i not in ends]
     assert measured and set(measured) == {expected}  # an epoch's last window holds the rest
-    result = ctl._result()
+    result = ctl.result()
     assert all(result.coverage.exact(e) for e in (0, 1))
     assert result.samples == 100_000
 

@@ -9,7 +9,7 @@ import torch
 
 from flodl.config import EarlyStoppingConfig, ElCheConfig, MonitorConfig, TrainerConfig
 from flodl.runtime.controller.controller import Controller, Hooks
-from flodl.runtime.controller.dispatch import chunk_batches
+from flodl.runtime.controller.dispatch import count_batches
 from flodl.runtime.wire.messages import (
     EvalResult,
     Final,
@@ -45,7 +45,7 @@ def make(world=2, epochs=3, hooks=None, checkpointer=None, **knobs):
     for rank, link in enumerate(links):
         ctl.attach(rank, link)
     for rank in range(world):
-        ctl._handle(rank, Ready(rank, "sig", 10, 1.0, "cpu", 1000))  # 10 windows an epoch
+        ctl.handle(rank, Ready(rank, "sig", 10, 1.0, "cpu", 1000))  # 10 windows an epoch
     return ctl, links
 
 
@@ -68,7 +68,7 @@ def drive(ctl, links, eval_parts, on_stall=None, settles=lambda rank, w: True):
     (``settles(rank, window)``: that rank's averaging of an epoch's last window held)."""
     done = [0] * len(links)
     stopped: set[int] = set()
-    while not ctl._finished():
+    while not ctl.finished():
         progressed = False
         for rank, link in enumerate(links):
             while rank in ctl.alive and done[rank] < len(link.sent):
@@ -94,33 +94,33 @@ def _shards(rank, weights):
 def _answer(ctl, rank, msg, eval_parts, stopped, settles):
     if isinstance(msg, Plan):
         for w in msg.windows:
-            b = chunk_batches(w.chunks, 10)
+            b = count_batches(w.chunks, 10)
             samples = sum(s for _, s in w.chunks)
-            ctl._handle(rank, Report(rank, w.index, w.epoch, w.chunks, b, samples, b, b, b))
+            ctl.handle(rank, Report(rank, w.index, w.epoch, w.chunks, b, samples, b, b, b))
             if w.settle and settles(rank, w):  # its averaging held
-                ctl._handle(rank, Settled(rank, w.index))
+                ctl.handle(rank, Settled(rank, w.index))
             if w.checkpoint_after:  # only the head writes the weights, as a real rank does
                 weights = {"w": torch.full((2,), float(w.epoch))} if w.write_weights else None
-                ctl._handle(rank, RankState(rank, w.index, w.save_tag, _shards(rank, weights)))
+                ctl.handle(rank, RankState(rank, w.index, w.save_tag, _shards(rank, weights)))
             parts = eval_parts(rank, w) if w.eval_after else None
             if parts is not None:
-                ctl._handle(rank, EvalResult(rank, w.epoch, w.index, parts, 1.0, w.eval_shard[0]))
+                ctl.handle(rank, EvalResult(rank, w.epoch, w.index, parts, 1.0, w.eval_shard[0]))
     elif isinstance(msg, Regroup):
-        ctl._handle(rank, Regrouped(rank, msg.generation))
+        ctl.handle(rank, Regrouped(rank, msg.generation))
     elif isinstance(msg, Stop):
         stopped.add(rank)
         if msg.checkpoint:
             weights = {"w": torch.ones(2)} if msg.write_weights else None
-            ctl._handle(rank, RankState(rank, -1, msg.save_tag, _shards(rank, weights)))
+            ctl.handle(rank, RankState(rank, -1, msg.save_tag, _shards(rank, weights)))
         if msg.send_state:
-            ctl._handle(rank, Final(rank, {}, {}))
+            ctl.handle(rank, Final(rank, {}, {}))
 
 
 @pytest.mark.parametrize("policy", ["elected", "sharded"])
 def test_every_policy_covers_the_eval_set_exactly_once(policy):
     ctl, links = make(world=3, eval_policy=policy)
     drive(ctl, links, counted(lambda e: 0.5))
-    epochs = ctl._result().epochs
+    epochs = ctl.result().epochs
     assert [m.eval_metrics["count"] for m in epochs] == [N_EVAL] * 3
     assert [m.eval_value for m in epochs] == [0.5] * 3  # task.eval_metric names the value
     shards = [
@@ -141,7 +141,7 @@ def test_a_lost_shard_skips_that_epochs_eval_instead_of_hanging(caplog):
     held = lambda rank, w: None if (rank, w.epoch) == (1, 0) else eval_parts(rank, w)  # noqa: E731
     with caplog.at_level(logging.WARNING, logger="flodl"):
         drive(ctl, links, held, on_stall=lambda: ctl.elastic.lose(1, "killed"))
-    epochs = ctl._result().epochs
+    epochs = ctl.result().epochs
     assert [m.epoch for m in epochs] == [1, 2]
     assert epochs[0].eval_metrics == {} and epochs[0].eval_value is None
     assert epochs[1].eval_metrics["count"] == N_EVAL  # the survivor evaluates all of it
@@ -162,7 +162,7 @@ def test_a_shard_lost_after_stop_skips_the_last_epochs_eval_instead_of_hanging(c
 
     with caplog.at_level(logging.WARNING, logger="flodl"):
         drive(ctl, links, held, on_stall=lose_after_stop)
-    epochs = ctl._result().epochs
+    epochs = ctl.result().epochs
     assert [m.epoch for m in epochs] == [1, 2]
     assert epochs[0].eval_metrics["count"] == N_EVAL
     assert epochs[1].eval_metrics == {} and epochs[1].eval_value is None
@@ -183,7 +183,7 @@ def test_a_survivor_whose_last_average_failed_after_stop_does_not_keep_the_epoch
 
     unsettled = lambda rank, w: False  # noqa: E731 - both averages of the last window failed
     drive(ctl, links, counted(lambda e: 0.5), on_stall=lose_after_stop, settles=unsettled)
-    result = ctl._result()
+    result = ctl.result()
     assert [m.epoch for m in result.epochs] == [1] and result.epochs[0].eval_value == 0.5
     assert ctl.members.lost == [1]
 
@@ -217,7 +217,7 @@ def test_early_stopping_stops_after_patience_epochs_without_improvement():
     stopping = EarlyStoppingConfig(monitor="accuracy", mode="max", patience=2)
     ctl, links = make(epochs=6, early_stopping=stopping)
     drive(ctl, links, counted(lambda e: [0.5, 0.7, 0.7, 0.69, 0.9, 0.9][e]))
-    result = ctl._result()
+    result = ctl.result()
     assert [m.epoch for m in result.epochs] == [1, 2, 3, 4]  # best at 2, then 3 and 4 stale
     assert result.stopped == "early_stopping"
     assert result.stopped_early == {"reason": "early_stopping", "epoch": 4}
@@ -227,7 +227,7 @@ def test_metrics_fn_may_request_a_stop():
     hooks = Hooks(on_epoch=lambda m: "enough" if m.epoch == 2 else None)
     ctl, links = make(epochs=5, hooks=hooks)
     drive(ctl, links, counted(lambda e: 0.5))
-    result = ctl._result()
+    result = ctl.result()
     assert len(result.epochs) == 2 and result.stopped_early == {"reason": "enough", "epoch": 2}
 
 
@@ -248,7 +248,7 @@ def test_save_best_keeps_the_bundle_of_the_best_epoch(tmp_path):
     assert torch.equal(payload["params"]["w"], torch.full((2,), 1.0))  # epoch index 1's weights
     _, last = load_bundle(stem)
     assert last.save_reason == "final" and last.epoch == 4
-    best = ctl._result().best
+    best = ctl.result().best
     assert best == {"monitor": "accuracy", "mode": "max", "value": pytest.approx(0.8), "epoch": 2}
     # every evaluated epoch is checkpointed; epochs 1 and 2 improved, so were copied to _best
     assert ctl.saves.saved == ["checkpoint"] * 4 + ["final"]

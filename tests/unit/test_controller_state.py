@@ -28,7 +28,7 @@ def test_the_outer_state_is_written_into_every_pending_save_then_dropped(tmp_pat
     outer.previous, outer.buffer = previous.clone(), torch.ones(1000)
     ctl.aggregator.outer = outer
     saves = [saver.open(3, "epoch", 1, [0, 1], writer=0), saver.open(-1, "final", None, [0, 1], 0)]
-    ctl._release_controller_state()
+    ctl.release_controller_state()
     assert ctl.aggregator.outer is None
     for save in saves:
         info = save.written[shards.CONTROLLER]
@@ -42,6 +42,6 @@ def test_the_outer_state_is_written_into_every_pending_save_then_dropped(tmp_pat
 def test_nothing_to_release_writes_nothing(tmp_path) -> None:
     ctl, saver = _controller(tmp_path)
     save = saver.open(-1, "final", None, [0, 1], writer=0)
-    ctl._release_controller_state()
+    ctl.release_controller_state()
     assert shards.CONTROLLER not in save.written
     assert not list(tmp_path.glob("ck*"))

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from flodl.runtime.controller.dispatch import (
     Coverage,
     EpochCursor,
-    chunk_batches,
+    count_batches,
     proportional_counts,
 )
 
@@ -28,7 +28,7 @@ def test_last_chunk_may_be_partial():
     cursor = EpochCursor(epoch=0, n_samples=25, batch_size=10)
     chunks = cursor.take([2, 1])
     assert chunks == [((0, 20),), ((20, 5),)]
-    assert [chunk_batches(c, 10) for c in chunks] == [2, 1]
+    assert [count_batches(c, 10) for c in chunks] == [2, 1]
 
 
 def test_coverage_detects_gaps_and_overlaps():

@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from flodl.runtime.cohorts import external
-from flodl.runtime.rank import env as rank_env
+from flodl.runtime.wire import rank_env
 from flodl.runtime.wire.store import serve_store
 
 pytestmark = pytest.mark.light

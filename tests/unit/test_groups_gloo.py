@@ -99,3 +99,24 @@ def test_a_kept_object_outlives_its_other_references_and_the_exit_skips_its_dest
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["kept", "1"]
     assert time.monotonic() - start < 20.0
+
+
+def test_a_count_left_by_a_failed_formation_is_reset_through_the_public_api():
+    """A formation that failed here leaves torch's group count at 1, so the next default group
+    would be named "1" while a peer that formed and destroyed one names it "0";
+    groups._name_from_zero resets the count without touching torch's private state."""
+    code = (
+        "from datetime import timedelta\n"
+        "import torch.distributed as dist\n"
+        "from flodl.runtime.sync.groups import _name_from_zero\n"
+        "try:\n"
+        "    dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=2,\n"
+        "                            timeout=timedelta(seconds=0.5))\n"
+        "except Exception:\n"
+        "    pass\n"
+        "left = dist.get_pg_count()\n"
+        "_name_from_zero()\n"
+        "print(left, dist.get_pg_count(), dist.is_initialized())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["1", "0", "False"], out.stderr[-2000:]

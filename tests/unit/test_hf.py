@@ -303,9 +303,9 @@ def test_export_refuses_a_state_trained_on_another_base(tmp_path):
 
 
 def test_a_bf16_base_with_lora_holds_a_fraction_of_a_full_fine_tunes_memory():
-    """What the rig's device-memory model charges a rank between steps (flodl/rig/memory.py):
+    """What the rig's device-memory model charges a rank between steps (flodl/rig/device_memory.py):
     the frozen base at 2 bytes a parameter, the adapters with their gradients and AdamW state."""
-    from flodl.rig.memory import training_state
+    from flodl.rig.device_memory import training_state
 
     def state_bytes(model) -> int:
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])

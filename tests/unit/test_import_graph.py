@@ -11,9 +11,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "flodl"
+# Top-level folders shipped inside the package (pyproject.toml's package-dir mapping).
+MAPPED = {ROOT / "conf": "flodl.conf", ROOT / "recipes": "flodl.recipes"}
 
 # The one module allowed to read rank identity from the environment.
-ENV_READER = "flodl.runtime.rank.env"
+ENV_READER = "flodl.runtime.wire.rank_env"
 
 # Rank identity: who this process is and where its peers are. Anything a placing launcher
 # (torchrun, srun, submitit) or our own launcher sets to say so.
@@ -42,14 +44,20 @@ KNOWN_CYCLE_EDGES: dict[tuple[str, str], str] = {}
 
 
 def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    for folder, package in MAPPED.items():
+        if path.is_relative_to(folder):
+            parts = [package, *path.relative_to(folder).with_suffix("").parts]
+            break
+    else:
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
 def modules() -> dict[str, Path]:
-    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+    paths = [*PACKAGE.rglob("*.py"), *(p for folder in MAPPED for p in folder.rglob("*.py"))]
+    return {module_name(p): p for p in sorted(paths)}
 
 
 def _resolve(node: ast.ImportFrom, name: str, is_package: bool) -> str:
@@ -269,13 +277,13 @@ def folder_violations(graph: dict[str, set[str]]) -> list[str]:
 def test_folder_rules_catch_an_upward_import() -> None:
     graph = {
         "flodl.runtime.wire.channel": {"flodl.runtime.controller.sums"},
-        "flodl.runtime.rank.worker": {"flodl.runtime.sync.averaging"},
+        "flodl.runtime.rank.loop": {"flodl.runtime.sync.averaging"},
         "flodl.elche.cadence": {"flodl.config", "flodl.runtime.sync.groups"},
-        "flodl.rig.links": {"flodl.config.cluster", "flodl.runtime.wire.links"},
+        "flodl.rig.links": {"flodl.config.cluster", "flodl.runtime.wire.rank_link"},
     }
     assert folder_violations(graph) == [
         "flodl.elche.cadence -> flodl.runtime.sync.groups",
-        "flodl.rig.links -> flodl.runtime.wire.links",
+        "flodl.rig.links -> flodl.runtime.wire.rank_link",
         "flodl.runtime.wire.channel -> flodl.runtime.controller.sums",
     ]
 
@@ -293,3 +301,29 @@ def test_no_folder_holds_more_than_fifteen_modules() -> None:
             folders[key] = folders.get(key, 0) + 1
     crowded = {k: n for k, n in folders.items() if n > MAX_MODULES_PER_FOLDER}
     assert not crowded, f"folders over {MAX_MODULES_PER_FOLDER} modules: {crowded}"
+
+
+# The command line sits on top: the library (everything but flodl.cli and `python -m flodl`)
+# never imports it, so the Python API runs without the CLI's modules.
+CLI = "flodl.cli"
+CLI_ENTRIES = ("flodl.cli", "flodl.__main__")
+
+
+def cli_importers(graph: dict[str, set[str]]) -> list[str]:
+    return [
+        f"{source} -> {target}"
+        for source, targets in sorted(graph.items())
+        if not any(_inside(source, entry) for entry in CLI_ENTRIES)
+        for target in sorted(targets)
+        if _inside(target, CLI)
+    ]
+
+
+def test_the_cli_rule_catches_a_library_import() -> None:
+    graph = {"flodl.trainer": {"flodl.cli.signals"}, "flodl.__main__": {"flodl.cli.train"}}
+    assert cli_importers(graph) == ["flodl.trainer -> flodl.cli.signals"]
+
+
+def test_the_library_does_not_import_the_cli() -> None:
+    bad = cli_importers(import_graph())
+    assert not bad, "the library imports the CLI:\n" + "\n".join(bad)

@@ -12,7 +12,7 @@ import pytest
 
 from flodl import config, preflight
 from flodl.cli import app, sweep
-from flodl.runtime.rank.env import ExternalRole, is_follower, placed_cohort
+from flodl.runtime.wire.rank_env import ExternalRole, is_follower, placed_cohort
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLE = ExternalRole("torchrun", 1, 2, 1, "127.0.0.1", 29500, "cpu")
@@ -48,7 +48,7 @@ def _compose(overrides: list[str], job_dir: Path) -> Any:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import open_dict
 
-    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "flodl" / "conf")):
+    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
         cfg = compose("config", overrides=overrides, return_hydra_config=True)
     with open_dict(cfg):
         cfg.hydra.runtime.output_dir = str(job_dir)

@@ -29,7 +29,7 @@ def _formed(timeout_s: float = 0.6) -> tuple[Controller, list[int]]:
     ctl.hooks.kill_rank = killed.append
     for rank in range(2):
         ctl.attach(rank, FakeLink())
-        ctl._handle(rank, Ready(rank, "sig", 10, 1.0, "cpu", 100))
+        ctl.handle(rank, Ready(rank, "sig", 10, 1.0, "cpu", 100))
     return ctl, killed
 
 
@@ -47,11 +47,11 @@ def test_heartbeats_that_arrive_while_the_controller_is_busy_keep_ranks_alive(ca
     ctl, killed = _formed()
     for rank in range(2):
         ctl.members.seen(rank)  # last heard of when the controller thread went busy
-    ctl._check_deadlines()
+    ctl.check_deadlines()
     time.sleep(0.7)  # the controller thread was busy (a slow metrics_fn) past the timeout...
     for rank in range(2):
         ctl.post(rank, Heartbeat(rank))  # ...while the ranks' heartbeats kept arriving
-    ctl._check_deadlines()
+    ctl.check_deadlines()
     assert killed == [] and ctl.alive == [0, 1]
 
 
@@ -59,9 +59,9 @@ def test_a_paused_launcher_does_not_drop_its_ranks():
     ctl, killed = _formed()
     for rank in range(2):
         ctl.post(rank, Heartbeat(rank))
-    ctl._check_deadlines()
+    ctl.check_deadlines()
     time.sleep(1.2)  # nothing ran: SIGSTOP of the whole launcher, heartbeats unread in sockets
-    ctl._check_deadlines()
+    ctl.check_deadlines()
     assert killed == [] and ctl.alive == [0, 1]
 
 
@@ -70,14 +70,14 @@ def test_a_silent_rank_is_still_dropped():
     ctl.post(1, Heartbeat(1))
     for _ in range(8):  # the judge runs normally; rank 1 stays silent, rank 0 beats
         ctl.post(0, Heartbeat(0))
-        ctl._check_deadlines()
+        ctl.check_deadlines()
         time.sleep(0.1)
     assert killed == [1] and 1 not in ctl.alive
 
 
 def test_a_slow_handler_is_warned_about(caplog, monkeypatch):
     ctl, _ = _formed(timeout_s=0.2)
-    monkeypatch.setattr(ctl, "_handle", lambda rank, msg: time.sleep(0.15))
+    monkeypatch.setattr(ctl, "_dispatch", lambda rank, msg: time.sleep(0.15))
     with caplog.at_level(logging.WARNING, logger="flodl.runtime.controller.controller"):
-        ctl._handle_timed(0, Heartbeat(0))
+        ctl.handle(0, Heartbeat(0))
     assert any("busy" in r.getMessage() and "Heartbeat" in r.getMessage() for r in caplog.records)

@@ -1,4 +1,4 @@
-"""``cluster.memory_plan: auto`` (flodl/runtime/rank/memory.py): the cheapest plan whose probe
+"""``cluster.memory_plan: auto`` (flodl/runtime/rank/memory_plan.py): the cheapest plan whose probe
 fits, in order (nothing, recomputation, offload, both; then smaller batches on the rig), on a
 real model under the rig's counted memory, in one process (the worker's parts, no ranks)."""
 
@@ -14,11 +14,11 @@ from torch.utils.data import TensorDataset
 from flodl.config import ClusterConfig, Mode, TrainerConfig
 from flodl.data.source import BatchSource
 from flodl.recipes.steps import classification_step
-from flodl.rig.memory import DeviceMemory, MiB, training_state
-from flodl.runtime.rank.memory import _probe, choose_plan
+from flodl.rig.device_memory import DeviceMemory, MiB, training_state
+from flodl.runtime.rank.memory_plan import _probe, choose_plan
 from flodl.runtime.rank.shard_plan import MemoryPlanError
 from flodl.runtime.sync.averaging import FlatState
-from flodl.step.memory import recompute
+from flodl.step.plan_elements import recompute
 from flodl.step.precision import StepRunner
 
 CPU = torch.device("cpu")
@@ -60,7 +60,7 @@ def _worker(budget_mib: float | None, batch: int = 512, hidden: int = 512):
 def _peaks(batch: int, hidden: int) -> dict[tuple[str, ...], int]:
     worker = _worker(None, batch, hidden)
     recompute(worker.model)
-    from flodl.runtime.rank.memory import _Meter
+    from flodl.runtime.rank.memory_plan import _Meter
 
     worker.memory.budget = 1 << 40  # a meter needs a budget; large: measure only
     meter = _Meter(worker)

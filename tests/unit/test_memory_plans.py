@@ -1,4 +1,4 @@
-"""The elements of a memory plan (flodl/step/memory.py), the rig's charges for them, their
+"""The elements of a memory plan (flodl/step/plan_elements.py), the rig's charges for them, their
 config and the launch-time refusals: pure logic and single-process torch, no ranks."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from torch import nn
 
 from flodl.config import ClusterConfig, ConfigError
 from flodl.config.cluster import parse_memory_plan
-from flodl.preflight.memory import check_memory, footprint
-from flodl.rig.memory import DeviceMemory, MiB, offload_step_s, training_state
+from flodl.preflight.footprint import check_memory, footprint
+from flodl.rig.device_memory import DeviceMemory, MiB, offload_step_s, training_state
 from flodl.rig.pacing import Pacer
 from flodl.runtime.sync.averaging import FlatState
-from flodl.step.memory import HostOptimizer, blocks, recompute, recompute_off, recomputes
+from flodl.step.plan_elements import HostOptimizer, blocks, recompute, recompute_off, recomputes
 
 
 def _mlp(seed: int = 0, width: int = 64, depth: int = 4) -> nn.Sequential:

@@ -221,12 +221,12 @@ def test_the_dry_build_stays_cheap_no_dynamo_import():
         f"preflight.check_factories(validate_run_config({BASE!r}))\n"
         "assert 'torch._dynamo' not in sys.modules, 'dry build imported torch._dynamo'\n"
         "from flodl.config import TrainerConfig\n"
-        "from flodl.runtime.rank.spec import JobSpec\n"
+        "from flodl.runtime.wire.job_spec import JobSpec\n"
         "from flodl.placement.topology import resolve_topology\n"
         "spec = JobSpec(TrainerConfig(), lambda d: torch.nn.Linear(2, 2),\n"
         "    lambda p: torch.optim.Adam(p, lr=0.1), None, None,\n"
         "    scheduler_factory=lambda o: torch.optim.lr_scheduler.StepLR(o, 1))\n"
-        "assert preflight.model_signature(spec, {})\n"
+        "assert preflight.launch_signature(spec, {})\n"
         "topology = resolve_topology(spec.config, probe_hosts=False)\n"
         "assert preflight.check_launch(spec, topology)['base_lr'] == 0.1\n"
         "assert 'torch._dynamo' not in sys.modules, 'launch checks imported torch._dynamo'\n"
@@ -364,7 +364,7 @@ def test_python_api_closures_are_dry_built_before_any_rank(tmp_path):
 def test_python_api_signature_guards_resume():
     """The closures' dry build yields the architecture signature a resume bundle must match."""
     from flodl.preflight import launch
-    from flodl.runtime.rank.spec import JobSpec
+    from flodl.runtime.wire.job_spec import JobSpec
 
     def model(device):
         from flodl.recipes.models import MLP
@@ -387,10 +387,10 @@ def test_python_api_signature_guards_resume():
             dataset=None,
         )
 
-    first = launch.model_signature(spec(model), {})
-    assert first and first == launch.model_signature(spec(model), {})
-    assert first != launch.model_signature(spec(wider), {})
-    assert launch.model_signature(spec(wider), {"model_signature": "hydra"}) == "hydra"
+    first = launch.launch_signature(spec(model), {})
+    assert first and first == launch.launch_signature(spec(model), {})
+    assert first != launch.launch_signature(spec(wider), {})
+    assert launch.launch_signature(spec(wider), {"model_signature": "hydra"}) == "hydra"
 
 
 def test_a_metric_named_in_its_source_is_checked_without_importing_its_package(tmp_path):

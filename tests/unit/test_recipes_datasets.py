@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 from flodl.recipes import datasets
 from flodl.recipes.models import Logistic
 
-CONF = Path(__file__).resolve().parents[2] / "flodl" / "conf"
+CONF = Path(__file__).resolve().parents[2] / "conf"
 
 
 # --- mnist5k ---------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from flodl.recipes.lm import CharRNN, GPTNano
 from flodl.recipes.steps import bits_per_char, language_model_step, val_loss
 from flodl.trainer import TrainedState
 
-CONF = Path(__file__).resolve().parents[2] / "flodl" / "conf"
+CONF = Path(__file__).resolve().parents[2] / "conf"
 VOCAB = text.TINY_SHAKESPEARE_VOCAB
 SMALL = 40_000  # characters of the offline corpus the training smoke tests read
 

@@ -13,7 +13,7 @@ from torch import nn
 from flodl.recipes import models
 from flodl.recipes.datasets import mnist5k
 
-CONF = Path(__file__).resolve().parents[2] / "flodl" / "conf"
+CONF = Path(__file__).resolve().parents[2] / "conf"
 MNIST_SHAPE = (1, 28, 28)
 
 # (class, input shape, output shape of a batch of 3, exact parameter count)

@@ -10,12 +10,13 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch import nn
 
+from flodl.config import schema_node
 from flodl.monitor.metrics import drain_scalars
 from flodl.recipes import steps
 from flodl.recipes.datasets import mnist5k
 from flodl.recipes.models import ConvAE
 
-CONF = Path(__file__).resolve().parents[2] / "flodl" / "conf"
+CONF = Path(__file__).resolve().parents[2] / "conf"
 
 
 @pytest.fixture(autouse=True)
@@ -142,7 +143,9 @@ def test_task_config_points_at_real_functions(path: Path) -> None:
     from hydra.utils import get_method
 
     cfg = OmegaConf.to_container(OmegaConf.load(path))
-    assert isinstance(cfg, dict) and set(cfg) == TASK_KEYS
+    assert isinstance(cfg, dict) and cfg.pop("defaults") == ["_schema", "_self_"]
+    cfg = {**schema_node("task"), **cfg}  # as Hydra composes it
+    assert set(cfg) == TASK_KEYS
     paths = [cfg[k] for k in ("train_step", "eval_fn", "eval_step", "eval_loss") if cfg[k]]
     assert all(callable(get_method(p)) for p in paths) and len(paths) >= 2
     assert all(callable(get_method(m["_target_"])) for m in cfg["metrics"].values())

@@ -1,4 +1,4 @@
-"""The rig's simulated device memory (flodl/rig/memory.py): the counted peak of three models
+"""The rig's simulated device memory (flodl/rig/device_memory.py): the counted peak of three models
 against analytic sizes, the out-of-memory error a GPU raises, and the knob's refusals."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from flodl.config import ClusterConfig
-from flodl.rig.memory import DeviceMemory, training_state
+from flodl.rig.device_memory import DeviceMemory, training_state
 
 
 def _train(model: nn.Module, opt: torch.optim.Optimizer, x, y, budget=None, steps=3):

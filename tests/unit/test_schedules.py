@@ -161,7 +161,7 @@ def test_per_rank_batch_sizes_plan_samples_and_weight_the_average_by_them():
     for rank, link in enumerate(links):
         ctl.attach(rank, link)
     for rank, size in enumerate((64, 16)):
-        ctl._handle(rank, Ready(rank, "sig", 2, 1.0, "cpu", 800, batch_size=size))
+        ctl.handle(rank, Ready(rank, "sig", 2, 1.0, "cpu", 800, batch_size=size))
     assert ctl.planner.batch_sizes == [64, 16]
     first = [msg.windows[0] for msg in (link.sent[-1] for link in links)]
     samples = [sum(s for _, s in w.chunks) for w in first]
@@ -169,7 +169,7 @@ def test_per_rank_batch_sizes_plan_samples_and_weight_the_average_by_them():
     assert [w.weight for w in first] == pytest.approx([0.8, 0.2])
     a, b = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 6.0])
     for rank, (w, flat) in enumerate(zip(first, (a, b), strict=True)):
-        ctl._handle(
+        ctl.handle(
             rank,
             # a clone: the controller consumes snapshots (averages into the first, in place)
             Report(
@@ -193,7 +193,7 @@ def test_clamp_to_samples_fits_a_window_of_unequal_sizes_into_the_epoch():
 
 def _drive_sized(ctl, links, sizes, ms_per_sample):
     """Fake ranks that take ``ms_per_sample[r]`` per sample of their own batch size."""
-    from flodl.runtime.controller.dispatch import chunk_batches
+    from flodl.runtime.controller.dispatch import count_batches
     from flodl.runtime.wire.messages import Final, Report, Settled, Stop
 
     done, stopped = [0, 0], [False, False]
@@ -204,17 +204,17 @@ def _drive_sized(ctl, links, sizes, ms_per_sample):
                 done[rank] += 1
                 if isinstance(msg, Plan):
                     for w in msg.windows:
-                        b = chunk_batches(w.chunks, sizes[rank])
+                        b = count_batches(w.chunks, sizes[rank])
                         n = sum(s for _, s in w.chunks)
                         ms = n * ms_per_sample[rank]
                         report = Report(rank, w.index, w.epoch, w.chunks, b, n, ms, 1.0 * b, b)
-                        ctl._handle(rank, report)
+                        ctl.handle(rank, report)
                         if w.settle:  # its averaging held
-                            ctl._handle(rank, Settled(rank, w.index))
+                            ctl.handle(rank, Settled(rank, w.index))
                 elif isinstance(msg, Stop):
                     stopped[rank] = True
                     if msg.send_state:
-                        ctl._handle(rank, Final(rank, {}, {}))
+                        ctl.handle(rank, Final(rank, {}, {}))
 
 
 @pytest.mark.parametrize(
@@ -236,7 +236,7 @@ def test_cadence_shares_follow_samples_per_second_with_unequal_batch_sizes(ms_pe
     for rank, link in enumerate(links):
         ctl.attach(rank, link)
     for rank, size in enumerate((64, 16)):
-        ctl._handle(rank, Ready(rank, "sig", 2, 1.0, "cpu", 4000, batch_size=size))
+        ctl.handle(rank, Ready(rank, "sig", 2, 1.0, "cpu", 4000, batch_size=size))
     _drive_sized(ctl, links, (64, 16), ms_per_sample)
     last = ctl.aggregator.closed_epochs[-1]
     samples = [r["samples"] for r in last.per_rank]

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from flodl.config import ClusterConfig, ConfigError, ElCheConfig, TrainerConfig
-from flodl.preflight.memory import check_memory
+from flodl.preflight.footprint import check_memory
 from flodl.runtime.sync.averaging import FlatState
 from flodl.runtime.sync.shard_cut import Demand, decide, owned, proportional_cut, reassign
 from flodl.runtime.sync.sharded_optimizer import ShardedOptimizer

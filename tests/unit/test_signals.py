@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from flodl.cli.signals import HungUp, Terminated, sigterm_as_interrupt
+from flodl.signals import HungUp, Terminated, sigterm_as_interrupt
 
 
 @pytest.mark.parametrize(

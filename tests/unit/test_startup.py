@@ -37,7 +37,7 @@ LAUNCHER_ONLY = (
 def test_a_rank_process_imports_no_launcher_only_module() -> None:
     code = (
         "import json, sys\n"
-        "import flodl.runtime.rank.process, flodl.runtime.rank.worker\n"
+        "import flodl.runtime.rank.process, flodl.runtime.rank.loop\n"
         "import flodl.runtime.cohorts.fork_server\n"
         f"print(json.dumps(sorted(m for m in {LAUNCHER_ONLY!r} if m in sys.modules)))\n"
     )

@@ -15,8 +15,8 @@ import torch
 from flodl.config import ElCheConfig, Mode
 from flodl.runtime.rank.sync_modes import CollectiveSync, ControllerSync, SoloSync, sync_for
 from flodl.runtime.sync.averaging import FlatState
-from flodl.runtime.wire.links import QueueLink
 from flodl.runtime.wire.messages import Regroup, Window
+from flodl.runtime.wire.rank_link import QueueLink
 
 CPU = torch.device("cpu")
 

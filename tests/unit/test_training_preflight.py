@@ -49,7 +49,7 @@ def test_16_mixed_is_refused_for_cpu_ranks_and_bf16_is_not():
 def test_auto_batch_search_finds_the_largest_fitting_size_in_few_probes(monkeypatch):
     from types import SimpleNamespace
 
-    from flodl.runtime.rank import memory
+    from flodl.runtime.rank import memory_plan as memory
 
     probes: list[int] = []
 
@@ -84,7 +84,7 @@ def test_solo_trains_with_rank_0s_size():
 def test_the_placement_carries_each_ranks_batch_size_to_the_spec_and_the_planner():
     from flodl.placement.batches import place_batches
     from flodl.runtime.controller.controller import Controller
-    from flodl.runtime.rank.spec import JobSpec
+    from flodl.runtime.wire.job_spec import JobSpec
 
     rig = ClusterConfig(kind="cpu_rig", ranks=2, batch_sizes=[64, 16])
     cfg = TrainerConfig(batch_size=32, cluster=rig)

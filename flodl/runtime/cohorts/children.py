@@ -40,8 +40,8 @@ from flodl.runtime.controller.controller import (
     Exited,
     RunFailed,
 )
-from flodl.runtime.rank import env as rank_env
-from flodl.runtime.rank.spec import JobSpec
+from flodl.runtime.wire import rank_env
+from flodl.runtime.wire.job_spec import JobSpec
 from flodl.runtime.wire.store import serve_store
 
 log = logging.getLogger(__name__)

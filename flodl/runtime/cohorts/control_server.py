@@ -15,9 +15,9 @@ import time
 from typing import Any
 
 from flodl.runtime.controller.controller import Controller, Disconnected, RunFailed
-from flodl.runtime.rank.spec import JobSpec
 from flodl.runtime.wire import shm
 from flodl.runtime.wire.channel import AuthError, Channel, Listener, new_secret
+from flodl.runtime.wire.job_spec import JobSpec
 from flodl.runtime.wire.messages import Abort, Hello
 
 log = logging.getLogger(__name__)

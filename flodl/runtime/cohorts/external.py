@@ -46,8 +46,8 @@ from flodl.config import Mode, TrainerConfig
 from flodl.placement.topology import Topology
 from flodl.runtime.cohorts.control_server import ControlPlane
 from flodl.runtime.controller.controller import Controller, ControllerResult, RunFailed
-from flodl.runtime.rank import env as rank_env
-from flodl.runtime.rank.spec import JobSpec
+from flodl.runtime.wire import rank_env
+from flodl.runtime.wire.job_spec import JobSpec
 from flodl.runtime.wire.store import serve_store, shared_store
 
 log = logging.getLogger(__name__)
@@ -60,8 +60,9 @@ def next_run_key(role: rank_env.ExternalRole) -> str:
     return f"flodl/{role.restart}/{next(_RUNS)}/"
 
 
-def rendezvous_store(role: rank_env.ExternalRole, timeout_s: float) -> Any:
-    """The launcher's store at MASTER_ADDR:MASTER_PORT: torchrun's agent store, or rank 0's."""
+def placed_store(role: rank_env.ExternalRole, timeout_s: float) -> Any:
+    """The store of a placed rank (torchrun, srun) at MASTER_ADDR:MASTER_PORT: torchrun's agent
+    store, or rank 0's."""
     return shared_store(
         role.master_addr, role.master_port, role.rank == 0 and not role.agent_store, timeout_s
     )
@@ -197,7 +198,7 @@ class ExternalCohort:
             _write_private(Path(role.rendezvous_file), {"controller": controller, "secret": secret})
             return role.master_addr, self._store.port
         _check_secret_source(role)  # torchrun / srun: their store at MASTER_ADDR:MASTER_PORT
-        self._store = rendezvous_store(role, self.spec.config.cluster.start_timeout_s)
+        self._store = placed_store(role, self.spec.config.cluster.start_timeout_s)
         if role.secret_file:
             self._store.set(key + "controller", controller)
         else:  # one host: the secret and address go through this user's private folder
@@ -244,8 +245,8 @@ def _own_rank(role: rank_env.RankEnv, secret: bytes, failures: list[BaseExceptio
 
 
 def follow_job(role: rank_env.ExternalRole, config: TrainerConfig) -> int:
-    """A follower's part in one job (see :func:`flodl.runtime.rank.env.is_follower`): train as a
-    worker of rank 0's; the exit code (a solo job trains on rank 0 alone: nothing to do)."""
+    """A follower's part in one job (see :func:`flodl.runtime.wire.rank_env.is_follower`): train
+    as a follower of rank 0's; the exit code (a solo job trains on rank 0 alone: nothing to do)."""
     if config.elche.mode is Mode.SOLO:
         return 0
     return follow(role, config.cluster.start_timeout_s)
@@ -262,7 +263,7 @@ def follow(role: rank_env.ExternalRole, timeout_s: float = 120.0) -> int:
         controller, secret = published["controller"], bytes.fromhex(published["secret"])
     else:
         _check_secret_source(role)
-        store = rendezvous_store(role, timeout_s)
+        store = placed_store(role, timeout_s)
         file_secret = _file_secret(role)
         if file_secret is not None:
             store.wait([key + "controller"], timedelta(seconds=timeout_s))

@@ -27,7 +27,7 @@ from typing import Any
 from flodl.placement.topology import Topology
 from flodl.runtime.cohorts.protocol import Cohort
 from flodl.runtime.controller.controller import Controller
-from flodl.runtime.rank.spec import JobSpec
+from flodl.runtime.wire.job_spec import JobSpec
 
 
 def open_cohort(

@@ -300,9 +300,6 @@ def _preload() -> None:
     import torch._dynamo
     import torch.distributed  # noqa: F401
 
-    import flodl.runtime.rank.process
-    import flodl.runtime.rank.worker  # noqa: F401
-
 
 def _serve(sock: socket.socket) -> None:
     try:

@@ -14,7 +14,7 @@ import sys
 from flodl.placement import remote
 from flodl.placement.topology import Placement
 from flodl.runtime.cohorts.children import ProcessCohort
-from flodl.runtime.rank import env as rank_env
+from flodl.runtime.wire import rank_env
 
 
 class HostsCohort(ProcessCohort):

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from flodl.runtime.controller.controller import Controller, ControllerResult, RunFailed
-from flodl.runtime.rank.spec import JobSpec
-from flodl.runtime.wire.links import beat_interval_s, in_process_link
+from flodl.runtime.wire.job_spec import JobSpec
+from flodl.runtime.wire.rank_link import beat_interval_s, in_process_link
 
 
 class InProcessCohort:
@@ -29,7 +29,9 @@ class InProcessCohort:
     ) -> None:
         self.spec = spec
         self.controller = controller
-        self.on_cooperative = on_cooperative  # receives the rank's Worker; None: a thread runs it
+        self.on_cooperative = (
+            on_cooperative  # receives the rank's loop (RankLoop); None: a thread runs it
+        )
         self._failure: list[BaseException] = []
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
@@ -46,7 +48,7 @@ class InProcessCohort:
             self.controller.post(0, Heartbeat(0))
 
     def start(self) -> None:
-        from flodl.runtime.rank.worker import Worker
+        from flodl.runtime.rank.loop import RankLoop
 
         rank_end, controller_end = in_process_link(self.controller.post)
         self.controller.attach(0, controller_end)
@@ -61,7 +63,7 @@ class InProcessCohort:
             target=self._heartbeat, args=(every_s,), name="flodl-heartbeat", daemon=True
         ).start()
         if self.on_cooperative is not None:
-            self.on_cooperative(Worker(self.spec, rank_end, 0, device))
+            self.on_cooperative(RankLoop(self.spec, rank_end, 0, device))
             return
         self._thread = threading.Thread(
             target=self._work, args=(rank_end, device), name="flodl-rank0", daemon=True
@@ -69,10 +71,10 @@ class InProcessCohort:
         self._thread.start()
 
     def _work(self, rank_end: Any, device: torch.device) -> None:
-        from flodl.runtime.rank.worker import Worker
+        from flodl.runtime.rank.loop import RankLoop
 
         try:
-            Worker(self.spec, rank_end, 0, device).run()
+            RankLoop(self.spec, rank_end, 0, device).run()
         except BaseException as exc:
             from flodl.runtime.rank.process import failure_message
             from flodl.runtime.wire.messages import RankError

@@ -38,8 +38,8 @@ from flodl.placement.topology import Topology
 from flodl.runtime.cohorts.children import QUIET_PREFIXES
 from flodl.runtime.cohorts.control_server import GOODBYE_S, ControlPlane
 from flodl.runtime.controller.controller import Controller, ControllerResult, Exited
-from flodl.runtime.rank import env as rank_env
-from flodl.runtime.rank.spec import JobSpec
+from flodl.runtime.wire import rank_env
+from flodl.runtime.wire.job_spec import JobSpec
 from flodl.runtime.wire.store import serve_store
 
 log = logging.getLogger(__name__)

@@ -22,8 +22,8 @@ from flodl.runtime.controller.events import Hooks
 from flodl.runtime.controller.sums import SnapshotSums
 from flodl.runtime.controller.tracking import EpochTrack, WindowTrack, shares
 from flodl.runtime.sync.codec import ConsensusCodec
-from flodl.runtime.wire.links import Outbound
 from flodl.runtime.wire.messages import Average, Report
+from flodl.runtime.wire.rank_link import Outbound
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from flodl.placement.topology import Topology
 from flodl.runtime.controller.controller import Controller, ControllerResult, Hooks
 from flodl.runtime.controller.snapshots import Checkpointer, ResumePoint
-from flodl.runtime.rank.spec import JobSpec
+from flodl.runtime.wire.job_spec import JobSpec
 
 
 def checkpointer(spec: JobSpec, world_size: int) -> Checkpointer | None:

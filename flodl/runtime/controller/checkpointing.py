@@ -25,7 +25,7 @@ from flodl.runtime.controller.snapshots import (
     PendingSave,
     ShardWriteFailed,
 )
-from flodl.runtime.rank import chaos
+from flodl.runtime.wire import chaos
 from flodl.runtime.wire.messages import RankState
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ The controller is composed of parts, each owning its state and given what it nee
 =====================================================  =======================================
 part                                                   owns
 =====================================================  =======================================
-:class:`~flodl.runtime.wire.links.Outbound`                 the links to the ranks (sending)
+:class:`~flodl.runtime.wire.rank_link.Outbound`                 the links to the ranks (sending)
 :class:`~flodl.runtime.controller.membership.Membership`          the alive mask, generation,
 heartbeats
 :class:`~flodl.runtime.controller.planning.Planner`               cursors, open windows, epochs,
@@ -55,8 +55,7 @@ from flodl.runtime.controller.opening import Opening, make_elche
 from flodl.runtime.controller.planning import Planner, PlanningConfig
 from flodl.runtime.controller.snapshots import Checkpointer, ResumePoint
 from flodl.runtime.controller.tracking import ControllerResult, WindowTrack
-from flodl.runtime.rank import chaos
-from flodl.runtime.wire.links import Outbound
+from flodl.runtime.wire import chaos
 from flodl.runtime.wire.messages import (
     EvalResult,
     Final,
@@ -69,11 +68,12 @@ from flodl.runtime.wire.messages import (
     Settled,
     Stop,
 )
+from flodl.runtime.wire.rank_link import Outbound
 
 log = logging.getLogger(__name__)
 
 _EXIT_WAIT_S = 0.5  # a closed channel waits this long for its process's exit status
-_DEADLINES_S = 0.005  # how often the deadlines are looked at (see _check_deadlines)
+_DEADLINES_S = 0.005  # how often the deadlines are looked at (see check_deadlines)
 
 __all__ = ["Controller", "ControllerResult", "Disconnected", "Exited", "Hooks", "RunFailed"]
 
@@ -127,7 +127,7 @@ class Controller:
         self._stop_sent, self._stop_deadline = False, 0.0  # Stop went out; when it must be done
         self._t_start = time.perf_counter()
         self._t_train = self._t_end = 0.0  # training began; its last window completed
-        self._deadlines_at = -math.inf  # when _check_deadlines last looked
+        self._deadlines_at = -math.inf  # when check_deadlines last looked
         self._hung_up: dict[int, tuple[float, str]] = {}  # rank: (when lost, why), awaiting exit
 
     @property
@@ -150,23 +150,26 @@ class Controller:
 
     # -- main loop -------------------------------------------------------------------------------
     def run(self, stop_requested: Callable[[], bool] = lambda: False) -> ControllerResult:
-        while not self._finished():
+        while not self.finished():
             if stop_requested() and self.stop_reason is None:
                 self.begin_stop("interrupted")
             if self.stop_reason is not None and time.perf_counter() > self._stop_deadline:
                 raise KeyboardInterrupt  # ranks did not wind down in time: tear them down
-            self._check_deadlines()
+            self.check_deadlines()
             try:
                 rank, msg = self.inbox.get(timeout=0.2)
             except queue.Empty:
                 continue
-            self._handle_timed(rank, msg)
-        return self._result()
+            self.handle(rank, msg)
+        return self.result()
 
-    def _handle_timed(self, rank: int, msg: Any) -> None:
-        """Handle one message; warn when that kept this thread (the liveness judge) busy."""
+    # The per-message steps of run(), public for a driver of its own (flodl/sim, the tests):
+    # finished(), check_deadlines(), then handle() each message, and result() at the end.
+    def handle(self, rank: int, msg: Any) -> None:
+        """Handle one message from ``rank``, as :meth:`run` does; warn when that kept this thread
+        (the liveness judge) busy."""
         t0 = time.monotonic()
-        self._handle(rank, msg)
+        self._dispatch(rank, msg)
         busy = time.monotonic() - t0
         if busy > self.members.heartbeat_timeout_s / 2:
             log.warning(
@@ -178,14 +181,16 @@ class Controller:
                 rank,
             )
 
-    def _finished(self) -> bool:
+    def finished(self) -> bool:
+        """Whether the run is over: the final weights in, nothing planned, saved or regrouping."""
         if self.final is None:  # asked before every message: the cheap test first
             return False
         if self.planner.windows or self.saves.pending or self.elastic.regrouping:
             return False
         return self.stop_reason is not None or not self.planner.open
 
-    def _check_deadlines(self) -> None:
+    def check_deadlines(self) -> None:
+        """Judge liveness, lost starts and hang-ups (every :data:`_DEADLINES_S` at most)."""
         # Every message passes here (128 reports a window at 128 ranks): the deadlines are
         # looked at every _DEADLINES_S, far finer than any of them (heartbeat, grace, start).
         now = time.perf_counter()
@@ -204,7 +209,7 @@ class Controller:
         if not self._stop_sent:
             self.elastic.judge(now)
 
-    def _handle(self, rank: int, msg: Any) -> None:
+    def _dispatch(self, rank: int, msg: Any) -> None:
         if self.planner.coverage is None:
             self.elastic.tell_if_late(rank)
         if isinstance(msg, Report):  # the most frequent first: a report a rank a window
@@ -343,7 +348,7 @@ class Controller:
         self._stop_sent = True
         head = self.planner.head()
         tag = self.saves.open_final(self.stop_reason or "final", self.alive, head)
-        self._release_controller_state()
+        self.release_controller_state()
         for rank in self.alive:
             stop = Stop(
                 self.stop_reason or "done",
@@ -355,7 +360,7 @@ class Controller:
             )
             self.out.send(rank, stop)
 
-    def _release_controller_state(self) -> None:
+    def release_controller_state(self) -> None:
         """At Stop (no window in flight, none to come): the EASGD centre and the outer momentum
         go into every pending save now and are dropped, so the launcher never holds them next
         to the final weights that are about to arrive (cpu_async: one copy less at its peak)."""
@@ -435,7 +440,8 @@ class Controller:
         self._fill()
         self._maybe_send_stop()
 
-    def _result(self) -> ControllerResult:
+    def result(self) -> ControllerResult:
+        """What the run did: final weights, epochs, events, coverage, per-rank totals."""
         tracks = list(self.planner.epochs.values())
         ranks = range(self.world)
         rank_samples = [sum(t.rank_samples[r] for t in tracks) for r in ranks]

@@ -113,8 +113,9 @@ class EpochCursor:
         self.ranges = sorted([*chunks, *self.ranges])
 
 
-def chunk_batches(chunks: Sequence[Chunk], batch_size: int) -> int:
-    """Number of batches (the last possibly partial) the chunks make."""
+def count_batches(chunks: Sequence[Chunk], batch_size: int) -> int:
+    """Number of batches (the last possibly partial) the chunks make (as a rank cuts them:
+    :func:`flodl.data.source.count_batches`)."""
     return sum(math.ceil(size / batch_size) for _, size in chunks)
 
 

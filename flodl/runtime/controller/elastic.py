@@ -23,8 +23,8 @@ from flodl.runtime.controller.events import RunFailed
 from flodl.runtime.controller.membership import Membership
 from flodl.runtime.controller.planning import Planner
 from flodl.runtime.controller.tracking import WindowTrack
-from flodl.runtime.wire.links import Outbound
 from flodl.runtime.wire.messages import Regroup, Regrouped, Stop
+from flodl.runtime.wire.rank_link import Outbound
 
 log = logging.getLogger(__name__)
 _STALL_S = 1.0  # a gap between two liveness checks longer than this is the judge's own stall

@@ -17,8 +17,8 @@ from flodl.elche import ElChe, ElCheState
 from flodl.runtime.controller.events import RunFailed
 from flodl.runtime.controller.membership import Membership
 from flodl.runtime.controller.snapshots import ResumePoint
-from flodl.runtime.wire.links import Outbound
 from flodl.runtime.wire.messages import Ready
+from flodl.runtime.wire.rank_link import Outbound
 
 log = logging.getLogger(__name__)
 

@@ -33,8 +33,8 @@ from flodl.runtime.controller.dispatch import (
 from flodl.runtime.controller.membership import Membership
 from flodl.runtime.controller.snapshots import Checkpointer
 from flodl.runtime.controller.tracking import EpochTrack, WindowTrack
-from flodl.runtime.wire.links import Outbound
 from flodl.runtime.wire.messages import CohortPlan, EvalResult, PlannedWindow, Ready, Report
+from flodl.runtime.wire.rank_link import Outbound
 
 log = logging.getLogger(__name__)
 
@@ -268,7 +268,7 @@ class Planner:
             n = b = 0
             for _, part in rank_chunks:
                 n += part
-                b -= -part // size  # ceil: chunk_batches
+                b -= -part // size  # ceil: count_batches
             samples.append(n)
             batches.append(b)
         if self.world > 1:

@@ -32,7 +32,7 @@ from flodl.runtime.sync.codec import ConsensusCodec, Packed, unpack_piece, wire_
 from flodl.runtime.sync.compress import BLOCK
 from flodl.runtime.wire.channel import PIECE_BYTES  # bytes added per step (the lock grid of a sum)
 from flodl.runtime.wire.messages import Report
-from flodl.runtime.wire.streaming import Placeholder, nbytes, tensor_bytes
+from flodl.runtime.wire.streaming import Placeholder, nbytes, tensor_view
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +184,7 @@ class SnapshotSums:
         for tensor, consume in ((packed.scales, take_scales), (packed.values, take_values)):
             if tensor is None:
                 continue
-            view = tensor_bytes(tensor.contiguous())
+            view = tensor_view(tensor.contiguous())
             for lo in range(0, len(view), PIECE_BYTES):
                 consume(lo, view[lo : lo + PIECE_BYTES])
 

@@ -1,2 +1,2 @@
-"""What a rank does: the process entry (``python -m flodl.runtime.rank``), the worker loop, pacing
-on the CPU rig, the rank role environment (read only in ``env.py``)."""
+"""What a rank does: the process entry (``python -m flodl.runtime.rank``), the rank loop
+(``loop.py``) and its parts (sync mode, step, memory plan, checkpoint state, calibration)."""

@@ -12,6 +12,7 @@ last frame of the traceback that is the user's (``file:line``).
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import sysconfig
 import traceback
@@ -23,7 +24,9 @@ NONFINITE = "nonfinite"  # NaN/inf beyond trainer.max_nonfinite, or non-finite w
 _TAG = "__flodl_blame__"
 
 _FLODL = Path(__file__).resolve().parents[2]  # the flodl package
-_RECIPES = _FLODL / "recipes"  # recipes are code configs point at: the user's side
+# recipes are code configs point at: the user's side (the repository's recipes/, shipped as
+# flodl.recipes; found, not imported)
+_RECIPES = Path(str(getattr(importlib.util.find_spec("flodl.recipes"), "origin", ""))).parent
 _LIBRARIES = tuple(
     str(Path(p).resolve())
     for p in {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}

@@ -19,7 +19,8 @@ from torch import nn
 
 from flodl.monitor.metrics import drain_scalars
 from flodl.rig.pacing import measure_step_s, probe_model
-from flodl.runtime.rank import blame, chaos
+from flodl.runtime.rank import blame
+from flodl.runtime.wire import chaos
 
 
 class Calibration:
@@ -65,7 +66,7 @@ class Calibration:
     def _recompute_cost(self) -> float:
         """How much longer a step with activations recomputed takes than one without, on this
         rank (interleaved medians): its simulated device is slowed by as much."""
-        from flodl.step.memory import recompute_off
+        from flodl.step.plan_elements import recompute_off
 
         on, off = [], []
         with self.device_memory.host(), probe_model(self.model, self.spec.optim_factory) as pair:

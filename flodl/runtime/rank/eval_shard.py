@@ -11,7 +11,8 @@ from torch import nn
 
 from flodl.data.loader import eval_batches
 from flodl.monitor.metrics import drain_scalars
-from flodl.runtime.rank import blame, chaos
+from flodl.runtime.rank import blame
+from flodl.runtime.wire import chaos
 from flodl.runtime.wire.messages import EvalResult, Window
 from flodl.step import evaluation
 

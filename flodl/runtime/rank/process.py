@@ -21,9 +21,9 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any, NoReturn
 
-from flodl.runtime.rank import blame, chaos
-from flodl.runtime.rank import env as rank_env
+from flodl.runtime.rank import blame
 from flodl.runtime.sync import groups
+from flodl.runtime.wire import chaos, rank_env
 from flodl.runtime.wire.channel import Channel, connect
 from flodl.runtime.wire.messages import Abort, Hello, RankError
 from flodl.runtime.wire.store import join_store
@@ -114,7 +114,7 @@ def join(
     """Receive the job, pin threads and device, join the process group: (spec, link, device)."""
     import torch
 
-    from flodl.runtime.wire.links import SocketLink, beat_interval_s
+    from flodl.runtime.wire.rank_link import SocketLink, beat_interval_s
 
     spec = channel.recv()
     chaos.point("join", role.rank)
@@ -209,10 +209,10 @@ def run_managed(role: rank_env.RankEnv, secret: bytes, in_launcher: bool = False
     channel = _hello(role, secret)
     link = None
     try:
-        from flodl.runtime.rank.worker import Worker
+        from flodl.runtime.rank.loop import RankLoop
 
         spec, link, device = join(channel, role, secret, in_launcher)
-        Worker(spec, link, role.rank, device, regroup=partial(regroup, spec, role, secret)).run()
+        RankLoop(spec, link, role.rank, device, regroup=partial(regroup, spec, role, secret)).run()
         return 0
     except BaseException as exc:
         report_failure(channel, role.rank, exc)
@@ -245,7 +245,7 @@ def main() -> int:
 def cooperative_worker() -> Any:
     """The cooperative tier on a re-executed rank: join, build, and hand the loop to the user."""
     from flodl.cooperative import CooperativeWorker, exit_rank
-    from flodl.runtime.rank.worker import Worker
+    from flodl.runtime.rank.loop import RankLoop
 
     role, secret = _start()
     channel = _hello(role, secret)
@@ -258,7 +258,7 @@ def cooperative_worker() -> Any:
     sys.excepthook = on_uncaught
     try:
         spec, link, device = join(channel, role, secret)
-        core = Worker(spec, link, role.rank, device, regroup=partial(regroup, spec, role, secret))
+        core = RankLoop(spec, link, role.rank, device, regroup=partial(regroup, spec, role, secret))
         core.start()
     except BaseException as exc:
         report_failure(channel, role.rank, exc)

@@ -1,7 +1,7 @@
 """``cluster.memory_plan: shard`` on a rank: whether the cohort may shard, and the cut it agrees on.
 
 A partition involves every rank, so it is the cohort's decision, taken once the group has met
-(:meth:`flodl.runtime.rank.worker.Worker._meet`): each rank adds what it knows to one
+(:meth:`flodl.runtime.rank.loop.RankLoop._meet`): each rank adds what it knows to one
 all-reduce (whether its plan asks for ``shard``, the device memory it has free for optimizer
 state, the state's cost on it), and every rank then computes the same verdict from the same
 numbers (:func:`flodl.runtime.sync.shard_cut.decide`). If any rank asks for ``shard``, all

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from flodl.checkpoint.shards import MODEL, load_shard, process_local, rank_shard, write_shard
-from flodl.rig.memory import DeviceMemory, training_state
+from flodl.rig.device_memory import DeviceMemory, training_state
 from flodl.runtime.rank import blame
 from flodl.runtime.sync.averaging import FlatState
 from flodl.runtime.sync.compress import Compressor

@@ -23,18 +23,18 @@ import torch
 from torch import nn
 
 from flodl.config import ElCheConfig, Mode
-from flodl.runtime.rank import chaos
 from flodl.runtime.sync.averaging import FlatState, collective_average
 from flodl.runtime.sync.codec import Packed, RankCodec
 from flodl.runtime.sync.compress import Compressor
 from flodl.runtime.sync.gradsync import GradSync
 from flodl.runtime.sync.outer import make_outer
 from flodl.runtime.sync.sharded_optimizer import ShardedOptimizer
+from flodl.runtime.wire import chaos
 from flodl.runtime.wire.messages import Average, Plan, Regroup, Window
 
 
 class Member(Protocol):
-    """What a sync mode reads and asks of its rank (:class:`flodl.runtime.rank.worker.Worker`)."""
+    """What a sync mode reads and asks of its rank (:class:`flodl.runtime.rank.loop.RankLoop`)."""
 
     rank: int
     world: int
@@ -58,9 +58,9 @@ class Member(Protocol):
     def regroup(self, msg: Regroup) -> None: ...
 
 
-class SoloSync:
-    """No peers (``solo``, or a single rank): every average is trivially done. The base of the
-    other modes: what a mode does not override, it does not need."""
+class SyncMode:
+    """The interface every mode implements, each hook doing nothing by default: what a mode
+    does not override, it does not need (:class:`SoloSync` overrides nothing)."""
 
     def __init__(self, member: Member, elche: ElCheConfig) -> None:
         self.member = member
@@ -123,7 +123,11 @@ class SoloSync:
         return True
 
 
-class CollectiveSync(SoloSync):
+class SoloSync(SyncMode):
+    """No peers (``solo``, or a single rank): every average is trivially done."""
+
+
+class CollectiveSync(SyncMode):
     """``nccl_sync`` and ``nccl_cadence``: the ranks average in a collective among themselves."""
 
     def __init__(self, member: Member, elche: ElCheConfig, mode: Mode) -> None:
@@ -253,7 +257,7 @@ class CollectiveSync(SoloSync):
         return self._averaged(share, share)
 
 
-class ControllerSync(SoloSync):
+class ControllerSync(SyncMode):
     """``cpu_sync``, ``cpu_cadence``, ``cpu_async``: the controller averages the snapshots the
     reports carry and sends the average back; cpu_async keeps training meanwhile, within
     ``Window.max_overshoot`` windows, and blends each average in at ``easgd_alpha``."""
@@ -370,7 +374,7 @@ class ControllerSync(SoloSync):
         self._whole.intersection_update(self._outstanding)
 
 
-def sync_for(member: Member, elche: ElCheConfig, world_size: int) -> SoloSync:
+def sync_for(member: Member, elche: ElCheConfig, world_size: int) -> SyncMode:
     """The rank's sync mode, chosen once from ``elche.mode`` (solo, or one rank without the
     controller: nothing to agree on)."""
     mode = elche.mode

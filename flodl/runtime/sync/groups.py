@@ -146,17 +146,19 @@ class _Init(threading.Thread):
 
 
 def _name_from_zero() -> None:
-    """Name the default group as every member names it. torch names it from a counter
-    (``_world.group_count``, checked against torch 2.13.0) that each formation increments and
+    """Name the default group as every member names it. torch names it from its count of the
+    groups formed (:func:`torch.distributed.get_pg_count`), which each formation increments and
     only ``destroy_process_group`` resets: after a formation that failed or was left behind on
     this rank but succeeded (and was destroyed) on another, the two would look for each other's
-    addresses under different names, each until the timeout. No default group exists here, so
-    nothing else is named from the counter."""
-    from torch.distributed import distributed_c10d as c10d
+    addresses under different names, each until the timeout. A count left over is reset through
+    torch's public API: a one-member gloo group on a local store, formed and destroyed (~10 ms;
+    nothing is sent). No default group exists here, so nothing else is named from the count."""
+    import torch.distributed as dist
 
-    world = getattr(c10d, "_world", None)
-    if world is not None and hasattr(world, "group_count") and not c10d.is_initialized():
-        world.group_count = 0
+    if dist.is_initialized() or dist.get_pg_count() == 0:
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.destroy_process_group()
 
 
 def _announced(doomed: Callable[[], bool], grace_s: float, poll_s: float) -> bool:

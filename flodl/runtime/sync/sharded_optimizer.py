@@ -16,7 +16,7 @@ gradient and state and per-group scalars): :data:`ELEMENTWISE`.
 
 Before the cohort has cut (and in a cohort that does not shard) the optimizer is *whole*: it
 steps the plain optimizer ``factory`` built (or, as the fallback of ``auto``, a
-:class:`~flodl.step.memory.HostOptimizer`), so it is exactly the plan without sharding. Its
+:class:`~flodl.step.plan_elements.HostOptimizer`), so it is exactly the plan without sharding. Its
 ``param_groups`` are always the plain optimizer's (schedulers, clipping and the LR scaling see
 them); their hyper-parameters are handed to the pieces at each step.
 """

@@ -187,7 +187,7 @@ class Channel:
         if not tensors and len(skeleton) <= self.max_frame:
             self.send_bytes(skeleton)
             return
-        views = [streaming.tensor_bytes(t) for t in tensors]
+        views = [streaming.tensor_view(t) for t in tensors]
         shared = self._write_shared(views)
         descriptors = streaming.describe(tensors)
         size = min(streaming.CHUNK_BYTES, self.max_frame)
@@ -253,7 +253,7 @@ class Channel:
             if i in claimed:
                 self._recv_consumed(streaming.nbytes(descriptors[i]), claimed[i])
             else:
-                self._recv_region(streaming.tensor_bytes(t))
+                self._recv_region(streaming.tensor_view(t))
         return streaming.join(bytes(skeleton), tensors)
 
     def _recv_shared(self, descriptors: Any, where: Any, claimed: dict[int, Consume]) -> list[Any]:

@@ -131,7 +131,7 @@ def describe(tensors: list[torch.Tensor]) -> list[tuple[str, tuple[int, ...]]]:
     return [(str(t.dtype).removeprefix("torch."), tuple(t.shape)) for t in tensors]
 
 
-def tensor_bytes(t: torch.Tensor) -> memoryview:
+def tensor_view(t: torch.Tensor) -> memoryview:
     """A flat byte view of a contiguous CPU tensor (no copy)."""
     if t.numel() == 0:
         return memoryview(b"")
@@ -175,6 +175,6 @@ def join(skeleton: bytes, tensors: list[torch.Tensor | None]) -> Any:
 
 def fill(tensor: torch.Tensor, recv_into: Callable[[memoryview], None]) -> None:
     """Read a tensor's bytes frame by frame into its memory."""
-    view = tensor_bytes(tensor)
+    view = tensor_view(tensor)
     for part in chunks(view):
         recv_into(part)
