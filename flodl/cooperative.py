@@ -50,11 +50,11 @@ class CooperativeWorker:
     # -- what the loop body needs ------------------------------------------------------------
     @property
     def model(self) -> torch.nn.Module:
-        return self._core.model
+        return self._core.setup.model
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
-        return self._core.optimizer
+        return self._core.setup.optimizer
 
     @property
     def rank(self) -> int:
@@ -100,20 +100,21 @@ class CooperativeWorker:
                 self._tally.add(self._pending_loss)
                 self._core.schedule.tick(batch)
                 self._core.log_step(self._tally)
-            if self._core.runner.pending:  # worker.backward's last group: step before averaging
+            # worker.backward's last group: step before averaging
+            if self._core.setup.parts.runner.pending:
                 self._core.steps.optimizer_step()
             self._core.end_window(window, self._tally)
             self._window = self._next_window()
 
     def autocast(self) -> Any:
         """A context for the forward pass in ``trainer.precision`` (no-op for 32)."""
-        return self._core.runner.autocast()
+        return self._core.setup.parts.runner.autocast()
 
     def backward(self, loss: torch.Tensor) -> bool:
         """``loss.backward()`` the managed way: scaled under 16-mixed, and the optimizer step
         (clipping, scaler) once ``accumulate_grad_batches`` micro-batches are in, or at the end of
         the window. True when this call stepped. Use it instead of ``backward()`` + ``step()``."""
-        runner = self._core.runner
+        runner = self._core.setup.parts.runner
         runner.backward(loss)
         if not runner.due:
             return False
@@ -142,7 +143,7 @@ class CooperativeWorker:
         while not self._queue:
             if self._finished:
                 return None
-            msg = self._core.next_message()
+            msg = self._core.peers.next_message()
             if isinstance(msg, Plan):
                 self._queue.extend(w for w in msg.windows if not self._core.is_void(w))
                 self._core.loading.feed(self._queue)  # the loader's workers start on them now

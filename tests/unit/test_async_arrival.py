@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flodl.runtime.rank.loop import RankLoop, WindowTally
+from flodl.runtime.rank.loop import WindowTally
+from flodl.runtime.rank.peers import Peers
 from flodl.runtime.rank.sync_modes import ControllerSync
 from flodl.runtime.sync.averaging import FlatState
 from flodl.runtime.wire.messages import Average, Plan, Regroup, Stop
@@ -34,7 +35,6 @@ def _rank(outstanding: list[int], inbox: list, pending_micro_batches: int = 0):
         rank._outstanding.remove(msg.window)
 
     rank.take = apply
-    rank.sync = SimpleNamespace(take=apply)  # the rank's sync mode, for RankLoop._await_regroup
     return rank, applied, box
 
 
@@ -139,8 +139,8 @@ def test_an_average_arriving_while_a_regroup_is_awaited_is_taken_not_queued() ->
     membership was out of that wait's reach: the rank blocked on its socket for an average
     already in hand, and the run hung (the ssh chaos test, 1 run in ~10)."""
     rank, applied, box = _rank([3], [Average(3, None), Regroup(2, (0,), 3, {0: 1.0})])
-    rank.cfg = SimpleNamespace(cluster=SimpleNamespace(heartbeat_timeout_s=1.0))
-    rank.regroup = lambda msg: applied.append(("regroup", msg.generation))
-    RankLoop._await_regroup(rank)
-    assert applied == [3, ("regroup", 2)] and rank._outstanding == [] and not rank._pending
+    peers = Peers(0, 2, rank.link, wait_s=1.0)
+    peers.bind(regroup=lambda msg: applied.append(("regroup", msg.generation)), take=rank.take)
+    peers.await_regroup()
+    assert applied == [3, ("regroup", 2)] and rank._outstanding == [] and not peers.inbox
     assert box.empty()

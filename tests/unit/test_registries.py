@@ -96,18 +96,29 @@ def test_no_module_outside_the_registry_branches_on_a_mode():
 @pytest.mark.parametrize("mode", list(Mode), ids=lambda m: m.value)
 def test_a_sync_mode_object_is_the_policys_class(mode):
     """sync_for builds the class the policy names (a collective mode alone: solo's)."""
+    import queue
     from types import SimpleNamespace
 
-    from flodl.runtime.rank.sync_modes import SoloSync, sync_for
+    import torch
 
-    member = SimpleNamespace(state=SimpleNamespace(n_params=4), link=None, model=None)
-    member.runner, member.device, member._pending = None, "cpu", []
+    from flodl.runtime.rank.peers import Peers
+    from flodl.runtime.rank.setup import ModelParts
+    from flodl.runtime.rank.sync_modes import SoloSync, sync_for
+    from flodl.runtime.sync.averaging import FlatState
+    from flodl.runtime.wire.rank_link import QueueLink
+
     if mode.policy.gradient_sync:
-        pytest.skip("its gradient hooks need a real model (tests/unit/test_sync_modes.py)")
-    sync = sync_for(member, ElCheConfig(mode=mode), world_size=2)  # type: ignore[arg-type]
-    assert type(sync) is resolve_dotted(mode.policy.rank_side)
-    alone = sync_for(member, ElCheConfig(mode=mode), world_size=1)  # type: ignore[arg-type]
-    assert isinstance(alone, SoloSync) != mode.policy.via_controller
+        pytest.skip("its gradient hooks are tests/unit/test_sync_modes.py's")
+    model = torch.nn.Linear(2, 2)
+    parts = ModelParts(model, model, FlatState(model), None, SimpleNamespace(), model.weight.device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for world in (2, 1):
+        peers = Peers(0, world, QueueLink(queue.Queue(), queue.Queue()), wait_s=1.0)
+        sync = sync_for(peers, parts, None, optimizer, ElCheConfig(mode=mode))  # type: ignore[arg-type]
+        if world == 2:
+            assert type(sync) is resolve_dotted(mode.policy.rank_side)
+        else:
+            assert isinstance(sync, SoloSync) != mode.policy.via_controller
 
 
 # -- link profiles ----------------------------------------------------------------------------
@@ -196,7 +207,8 @@ def test_each_element_names_its_rank_side_application():
 
     for element in PLAN_ELEMENTS.values():
         apply = resolve_dotted(element.rank_side)
-        assert list(inspect.signature(apply).parameters) == ["memory", "worker", "chosen", "cohort"]
+        params = ["memory", "target", "optimizer", "chosen", "cohort"]
+        assert list(inspect.signature(apply).parameters) == params
 
 
 def test_a_mode_an_element_needs_is_checked_from_the_registry():

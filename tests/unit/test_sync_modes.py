@@ -5,7 +5,6 @@ rank."""
 
 from __future__ import annotations
 
-import collections
 import queue
 from types import SimpleNamespace
 
@@ -13,6 +12,8 @@ import pytest
 import torch
 
 from flodl.config import ElCheConfig, Mode
+from flodl.runtime.rank.peers import Peers
+from flodl.runtime.rank.setup import ModelParts
 from flodl.runtime.rank.sync_modes import CollectiveSync, ControllerSync, SoloSync, sync_for
 from flodl.runtime.sync.averaging import FlatState
 from flodl.runtime.wire.messages import Regroup, Window
@@ -21,22 +22,19 @@ from flodl.runtime.wire.rank_link import QueueLink
 CPU = torch.device("cpu")
 
 
-def _member(world: int = 2):
+def _rank(world: int = 2) -> tuple[Peers, ModelParts]:
+    """A rank's group (its public Peers) and model parts, without a process group."""
     model = torch.nn.Linear(3, 2)
-    return SimpleNamespace(
-        rank=0,
-        world=world,
-        distributed=False,
-        link=QueueLink(queue.Queue(), queue.Queue()),
-        model=model,
-        state=FlatState(model, share_storage=True),
-        device=CPU,
-        runner=SimpleNamespace(pending=0, accumulate=1),
-        pacer=None,
-        _pending=collections.deque(),
-        _unaveraged=-1,
-        _doomed=lambda: False,
-    )
+    link = QueueLink(queue.Queue(), queue.Queue())
+    runner = SimpleNamespace(pending=0, accumulate=1)
+    state = FlatState(model, share_storage=True)
+    return Peers(0, world, link, wait_s=1.0), ModelParts(model, model, state, None, runner, CPU)
+
+
+def _sync(mode: Mode, world: int = 2, rank: tuple[Peers, ModelParts] | None = None):
+    peers, parts = rank or _rank(world)
+    optimizer = torch.optim.SGD(parts.model.parameters(), lr=0.1)
+    return sync_for(peers, parts, None, optimizer, ElCheConfig(mode=mode))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -53,32 +51,33 @@ def _member(world: int = 2):
     ],
 )
 def test_the_mode_is_chosen_once_from_elche_mode(mode: Mode, world: int, kind: type) -> None:
-    sync = sync_for(_member(world), ElCheConfig(mode=mode), world)
+    sync = _sync(mode, world)
     assert type(sync) is kind
     assert (sync.snapshot() is not None) == mode.policy.via_controller
 
 
 def test_only_nccl_sync_reduces_gradients_in_backward() -> None:
-    grads = sync_for(_member(), ElCheConfig(mode=Mode.NCCL_SYNC), 2)
-    cadence = sync_for(_member(), ElCheConfig(mode=Mode.NCCL_CADENCE), 2)
+    grads = _sync(Mode.NCCL_SYNC)
+    cadence = _sync(Mode.NCCL_CADENCE)
     assert isinstance(grads, CollectiveSync) and grads.grad_sync is not None
     assert isinstance(cadence, CollectiveSync) and cadence.grad_sync is None
 
 
 def test_alone_there_is_nothing_to_average_and_a_snapshot_is_a_copy() -> None:
-    member = _member(world=1)
+    rank = _rank(world=1)
     window = Window(index=0, epoch=0, chunks=((0, 4),), weight=1.0, buffer_weight=1.0)
-    solo = sync_for(member, ElCheConfig(mode=Mode.SOLO), 1)
+    solo = _sync(Mode.SOLO, rank=rank)
     assert solo.average(window) and solo.last_divergence is None
-    controller = sync_for(member, ElCheConfig(mode=Mode.CPU_CADENCE), 1)
+    controller = _sync(Mode.CPU_CADENCE, rank=rank)
     assert controller.average(window)  # one rank: no round trip through the controller
     snapshot = controller.snapshot()
-    assert snapshot is not None and torch.equal(snapshot, member.state.flatten())
-    assert snapshot.data_ptr() != member.state.current().data_ptr()  # the link does not serialise
+    state = rank[1].state
+    assert snapshot is not None and torch.equal(snapshot, state.flatten())
+    assert snapshot.data_ptr() != state.current().data_ptr()  # the link does not serialise
 
 
 def test_a_regroup_forgets_the_windows_after_the_break() -> None:
-    sync = sync_for(_member(), ElCheConfig(mode=Mode.CPU_ASYNC), 2)
+    sync = _sync(Mode.CPU_ASYNC)
     assert isinstance(sync, ControllerSync)
     sync._outstanding, sync._whole = [3, 4, 5], {4, 5}
     sync.on_regroup(Regroup(2, (0,), 4, {0: 1.0}))

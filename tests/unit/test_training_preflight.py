@@ -46,29 +46,32 @@ def test_16_mixed_is_refused_for_cpu_ranks_and_bf16_is_not():
     assert TrainerConfig(precision=32).precision == "32"  # YAML's integer 32
 
 
-def test_auto_batch_search_finds_the_largest_fitting_size_in_few_probes(monkeypatch):
+def test_auto_batch_search_finds_the_largest_fitting_size_in_few_probes():
+    from dataclasses import dataclass, field
     from types import SimpleNamespace
 
-    from flodl.runtime.rank import memory_plan as memory
+    from flodl.runtime.rank import batch_probe
+
+    def job():
+        return SimpleNamespace(config=SimpleNamespace(cluster=ClusterConfig()))
 
     probes: list[int] = []
 
-    def fits_up_to(limit):
-        def fits(worker, dataset, size, budget):
+    @dataclass(frozen=True)
+    class Probe:  # the probe's inputs, its step replaced by a size limit
+        limit: int
+        rank: int = 0
+        spec: object = field(default_factory=job)
+
+        def fits(self, dataset, size, budget):
             probes.append(size)
-            return size <= limit
+            return size <= self.limit
 
-        return fits
-
-    worker = SimpleNamespace(rank=0, cfg=SimpleNamespace(cluster=ClusterConfig()))
-    monkeypatch.setattr(memory, "_fits", fits_up_to(37))
-    assert memory._search(worker, range(1000), 1.0, 2**30) == 37
+    assert batch_probe._search(Probe(37), range(1000), 1.0, 2**30) == 37  # type: ignore[arg-type]
     assert len(probes) <= 2 * 6 + 1  # doubling to 64, then bisecting 32..64
-    monkeypatch.setattr(memory, "_fits", fits_up_to(10**6))
-    assert memory._search(worker, range(20), 1.0, 2**30) == 20  # capped by the dataset
-    monkeypatch.setattr(memory, "_fits", fits_up_to(0))
+    assert batch_probe._search(Probe(10**6), range(20), 1.0, 2**30) == 20  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="cannot fit even one sample"):
-        memory._search(worker, range(20), 1.0, 2**30)
+        batch_probe._search(Probe(0), range(20), 1.0, 2**30)  # type: ignore[arg-type]
 
 
 def test_solo_trains_with_rank_0s_size():

@@ -11,35 +11,47 @@ from __future__ import annotations
 import itertools
 import statistics
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from flodl.config import LoaderConfig, TrainerConfig
+from flodl.data.source import BatchSource
 from flodl.monitor.metrics import drain_scalars
-from flodl.rig.pacing import measure_step_s, probe_model
+from flodl.rig.pacing import Pacer, measure_step_s, probe_model
 from flodl.runtime.rank import blame
+from flodl.runtime.rank.memory_plan import RankMemory
 from flodl.runtime.wire import chaos
+from flodl.runtime.wire.job_spec import JobSpec
+from flodl.step.precision import StepRunner
 
 
+@dataclass(frozen=True)
 class Calibration:
-    """The warm-up timing of one rank, with what it reads of the rank once built: its model,
+    """The warm-up timing of one rank, from what it reads of the rank once built: its model,
     data, step runner, pacer, memory and plan, and the start-up collective (``together``)."""
 
-    def __init__(self, worker: Any) -> None:
-        self.rank: int = worker.rank
-        self.spec = worker.spec
-        self.cfg = worker.cfg
-        self.model: nn.Module = worker.model
-        self.source = worker.source
-        self.batch_size: int = worker.batch_size
-        self.loader_cfg = worker.loader_cfg
-        self.runner = worker.runner
-        self.pacer = worker.pacer
-        self.device_memory = worker.device_memory
-        self.memory_plan = worker.memory_plan
-        self._together: Callable[..., None] = worker._together  # fails as _CohortBroke
+    rank: int
+    spec: JobSpec
+    model: nn.Module
+    runner: StepRunner
+    source: BatchSource
+    loader_cfg: LoaderConfig
+    pacer: Pacer
+    memory: RankMemory  # unplanned(): steps as the device runs them; host(): off the budget
+    recomputes: bool  # the plan recomputes activations: the step's extra cost is measured
+    together: Callable[..., None]  # a start-up collective; fails as CohortBroke
+
+    @property
+    def cfg(self) -> TrainerConfig:
+        return self.spec.config
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.source.batch_size)
 
     def calibrate(self) -> float:
         """Time warm-up steps that leave the weights as they were (``pacing.probe_model``: at
@@ -49,16 +61,16 @@ class Calibration:
         if not self.spec.pace:
             return 0.0
         with (
-            self.device_memory.unplanned(self.model),
+            self.memory.unplanned(self.model),
             probe_model(self.model, self.spec.optim_factory) as pair,
         ):
             step_s = self._time_steps(*pair)
         t = torch.tensor([step_s], dtype=torch.float64)
-        self._together(t, op=dist.ReduceOp.MAX)
+        self.together(t, op=dist.ReduceOp.MAX)
         step_s = float(t.item())
         if self.spec.pace:
             self.pacer.set_nominal(step_s * self.cfg.cluster.pace_margin)
-            if self.memory_plan.recomputes:
+            if self.recomputes:
                 self.pacer.cost = self._recompute_cost()
         drain_scalars()
         return step_s * 1000.0
@@ -69,7 +81,7 @@ class Calibration:
         from flodl.step.plan_elements import recompute_off
 
         on, off = [], []
-        with self.device_memory.host(), probe_model(self.model, self.spec.optim_factory) as pair:
+        with self.memory.host(), probe_model(self.model, self.spec.optim_factory) as pair:
             step = self._plain_step(*pair)
             for _ in range(3):
                 on.append(measure_step_s(step, max(1, self.cfg.cluster.warmup_steps // 3)))
@@ -82,7 +94,7 @@ class Calibration:
         step = self._plain_step(probe, optimizer)
         # Measure together: a rank still importing or loading data would otherwise steal the
         # other's core and inflate the nominal step every rank is then paced to.
-        self._together(torch.zeros(1))
+        self.together(torch.zeros(1))
         chaos.point("calibrate", self.rank)
         return measure_step_s(step, self.cfg.cluster.warmup_steps)
 

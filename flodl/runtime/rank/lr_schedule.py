@@ -13,7 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flodl.data.source import batch_samples
+from flodl.data.source import BatchSource, batch_samples
+from flodl.runtime.wire.job_spec import JobSpec
 from flodl.runtime.wire.messages import Window
 from flodl.step import schedules
 
@@ -29,22 +30,30 @@ def scale_lr(optimizer: torch.optim.Optimizer, world_size: int, ratio: float) ->
 class LrSchedule:
     """The rank's scheduler (None without ``scheduler_factory``) and the run's global clock."""
 
-    def __init__(self, worker: Any) -> None:
+    def __init__(
+        self,
+        spec: JobSpec,
+        rank: int,
+        device: torch.device,
+        distributed: bool,
+        source: BatchSource,
+        optimizer: torch.optim.Optimizer,
+    ) -> None:
         """Built once the rank's optimizer and batch size are final (after the memory plan);
         gathers every rank's batch size when they vary (a collective on the start-up group)."""
-        self.spec = worker.spec
-        self.cfg = worker.cfg
-        self.rank: int = worker.rank
-        self.device: torch.device = worker.device
-        self.distributed: bool = worker.distributed
-        self.batch_size: int = worker.batch_size
+        self.spec = spec
+        self.cfg = spec.config
+        self.rank = rank
+        self.device = device
+        self.distributed = distributed
+        self.batch_size = int(source.batch_size)
         self.per_step = self.spec.scheduler_interval == "step"
         self.run_length = schedules.RunLength(
-            self.cfg.num_epochs * len(worker.source), self._global_batch()
+            self.cfg.num_epochs * len(source), self._global_batch()
         )
         total = self.run_length.total_steps if self.per_step else self.cfg.num_epochs
         factory = self.spec.scheduler_factory
-        self.scheduler = schedules.build(factory, worker.optimizer, total) if factory else None
+        self.scheduler = schedules.build(factory, optimizer, total) if factory else None
         self._clock = (0, 0, 0)  # (progress before the window, its samples, this rank's share)
         self._own_done = 0
 

@@ -1,14 +1,7 @@
-"""A rank's device memory: the rig's simulated device (:class:`RankMemory`), the memory plan
-(``cluster.memory_plan``) and ``cluster.batch_sizes: auto``.
-
-``cluster.batch_sizes: auto``: the largest batch whose probe step fits in this rank's memory.
-
-Runs on the rank, before training, on its own CUDA device (the launcher refuses ``auto`` for CPU
-ranks). A probe step is one forward, backward and optimizer step of the rank's model (its weights
-are restored afterwards) with a throwaway optimizer, in the run's precision; it fits when it
-neither runs out of memory nor peaks above ``cluster.memory_fraction`` of the device's memory.
-Sizes double from 1 while they fit, then the gap to the first misfit is bisected, so a size is
-decided in about ``2 log2(size)`` probe steps.
+"""A rank's device memory: the rig's simulated device (:class:`RankMemory`) and the memory plan
+(``cluster.memory_plan``), chosen from what the rank's :class:`ProbeTarget` says of it and
+returned (the batch size, the optimizer), never written into the rank
+(``cluster.batch_sizes: auto`` is :mod:`flodl.runtime.rank.batch_probe`'s).
 """
 
 from __future__ import annotations
@@ -17,7 +10,6 @@ import contextlib
 import copy
 import dataclasses
 import logging
-import math
 import resource
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,94 +28,13 @@ from flodl.config.registries.plan_elements import (
     with_elements,
     words,
 )
+from flodl.data.source import BatchSource
 from flodl.rig.device_memory import DeviceMemory, MiB, training_state
+from flodl.runtime.rank.setup import ModelParts
 from flodl.runtime.rank.shard_plan import MemoryPlanError, shardable, wrap
+from flodl.runtime.wire.job_spec import JobSpec
 
 log = logging.getLogger(__name__)
-
-_MAX_PROBE = 1 << 16
-
-
-def _fits(worker: Any, dataset: Any, size: int, budget: float) -> bool:
-    """One probe step on the rank's own model with a throwaway optimizer (its state counts)."""
-    from flodl.data.source import BatchSource
-
-    device, model = worker.device, worker.model
-    optimizer = worker.spec.optim_factory(model.parameters())
-    source = BatchSource(dataset, size, worker.cfg.seed, device)
-    peak = math.inf
-    try:
-        torch.cuda.reset_peak_memory_stats(device)
-        batch = next(iter(source.batches(0, ((0, size),))))
-        with worker.runner.autocast():
-            loss = worker.spec.train_step(model, batch)
-        loss.backward()
-        optimizer.step()
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device)
-    except torch.cuda.OutOfMemoryError:
-        pass
-    finally:
-        optimizer.zero_grad(set_to_none=True)
-        del optimizer
-        torch.cuda.empty_cache()
-    return peak <= budget
-
-
-def probe_batch_size(worker: Any, dataset: Any) -> int:
-    """The largest batch size (<= the dataset) whose probe step fits under the memory budget."""
-    device = worker.device
-    if device.type != "cuda":
-        raise RuntimeError(
-            f"cluster.batch_sizes=auto: rank {worker.rank} runs on {device}, where no memory "
-            "probe exists; give the sizes instead"
-        )
-    total = torch.cuda.get_device_properties(device).total_memory
-    budget = worker.cfg.cluster.memory_fraction * total
-    saved = {k: v.detach().to("cpu", copy=True) for k, v in worker.model.state_dict().items()}
-    try:
-        return _search(worker, dataset, budget, total)
-    finally:  # the probes stepped the model: put back the weights (and BatchNorm statistics)
-        worker.model.load_state_dict(saved)
-
-
-def own_batch_size(worker: Any, dataset: Any) -> int:
-    """This rank's batch size: the placement's (``None``: probed here); a memory plan may
-    still halve it."""
-    size = worker.spec.batch_size_for(worker.rank)
-    if size is None:  # cluster.batch_sizes=auto: the largest that fits, probed here
-        size = probe_batch_size(worker, dataset)
-        log.info(
-            "rank %d: batch size %d (probed, memory_fraction %.2f)",
-            worker.rank,
-            size,
-            worker.cfg.cluster.memory_fraction,
-        )
-    return int(size)
-
-
-def _search(worker: Any, dataset: Any, budget: float, total: int) -> int:
-    limit = min(len(dataset), _MAX_PROBE)
-    good, bad = 0, None
-    size = 1
-    while size <= limit and _fits(worker, dataset, size, budget):
-        good, size = size, size * 2
-    if size <= limit:
-        bad = size
-    elif good < limit and _fits(worker, dataset, limit, budget):
-        return limit
-    else:
-        bad = limit if good < limit else None
-    while bad is not None and bad - good > 1:
-        mid = (good + bad) // 2
-        good, bad = (mid, bad) if _fits(worker, dataset, mid, budget) else (good, mid)
-    if good == 0:
-        raise RuntimeError(
-            f"cluster.batch_sizes=auto: rank {worker.rank} cannot fit even one sample under "
-            f"memory_fraction={worker.cfg.cluster.memory_fraction} of {total / 2**30:.1f} GiB"
-        )
-    return good
-
 
 # -- memory plans (cluster.memory_plan) ------------------------------------------------------------
 #
@@ -139,6 +50,26 @@ def _search(worker: Any, dataset: Any, budget: float, total: int) -> int:
 # and a host optimizer step), then both; on the rig, where ``memory_mb`` makes per-rank batch
 # sizes part of the plan, the batch is then halved until a step fits. A rank nothing fits fails,
 # naming what it needs against its budget.
+
+
+@dataclass(frozen=True)
+class ProbeTarget:
+    """What the memory plan reads of a rank: its job, identity and device, its model, its data
+    (as placed, at the batch it asked for), and what averaging will hold between steps."""
+
+    spec: JobSpec
+    rank: int
+    device: torch.device
+    parts: ModelParts
+    source: BatchSource
+    world: int
+    gradient_buckets: bool  # nccl_sync over several ranks: the all-reduce's buckets persist
+    second_copy: bool  # the controller's modes or compression hold a second copy of the state
+
+    @property
+    def cfg(self) -> TrainerConfig:
+        return self.spec.config
+
 
 # The elements, their words, their costs and what combines: the registry
 # (flodl/config/registries/plan_elements.py); each element's rank-side application is an ``apply_*``
@@ -203,15 +134,15 @@ def _size(nbytes: int) -> str:
 class _Meter:
     """Peak memory of one probe step: the rig's counted device, or CUDA's allocator."""
 
-    def __init__(self, worker: Any) -> None:
-        self.worker = worker
-        self.rig: DeviceMemory | None = worker.memory
+    def __init__(self, rig: DeviceMemory | None, device: torch.device, fraction: float) -> None:
+        self.device = device
+        self.rig = rig
         if self.rig is not None:
             assert self.rig.budget is not None
             self.total = self.rig.budget
         else:
-            self.total = torch.cuda.get_device_properties(worker.device).total_memory
-        self.budget = worker.cfg.cluster.memory_fraction * self.total
+            self.total = torch.cuda.get_device_properties(device).total_memory
+        self.budget = fraction * self.total
 
     def host(self) -> Any:
         return self.rig.host() if self.rig is not None else contextlib.nullcontext()
@@ -227,7 +158,7 @@ class _Meter:
                 return self.rig.peak
             finally:
                 self.rig.budget = budget
-        device = self.worker.device
+        device = self.device
         try:
             torch.cuda.reset_peak_memory_stats(device)
             step()
@@ -239,37 +170,35 @@ class _Meter:
             torch.cuda.empty_cache()
 
 
-def _probe(worker: Any, meter: _Meter, size: int, plan: tuple[str, ...]) -> int | None:
+def _probe(target: ProbeTarget, meter: _Meter, size: int, plan: tuple[str, ...]) -> int | None:
     """Peak of one step of the rank's model at batch ``size`` under ``plan`` (two micro-batches
     when gradients accumulate)."""
     from flodl.step.plan_elements import HostOptimizer, set_recompute
 
-    model = worker.model
+    model, spec = target.parts.model, target.spec
     set_recompute(model, any(e.recomputes for e in elements_of(plan)))
-    source = copy.copy(worker.source)  # its data as placed (resident data counts), cut at size
+    source = copy.copy(target.source)  # its data as placed (resident data counts), cut at size
     source.batch_size = size
     holder: dict[str, Any] = {}
 
     def step() -> None:
-        held = _gradient_buckets(worker)
+        held = _gradient_buckets(target)
         if any(e.state_off_device for e in elements_of(plan)):  # shard: without the state
-            holder["opt"] = HostOptimizer(
-                model.parameters(), worker.spec.optim_factory, host=meter.host
-            )
+            holder["opt"] = HostOptimizer(model.parameters(), spec.optim_factory, host=meter.host)
         else:
-            holder["opt"] = worker.spec.optim_factory(model.parameters())
+            holder["opt"] = spec.optim_factory(model.parameters())
         # With accumulation a second micro-batch's gradients are added to the first's: the
         # new ones and the sum coexist for a moment (one more gradient of the largest tensor).
-        for _ in range(2 if worker.cfg.accumulate_grad_batches > 1 else 1):
+        for _ in range(2 if target.cfg.accumulate_grad_batches > 1 else 1):
             batch = next(iter(source.batches(0, ((0, size),))))
-            with worker.runner.autocast():
-                loss = worker.spec.train_step(model, batch)
+            with target.parts.runner.autocast():
+                loss = spec.train_step(model, batch)
             loss.backward()
             del loss, batch
         del held  # from here the gradients are the buckets (views), as they are in training
         holder["opt"].step()
         holder["opt"].zero_grad(set_to_none=True)
-        _averaging_temporaries(worker)
+        _averaging_temporaries(target)
 
     try:
         return meter.peak_of(step)
@@ -282,62 +211,66 @@ def _probe(worker: Any, meter: _Meter, size: int, plan: tuple[str, ...]) -> int 
         del opt
 
 
-def _gradient_buckets(worker: Any) -> torch.Tensor | None:
+def _gradient_buckets(target: ProbeTarget) -> torch.Tensor | None:
     """nccl_sync over several ranks: the gradient all-reduce's buckets, kept across steps
     (flodl/runtime/sync/gradsync.py), so they are there while the next backward makes new
     gradients: as large as the trainable parameters, held through the probe's backward (in
     the optimizer step the gradients are views of them: counted once, as gradients)."""
-    if not worker.mode.policy.gradient_sync or worker.world <= 1:
+    if not target.gradient_buckets:
         return None
-    nbytes = sum(p.numel() * p.element_size() for p in worker.model.parameters() if p.requires_grad)
-    return torch.empty(nbytes, dtype=torch.uint8, device=worker.device)
+    params = target.parts.model.parameters()
+    nbytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    return torch.empty(nbytes, dtype=torch.uint8, device=target.device)
 
 
-def _averaging_temporaries(worker: Any) -> None:
+def _averaging_temporaries(target: ProbeTarget) -> None:
     """Allocate what averaging holds between steps, as it does (no collective): the scaled
     copy of the state and the divergence's span; in the controller's modes and with compression
     a second copy (the snapshot sent, the average received; the compressor's reference)."""
-    if worker.world <= 1:
+    if target.world <= 1:
         return
-    state = worker.state
+    state = target.parts.state
     held = [state.flatten()]
-    if worker.mode.policy.via_controller or worker.compressor is not None:
+    if target.second_copy:
         held.append(state.flatten())
     state.divergence(state.current(), held[0])
     del held
 
 
 def choose_plan(
-    worker: Any, requested: tuple[str, ...] | None, may_shard: bool = False
+    target: ProbeTarget,
+    rig: DeviceMemory | None,
+    requested: tuple[str, ...] | None,
+    may_shard: bool = False,
 ) -> MemoryPlan:
     """The rank's plan: ``requested`` as configured (None: ``auto``, probed where a budget
     exists). ``may_shard``: the cohort may shard its optimizer state (nccl_sync), so ``auto``
     tries ``shard`` before ``offload``, and the plan carries what the cut needs (the memory
     free for optimizer state, the state's cost). The model's weights and buffers are as they
     were afterwards."""
-    size = worker.batch_size
-    rig = worker.memory
-    has_budget = rig is not None or worker.device.type == "cuda"
+    size = target.source.batch_size
+    model, device = target.parts.model, target.device
+    has_budget = rig is not None or device.type == "cuda"
     on_host = requested is not None and any("state" in e.to_host for e in elements_of(requested))
     if not has_budget or (requested is not None and not (may_shard and not on_host)):
         budget = rig.budget if rig is not None else None
         return MemoryPlan(requested or (), size, budget, None, size)
-    meter = _Meter(worker)
+    meter = _Meter(rig, device, target.cfg.cluster.memory_fraction)
     with meter.host():  # the weights, put back afterwards, wait in host memory
-        saved = {k: v.detach().to("cpu", copy=True) for k, v in worker.model.state_dict().items()}
+        saved = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     try:
         if requested is not None:  # may shard: measure what the cut needs
             plan = MemoryPlan(requested, size, int(meter.total), None, size)
-            return _with_shard_numbers(worker, meter, plan, {})
-        return _choose(worker, meter, size, may_shard)
+            return _with_shard_numbers(target, meter, plan, {})
+        return _choose(target, meter, size, may_shard)
     finally:
         from flodl.step.plan_elements import set_recompute
 
-        set_recompute(worker.model, True)
+        set_recompute(model, True)
         with torch.no_grad():
-            worker.model.load_state_dict(saved)
-        if worker.device.type == "cuda":  # training's peak is its own, not the probes'
-            torch.cuda.reset_peak_memory_stats(worker.device)
+            model.load_state_dict(saved)
+        if device.type == "cuda":  # training's peak is its own, not the probes'
+            torch.cuda.reset_peak_memory_stats(device)
 
 
 def _with_shard(plan: tuple[str, ...]) -> tuple[str, ...]:
@@ -345,7 +278,10 @@ def _with_shard(plan: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def _with_shard_numbers(
-    worker: Any, meter: _Meter, plan: MemoryPlan, peaks: dict[tuple[str, ...], int | None]
+    target: ProbeTarget,
+    meter: _Meter,
+    plan: MemoryPlan,
+    peaks: dict[tuple[str, ...], int | None],
 ) -> MemoryPlan:
     """``plan`` with the memory it leaves free for optimizer state (its step without the
     state) and the whole state's cost (its step with it, less without)."""
@@ -353,11 +289,11 @@ def _with_shard_numbers(
 
     if plan.state_on_host:  # it holds no share
         return dataclasses.replace(plan, free_bytes=0, state_bytes=0)
-    recompute(worker.model)  # patched once, switched per probe
+    recompute(target.parts.model)  # patched once, switched per probe
     base = with_elements(plan.elements, drop=cutting_state())
     for p in (base, _with_shard(base)):
         if p not in peaks:
-            peaks[p] = _probe(worker, meter, plan.batch_size, p)
+            peaks[p] = _probe(target, meter, plan.batch_size, p)
     full, stateless = peaks[base], peaks[_with_shard(base)]
     if stateless is None:  # CUDA ran out of memory even without the state
         return dataclasses.replace(plan, free_bytes=0, state_bytes=0)
@@ -365,10 +301,10 @@ def _with_shard_numbers(
     return dataclasses.replace(plan, free_bytes=int(meter.budget) - stateless, state_bytes=state)
 
 
-def _choose(worker: Any, meter: _Meter, size: int, may_shard: bool = False) -> MemoryPlan:
+def _choose(target: ProbeTarget, meter: _Meter, size: int, may_shard: bool = False) -> MemoryPlan:
     from flodl.step.plan_elements import recompute
 
-    recompute(worker.model)  # patched once, switched per probe
+    recompute(target.parts.model)  # patched once, switched per probe
     total = int(meter.total)
     # Smaller batches only where memory_mb makes them part of the plan (the rig); on CUDA the
     # batch is the user's (cluster.batch_sizes=auto probes it).
@@ -385,22 +321,22 @@ def _choose(worker: Any, meter: _Meter, size: int, may_shard: bool = False) -> M
     last_peak: int | None = None
     for b in batches:
         for plan in first if b == size else [fallback]:
-            peak = _probe(worker, meter, b, plan)
+            peak = _probe(target, meter, b, plan)
             if b == size:
                 peaks[plan] = peak
             last_peak = peak
             if peak is not None and peak <= meter.budget:
                 chosen = MemoryPlan(plan, b, total, peak, size)
                 if may_shard and b == size:
-                    chosen = _with_shard_numbers(worker, meter, chosen, peaks)
+                    chosen = _with_shard_numbers(target, meter, chosen, peaks)
                 elif may_shard:
                     chosen = dataclasses.replace(chosen, free_bytes=0)
                 return chosen
-    state = sum(t.numel() * t.element_size() for t in worker.model.parameters())
+    state = sum(t.numel() * t.element_size() for t in target.parts.model.parameters())
     needs = f"needs {_size(last_peak)}" if last_peak is not None else "runs out of memory"
     raise MemoryPlanError(
-        f"rank {worker.rank}: no memory plan fits its device ({_size(total)}, memory_fraction "
-        f"{worker.cfg.cluster.memory_fraction}): a step at batch {batches[-1]} with "
+        f"rank {target.rank}: no memory plan fits its device ({_size(total)}, memory_fraction "
+        f"{target.cfg.cluster.memory_fraction}): a step at batch {batches[-1]} with "
         f"{words(fallback)} {needs} (the parameters alone take "
         f"{_size(state)}, their gradients as much); give the rank more memory or train a "
         "smaller model"
@@ -408,28 +344,34 @@ def _choose(worker: Any, meter: _Meter, size: int, may_shard: bool = False) -> M
 
 
 # -- each element applied on a rank (named by its entry in config/registries/plan_elements.py) -
-def apply_recompute(memory: RankMemory, worker: Any, chosen: bool, cohort: bool) -> None:
+def apply_recompute(
+    memory: RankMemory, target: ProbeTarget, optimizer: Any, chosen: bool, cohort: bool
+) -> Any:
     """Activations recomputed in backward, or not (the probes patched the model's blocks)."""
     from flodl.step.plan_elements import recompute, set_recompute
 
     if chosen:
-        recompute(worker.model)
+        recompute(target.parts.model)
     else:
-        set_recompute(worker.model, False)
+        set_recompute(target.parts.model, False)
+    return optimizer
 
 
-def apply_offload(memory: RankMemory, worker: Any, chosen: bool, cohort: bool) -> None:
+def apply_offload(
+    memory: RankMemory, target: ProbeTarget, optimizer: Any, chosen: bool, cohort: bool
+) -> Any:
     """The optimizer replaced by one stepping on host copies."""
-    if chosen:
-        del worker.optimizer
-        worker.optimizer = memory.host_optimizer(worker)
+    return memory.host_optimizer(target.spec, target.parts) if chosen else optimizer
 
 
-def apply_shard(memory: RankMemory, worker: Any, chosen: bool, cohort: bool) -> None:
+def apply_shard(
+    memory: RankMemory, target: ProbeTarget, optimizer: Any, chosen: bool, cohort: bool
+) -> Any:
     """A cohort that may shard: the optimizer wrapped, whole until the cohort cuts (after the
     group met: flodl/runtime/rank/shard_plan.py), whether this rank asked or ``auto`` may."""
-    if cohort:
-        worker.optimizer = wrap(worker)
+    if not cohort:
+        return optimizer
+    return wrap(optimizer, target.spec.optim_factory, target.parts.state)
 
 
 # -- the rank's memory -----------------------------------------------------------------------------
@@ -481,29 +423,30 @@ class RankMemory:
                 "rank %d: dataset resident on the rig's device (%.1f MiB)", self.rank, need / MiB
             )
 
-    def plan(self, worker: Any) -> MemoryPlan:
-        """``cluster.memory_plan``: choose (auto: probe) and apply this rank's plan to
-        ``worker`` (its model, batch size and optimizer); announced by the controller from
-        Ready."""
+    def plan(self, target: ProbeTarget, optimizer: Any) -> tuple[MemoryPlan, Any]:
+        """``cluster.memory_plan``: this rank's plan, chosen (auto: probed) and applied to its
+        model and ``optimizer``; the plan (its batch size too) and the optimizer to train with.
+        Announced by the controller from Ready."""
         requested = parse_memory_plan(self.cfg.cluster.rank_memory_plan(self.rank))
-        cohort_may_shard = shardable(worker)
-        plan = choose_plan(worker, requested, cohort_may_shard)
-        worker.batch_size = worker.source.batch_size = plan.batch_size
+        cohort_may_shard = shardable(target.spec, optimizer)
+        plan = choose_plan(target, self.rig, requested, cohort_may_shard)
         for element in PLAN_ELEMENTS.values():  # in the registry's order
-            apply: Callable[..., None] = resolve_dotted(element.rank_side)
-            apply(self, worker, element.name in plan.elements, cohort_may_shard)
-        return plan
+            apply: Callable[..., Any] = resolve_dotted(element.rank_side)
+            optimizer = apply(
+                self, target, optimizer, element.name in plan.elements, cohort_may_shard
+            )
+        return plan, optimizer
 
-    def host_optimizer(self, worker: Any) -> Any:
+    def host_optimizer(self, spec: JobSpec, parts: ModelParts) -> Any:
         """The optimizer stepping on host copies (``offload``), its traffic charged on the rig."""
         from flodl.step.plan_elements import HostOptimizer
 
         host = self.rig.host if self.rig is not None else contextlib.nullcontext
         charge = self._charge_offload if self.paced else None
-        state = worker.state
+        state = parts.state
         return HostOptimizer(
-            worker.model.parameters(),
-            worker.spec.optim_factory,
+            parts.model.parameters(),
+            spec.optim_factory,
             host=host,
             charge=charge,
             watch=lambda: [state.shared()],  # averages land through the flat buffer

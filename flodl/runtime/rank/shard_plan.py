@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,20 +38,20 @@ class MemoryPlanError(RuntimeError):
     """No plan fits this rank's device (or, for ``shard``, the cohort's)."""
 
 
-def shardable(worker: Any) -> bool:
+def shardable(spec: Any, optimizer: torch.optim.Optimizer) -> bool:
     """Whether this cohort may shard: nccl_sync over more than one rank, and a plan that asks
     for ``shard``, or ``auto`` where budgets exist (the rig's memory_mb, CUDA) and the
     optimizer is elementwise. Every rank computes the same answer from the config."""
-    cfg, spec = worker.cfg, worker.spec
+    cfg = spec.config
     if not cfg.elche.mode.policy.shards_state or spec.world_size < 2:
         return False
     cluster = cfg.cluster
     if cluster.plans_cohort():
-        if not elementwise(worker.optimizer):
+        if not elementwise(optimizer):
             raise ValueError(
                 f"cluster.memory_plan={cluster.memory_plan}: shard steps each rank's pieces of "
                 "the parameters on their own, which needs an elementwise optimizer (SGD, Adam, "
-                f"AdamW, RMSprop, ...); {type(worker.optimizer).__name__} is not one. Use "
+                f"AdamW, RMSprop, ...); {type(optimizer).__name__} is not one. Use "
                 "offload"
             )
         return True
@@ -58,20 +59,16 @@ def shardable(worker: Any) -> bool:
     autos = any(
         parse_memory_plan(cluster.rank_memory_plan(r)) is None for r in range(spec.world_size)
     )
-    return budgets and autos and elementwise(worker.optimizer)
+    return budgets and autos and elementwise(optimizer)
 
 
-def wrap(worker: Any) -> ShardedOptimizer:
+def wrap(optimizer: Any, optim_factory: Any, state: Any) -> ShardedOptimizer:
     """The rank's optimizer inside a :class:`ShardedOptimizer`: whole until the cohort cuts."""
-    return ShardedOptimizer(
-        worker.optimizer, worker.spec.optim_factory, worker.state.params, worker.state.shared
-    )
+    return ShardedOptimizer(optimizer, optim_factory, state.params, state.shared)
 
 
-def _demand(worker: Any) -> list[float]:
-    plan = worker.memory_plan
+def _demand(plan: Any, auto: bool) -> list[float]:
     offloads = plan.state_on_host
-    auto = parse_memory_plan(worker.cfg.cluster.rank_memory_plan(worker.rank)) is None
     free = 0 if offloads else plan.free_bytes
     return [
         1.0,  # present
@@ -82,15 +79,23 @@ def _demand(worker: Any) -> list[float]:
     ]
 
 
-def agree(worker: Any) -> None:
-    """Gather every member's demand (a start-up collective: a lost member fails it as
-    ``_CohortBroke``), decide, and apply the verdict to this rank's optimizer and plan."""
-    optimizer = worker.optimizer
+def agree(
+    optimizer: Any,
+    plan: Any,
+    rank: int,
+    spec: Any,
+    together: Callable[[torch.Tensor], None],
+    on_host: Callable[[], Any],
+) -> Any:
+    """Gather every member's demand (``together``: a start-up collective; a lost member fails
+    it as ``CohortBroke``), decide, and apply the verdict to this rank's ``optimizer``
+    (``on_host``: the optimizer on the host a rank falls back to); the rank's plan after it."""
     if not isinstance(optimizer, ShardedOptimizer):
-        return
-    table = torch.zeros(worker.spec.world_size, 5, dtype=torch.float64)
-    table[worker.rank] = torch.tensor(_demand(worker), dtype=torch.float64)
-    worker._together(table)
+        return plan
+    auto = parse_memory_plan(spec.config.cluster.rank_memory_plan(rank)) is None
+    table = torch.zeros(spec.world_size, 5, dtype=torch.float64)
+    table[rank] = torch.tensor(_demand(plan, auto), dtype=torch.float64)
+    together(table)
     demands = [
         shard_cut.Demand(
             rank=r,
@@ -105,58 +110,58 @@ def agree(worker: Any) -> None:
     decision = shard_cut.decide(demands, optimizer.n)
     if decision.error:
         raise MemoryPlanError(decision.error)
-    plan = worker.memory_plan
     if decision.sharded:
         optimizer.free = {d.rank: d.free for d in demands}
         optimizer.state_cost = max(d.state for d in demands)
-        optimizer.assign(decision.cut, worker.rank)
-        share = shard_cut.owned(decision.cut, worker.rank) / max(optimizer.n, 1)
+        optimizer.assign(decision.cut, rank)
+        share = shard_cut.owned(decision.cut, rank) / max(optimizer.n, 1)
         elements = with_elements(plan.elements, add=cutting_state(), drop=hosting_state())
-        worker.memory_plan = dataclasses.replace(plan, elements=elements, share=share)
-    elif worker.rank in decision.fallback:  # auto: the cohort cannot hold it; on the host
+        return dataclasses.replace(plan, elements=elements, share=share)
+    if rank in decision.fallback:  # auto: the cohort cannot hold it; on the host
         log.info(
             "rank %d: the cohort's free memory cannot hold the sharded optimizer state; "
             "keeping it on the host (offload)",
-            worker.rank,
+            rank,
         )
-        optimizer.replace_whole(worker.device_memory.host_optimizer(worker))
+        optimizer.replace_whole(on_host())
         elements = with_elements(plan.elements, add=hosting_state(), drop=cutting_state())
-        worker.memory_plan = dataclasses.replace(plan, elements=elements)
+        return dataclasses.replace(plan, elements=elements)
+    return plan
 
 
-def recut(worker: Any, members: tuple[int, ...]) -> None:
+def recut(optimizer: Any, rank: int, members: tuple[int, ...]) -> float | None:
     """A new membership: the lost members' intervals go to the survivors (in proportion to
-    their free memory); their optimizer state is lost and starts from zero (warned)."""
-    optimizer = getattr(worker, "optimizer", None)
+    their free memory); their optimizer state is lost and starts from zero (warned). The share
+    of the state this rank now holds; None when nothing was cut again."""
     if not isinstance(optimizer, ShardedOptimizer) or not optimizer.sharded:
-        return
+        return None
     lost = shard_cut.lost_intervals(optimizer.cut, members)
     if not lost:
-        return
-    per_element = optimizer.state_bytes() / max(shard_cut.owned(optimizer.cut, worker.rank), 1)
+        return None
+    per_element = optimizer.state_bytes() / max(shard_cut.owned(optimizer.cut, rank), 1)
     new = shard_cut.reassign(optimizer.cut, members, getattr(optimizer, "free", {}))
-    optimizer.assign(new, worker.rank)
-    for rank in sorted({r for r, _ in lost}):
-        elements = sum(hi - lo for r, (lo, hi) in lost if r == rank)
+    optimizer.assign(new, rank)
+    for lost_rank in sorted({r for r, _ in lost}):
+        elements = sum(hi - lo for r, (lo, hi) in lost if r == lost_rank)
         log.warning(
             "rank %d: rank %d was lost with the optimizer state of %d elements (about %.1f "
             "MiB); its intervals go to ranks %s and their state starts from zero",
-            worker.rank,
             rank,
+            lost_rank,
             elements,
             elements * per_element / 2**20,
             ", ".join(map(str, members)),
         )
-    share = shard_cut.owned(new, worker.rank) / max(optimizer.n, 1)
-    worker.memory_plan = dataclasses.replace(worker.memory_plan, share=share)
-    free = optimizer.free.get(worker.rank)
+    share = shard_cut.owned(new, rank) / max(optimizer.n, 1)
+    free = optimizer.free.get(rank)
     if free is not None and share * optimizer.state_cost > free:
         log.warning(
             "rank %d: its share of the optimizer state is now %.0f %% (%.1f MiB), more than "
             "the %.1f MiB it has free: it may run out of memory (memory_plan=offload keeps the "
             "state on the host)",
-            worker.rank,
+            rank,
             100 * share,
             share * optimizer.state_cost / 2**20,
             free / 2**20,
         )
+    return share

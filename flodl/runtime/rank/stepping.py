@@ -8,11 +8,13 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
 from flodl.runtime.rank import blame
+from flodl.runtime.rank.setup import ModelParts
+from flodl.runtime.rank.sync_modes import SyncMode
+from flodl.runtime.wire.job_spec import JobSpec
 
 log = logging.getLogger(__name__)
 
@@ -22,16 +24,24 @@ class RankStep:
     compiled one the step runs), the optimizer after the memory plan, the step runner, the sync
     mode (nccl_sync's gradient all-reduce) and the flat state (the weights' check)."""
 
-    def __init__(self, worker: Any, epoch: Callable[[], int]) -> None:
-        self.rank: int = worker.rank
-        self.cfg = worker.cfg
-        self.spec = worker.spec
-        self.model = worker.model
-        self.train_model = worker.train_model
-        self.optimizer = worker.optimizer
-        self.runner = worker.runner
-        self.sync = worker.sync
-        self.state = worker.state
+    def __init__(
+        self,
+        rank: int,
+        spec: JobSpec,
+        parts: ModelParts,
+        optimizer: torch.optim.Optimizer,
+        sync: SyncMode,
+        epoch: Callable[[], int],
+    ) -> None:
+        self.rank = rank
+        self.cfg = spec.config
+        self.spec = spec
+        self.model = parts.model
+        self.train_model = parts.train_model
+        self.optimizer = optimizer
+        self.runner = parts.runner
+        self.sync = sync
+        self.state = parts.state
         self.epoch = epoch  # the loop's current epoch (0-based), for the messages
         self._nonfinite = 0
 

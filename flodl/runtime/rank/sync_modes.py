@@ -13,21 +13,24 @@ Which class runs a mode, and what the mode declares to the controller's side (it
 hooks read ``self.policy`` instead of the mode's name), is the mode's one entry in the registry,
 :data:`flodl.config.registries.modes.MODES`.
 
-Membership (a lost peer, a new group) stays with the rank (:class:`Member`): a mode asks it to run
-a collective, wait for the next membership, or form one.
+Membership (a lost peer, a new group) is the rank's :class:`~flodl.runtime.rank.peers.Peers`, a
+public object every mode gets: a mode asks it to run a collective, mark a window whose averaging
+failed and wait for the next membership, or form one. A mode is built once the memory plan has
+left the optimizer as it trains (nccl_sync's sharded state broadcasts its pieces).
 """
 
 from __future__ import annotations
 
-import collections
 import time
-from typing import Any, Protocol
+from typing import Any
 
 import torch
-from torch import nn
 
 from flodl.config import ElCheConfig, resolve_dotted
-from flodl.runtime.sync.averaging import FlatState, collective_average
+from flodl.rig.pacing import Pacer
+from flodl.runtime.rank.peers import Peers
+from flodl.runtime.rank.setup import ModelParts
+from flodl.runtime.sync.averaging import collective_average
 from flodl.runtime.sync.codec import Packed, RankCodec
 from flodl.runtime.sync.compress import Compressor
 from flodl.runtime.sync.gradsync import GradSync
@@ -37,40 +40,26 @@ from flodl.runtime.wire import chaos
 from flodl.runtime.wire.messages import Average, Plan, Regroup, Window
 
 
-class Member(Protocol):
-    """What a sync mode reads and asks of its rank (:class:`flodl.runtime.rank.loop.RankLoop`)."""
-
-    rank: int
-    world: int
-    members: tuple[int, ...]
-    distributed: bool
-    link: Any
-    model: nn.Module
-    state: FlatState
-    device: torch.device
-    runner: Any
-    pacer: Any
-    _pending: collections.deque[Any]
-    _unaveraged: int
-
-    def _collective(self, run: Any, what: str) -> bool: ...
-
-    def _doomed(self) -> bool: ...
-
-    def _await_regroup(self) -> None: ...
-
-    def regroup(self, msg: Regroup) -> None: ...
-
-
 class SyncMode:
     """The interface every mode implements, each hook doing nothing by default: what a mode
     does not override, it does not need (:class:`SoloSync` overrides nothing)."""
 
-    def __init__(self, member: Member, elche: ElCheConfig) -> None:
+    def __init__(
+        self,
+        peers: Peers,
+        parts: ModelParts,
+        pacer: Pacer,
+        optimizer: torch.optim.Optimizer,
+        elche: ElCheConfig,
+    ) -> None:
         self.policy = elche.mode.policy  # what the mode declares (flodl/config/registries/modes.py)
-        self.member = member
-        self.state = member.state
-        self.link = member.link
+        self.elche = elche
+        self.peers = peers
+        self.parts = parts
+        self.pacer = pacer
+        self.optimizer = optimizer  # as the memory plan left it (sharded: a ShardedOptimizer)
+        self.state = parts.state
+        self.link = peers.link
         self.outer = make_outer(elche, self.state.n_params)
         self.compressor = Compressor(elche.compress) if elche.compress != "none" else None
         self.last_divergence: float | None = None  # the guard's signal, sent with the report
@@ -135,18 +124,18 @@ class SoloSync(SyncMode):
 class CollectiveSync(SyncMode):
     """``nccl_sync`` and ``nccl_cadence``: the ranks average in a collective among themselves."""
 
-    def __init__(self, member: Member, elche: ElCheConfig) -> None:
-        super().__init__(member, elche)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.grad_sync: GradSync | None = None  # nccl_sync's gradient all-reduce
         if self.policy.gradient_sync:
             self.grad_sync = GradSync(
-                member.model, doomed=member._doomed, buffers=self.state.buffers
+                self.parts.model, doomed=self.peers.doomed, buffers=self.state.buffers
             )
         self._grad_window = False  # this window's gradients are all-reduced in backward
         self._grad_failed = False  # ...and that all-reduce failed (a peer is gone)
 
     def begin(self, window: Window) -> None:
-        grads = window.grad_sync and self.grad_sync is not None and self.member.distributed
+        grads = window.grad_sync and self.grad_sync is not None and self.peers.distributed
         self._grad_window = grads
         self._grad_failed = False
         if self.grad_sync is not None:
@@ -155,15 +144,15 @@ class CollectiveSync(SyncMode):
 
     def arm(self, last: bool) -> None:
         if self._grad_window and self.grad_sync is not None:  # the step's last micro-batch
-            runner = self.member.runner
+            runner = self.parts.runner
             self.grad_sync.armed = last or runner.pending + 1 >= runner.accumulate
 
     def reduce_gradients(self) -> None:
         if self._grad_window and self.grad_sync is not None and not self._grad_failed:
             t0 = time.perf_counter()
             run = self.grad_sync.finish
-            self._grad_failed = not self.member._collective(run, "gradient all-reduce")
-            self.member.pacer.exempt(time.perf_counter() - t0)
+            self._grad_failed = not self.peers.collective(run, "gradient all-reduce")
+            self.pacer.exempt(time.perf_counter() - t0)
 
     def after_step(self, stepped: bool) -> None:
         """Sharded optimizer state: each rank stepped only its own pieces; the owners
@@ -171,22 +160,22 @@ class CollectiveSync(SyncMode):
         all-reduced and finite on all: the same verdict everywhere); a failed broadcast (a
         peer is gone) is a failed averaging: the regroup's re-average brings the survivors
         together."""
-        optimizer = getattr(self.member, "optimizer", None)
+        optimizer = self.optimizer
         if not (stepped and self._grad_window and not self._grad_failed):
             return
         if not isinstance(optimizer, ShardedOptimizer) or not optimizer.sharded:
             return
         t0 = time.perf_counter()
-        members = self.member.members
+        members = self.peers.members
 
         def exchange() -> None:
-            optimizer.exchange(members, self.member._doomed)
+            optimizer.exchange(members, self.peers.doomed)
 
-        self._grad_failed = not self.member._collective(exchange, "sharded state broadcast")
-        self.member.pacer.exempt(time.perf_counter() - t0)
+        self._grad_failed = not self.peers.collective(exchange, "sharded state broadcast")
+        self.pacer.exempt(time.perf_counter() - t0)
 
     def steps_without_data(self) -> bool:
-        optimizer = getattr(self.member, "optimizer", None)
+        optimizer = self.optimizer
         sharded = isinstance(optimizer, ShardedOptimizer) and optimizer.sharded
         return sharded and self._grad_window and not self._grad_failed
 
@@ -194,28 +183,27 @@ class CollectiveSync(SyncMode):
         super().on_regroup(msg)
         from flodl.runtime.rank.shard_plan import recut
 
-        recut(self.member, tuple(msg.members))  # a lost rank's pieces to the survivors
+        # a lost rank's pieces to the survivors
+        recut(self.optimizer, self.peers.rank, tuple(msg.members))
 
     def average(self, window: Window) -> bool:
-        member = self.member
-        if member.world == 1:
+        peers = self.peers
+        if peers.world == 1:
             return True
-        chaos.point("average", member.rank)
+        chaos.point("average", peers.rank)
         # The guard reads divergence; lock-step sync modes never consult it. Without an
         # outer step it is measured inside the average (no copy of the weights kept).
         if self._grad_window:  # parameters and float buffers agree: averaged in the step
             averaged = not self._grad_failed
             if not averaged:
-                member._unaveraged = window.index
-                member._await_regroup()
+                peers.lost_in(window.index)
             elif self.outer is not None:  # the same update on every rank: still in step
                 self._outer_step()
             return averaged
         guard = not self.policy.lock_step
         before = self.state.flatten() if guard and self.outer is not None else None
         if not self._averaged(window.weight, window.buffer_weight, measure=guard):
-            member._unaveraged = window.index  # the lost rank's work there never arrived
-            member._await_regroup()
+            peers.lost_in(window.index)  # the lost rank's work there never arrived
             return False
         if self.outer is not None:
             self._outer_step()
@@ -244,20 +232,20 @@ class CollectiveSync(SyncMode):
                 self.state,
                 weight,
                 buffer_weight,
-                doomed=self.member._doomed,
+                doomed=self.peers.doomed,
                 measure=measure,
                 compressor=self.compressor,
             )
             if divergence is not None:
                 self.last_divergence = divergence
 
-        averaged = self.member._collective(average, "averaging")
+        averaged = self.peers.collective(average, "averaging")
         if not averaged and self.compressor is not None:
             self.compressor.invalidate()  # the survivors may not share the last average now
         return averaged
 
     def after_regroup(self, msg: Regroup) -> bool:
-        share = msg.weights[self.member.rank]
+        share = msg.weights[self.peers.rank]
         return self._averaged(share, share)
 
 
@@ -266,12 +254,13 @@ class ControllerSync(SyncMode):
     reports carry and sends the average back; cpu_async keeps training meanwhile, within
     ``Window.max_overshoot`` windows, and blends each average in at ``easgd_alpha``."""
 
-    def __init__(self, member: Member, elche: ElCheConfig) -> None:
-        super().__init__(member, elche)
-        self.runner = member.runner
-        self.device = member.device
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        elche = self.elche
+        self.runner = self.parts.runner
+        self.device = self.parts.device
         self.alpha = elche.effective_easgd_alpha
-        self._pending = member._pending  # the loop's inbox of messages kept for later
+        self._pending = self.peers.inbox  # the loop's inbox of messages kept for later
         self._outstanding: list[int] = []  # windows whose average has not arrived
         self._whole: set[int] = set()  # cpu_async: windows whose average is taken whole
         # elche.compress: snapshots and averages travel as changes against the last average
@@ -292,9 +281,9 @@ class ControllerSync(SyncMode):
         return self.state.flatten().cpu()
 
     def average(self, window: Window) -> bool:
-        if self.member.world == 1:
+        if self.peers.world == 1:
             return True
-        chaos.point("average", self.member.rank)
+        chaos.point("average", self.peers.rank)
         self._outstanding.append(window.index)
         limit = window.max_overshoot if self.policy.overshoot else 0
         if window.consensus:  # cpu_async, an epoch's end: wait for it, take it whole
@@ -305,7 +294,7 @@ class ControllerSync(SyncMode):
             if isinstance(msg, Average):
                 self.take(msg)
             elif isinstance(msg, Regroup):
-                self.member.regroup(msg)
+                self.peers.regroup(msg)
             else:  # a plan or stop that arrived ahead of the average: keep it for the loop
                 self._pending.append(msg)
         return True
@@ -377,13 +366,19 @@ class ControllerSync(SyncMode):
         self._whole.intersection_update(self._outstanding)
 
 
-def sync_for(member: Member, elche: ElCheConfig, world_size: int) -> SyncMode:
+def sync_for(
+    peers: Peers,
+    parts: ModelParts,
+    pacer: Pacer,
+    optimizer: torch.optim.Optimizer,
+    elche: ElCheConfig,
+) -> SyncMode:
     """The rank's sync mode, chosen once: the ``rank_side`` class ``elche.mode`` declares
     (flodl/config/registries/modes.py). A collective mode alone has nothing to agree on
     (solo's); a mode through the controller keeps its class even alone: the controller reads
     the snapshots."""
     policy = elche.mode.policy
-    if world_size == 1 and not policy.via_controller:
-        return SoloSync(member, elche)
-    rank_side: type[SyncMode] = resolve_dotted(policy.rank_side)
-    return rank_side(member, elche)
+    chosen: type[SyncMode] = SoloSync
+    if peers.world > 1 or policy.via_controller:
+        chosen = resolve_dotted(policy.rank_side)
+    return chosen(peers, parts, pacer, optimizer, elche)
