@@ -345,8 +345,12 @@ def _choose(target: ProbeTarget, meter: _Meter, size: int, may_shard: bool = Fal
 
 # -- each element applied on a rank (named by its entry in config/registries/plan_elements.py) -
 def apply_recompute(
-    memory: RankMemory, target: ProbeTarget, optimizer: Any, chosen: bool, cohort: bool
-) -> Any:
+    memory: RankMemory,
+    target: ProbeTarget,
+    optimizer: torch.optim.Optimizer,
+    chosen: bool,
+    cohort: bool,
+) -> torch.optim.Optimizer:
     """Activations recomputed in backward, or not (the probes patched the model's blocks)."""
     from flodl.step.plan_elements import recompute, set_recompute
 
@@ -358,15 +362,23 @@ def apply_recompute(
 
 
 def apply_offload(
-    memory: RankMemory, target: ProbeTarget, optimizer: Any, chosen: bool, cohort: bool
-) -> Any:
+    memory: RankMemory,
+    target: ProbeTarget,
+    optimizer: torch.optim.Optimizer,
+    chosen: bool,
+    cohort: bool,
+) -> torch.optim.Optimizer:
     """The optimizer replaced by one stepping on host copies."""
     return memory.host_optimizer(target.spec, target.parts) if chosen else optimizer
 
 
 def apply_shard(
-    memory: RankMemory, target: ProbeTarget, optimizer: Any, chosen: bool, cohort: bool
-) -> Any:
+    memory: RankMemory,
+    target: ProbeTarget,
+    optimizer: torch.optim.Optimizer,
+    chosen: bool,
+    cohort: bool,
+) -> torch.optim.Optimizer:
     """A cohort that may shard: the optimizer wrapped, whole until the cohort cuts (after the
     group met: flodl/runtime/rank/shard_plan.py), whether this rank asked or ``auto`` may."""
     if not cohort:
@@ -423,7 +435,9 @@ class RankMemory:
                 "rank %d: dataset resident on the rig's device (%.1f MiB)", self.rank, need / MiB
             )
 
-    def plan(self, target: ProbeTarget, optimizer: Any) -> tuple[MemoryPlan, Any]:
+    def plan(
+        self, target: ProbeTarget, optimizer: torch.optim.Optimizer
+    ) -> tuple[MemoryPlan, torch.optim.Optimizer]:
         """``cluster.memory_plan``: this rank's plan, chosen (auto: probed) and applied to its
         model and ``optimizer``; the plan (its batch size too) and the optimizer to train with.
         Announced by the controller from Ready."""
@@ -431,13 +445,13 @@ class RankMemory:
         cohort_may_shard = shardable(target.spec, optimizer)
         plan = choose_plan(target, self.rig, requested, cohort_may_shard)
         for element in PLAN_ELEMENTS.values():  # in the registry's order
-            apply: Callable[..., Any] = resolve_dotted(element.rank_side)
+            apply: Callable[..., torch.optim.Optimizer] = resolve_dotted(element.rank_side)
             optimizer = apply(
                 self, target, optimizer, element.name in plan.elements, cohort_may_shard
             )
         return plan, optimizer
 
-    def host_optimizer(self, spec: JobSpec, parts: ModelParts) -> Any:
+    def host_optimizer(self, spec: JobSpec, parts: ModelParts) -> torch.optim.Optimizer:
         """The optimizer stepping on host copies (``offload``), its traffic charged on the rig."""
         from flodl.step.plan_elements import HostOptimizer
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,7 +29,12 @@ from flodl.config.registries.plan_elements import (
     with_elements,
 )
 from flodl.runtime.sync import shard_cut
+from flodl.runtime.sync.averaging import FlatState
 from flodl.runtime.sync.sharded_optimizer import ShardedOptimizer, elementwise
+from flodl.runtime.wire.job_spec import JobSpec
+
+if TYPE_CHECKING:
+    from flodl.runtime.rank.memory_plan import MemoryPlan
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +43,7 @@ class MemoryPlanError(RuntimeError):
     """No plan fits this rank's device (or, for ``shard``, the cohort's)."""
 
 
-def shardable(spec: Any, optimizer: torch.optim.Optimizer) -> bool:
+def shardable(spec: JobSpec, optimizer: torch.optim.Optimizer) -> bool:
     """Whether this cohort may shard: nccl_sync over more than one rank, and a plan that asks
     for ``shard``, or ``auto`` where budgets exist (the rig's memory_mb, CUDA) and the
     optimizer is elementwise. Every rank computes the same answer from the config."""
@@ -62,12 +67,16 @@ def shardable(spec: Any, optimizer: torch.optim.Optimizer) -> bool:
     return budgets and autos and elementwise(optimizer)
 
 
-def wrap(optimizer: Any, optim_factory: Any, state: Any) -> ShardedOptimizer:
+def wrap(
+    optimizer: torch.optim.Optimizer,
+    optim_factory: Callable[..., torch.optim.Optimizer],
+    state: FlatState,
+) -> ShardedOptimizer:
     """The rank's optimizer inside a :class:`ShardedOptimizer`: whole until the cohort cuts."""
     return ShardedOptimizer(optimizer, optim_factory, state.params, state.shared)
 
 
-def _demand(plan: Any, auto: bool) -> list[float]:
+def _demand(plan: MemoryPlan, auto: bool) -> list[float]:
     offloads = plan.state_on_host
     free = 0 if offloads else plan.free_bytes
     return [
@@ -80,13 +89,13 @@ def _demand(plan: Any, auto: bool) -> list[float]:
 
 
 def agree(
-    optimizer: Any,
-    plan: Any,
+    optimizer: torch.optim.Optimizer,
+    plan: MemoryPlan,
     rank: int,
-    spec: Any,
+    spec: JobSpec,
     together: Callable[[torch.Tensor], None],
-    on_host: Callable[[], Any],
-) -> Any:
+    on_host: Callable[[], torch.optim.Optimizer],
+) -> MemoryPlan:
     """Gather every member's demand (``together``: a start-up collective; a lost member fails
     it as ``CohortBroke``), decide, and apply the verdict to this rank's ``optimizer``
     (``on_host``: the optimizer on the host a rank falls back to); the rank's plan after it."""
@@ -129,7 +138,7 @@ def agree(
     return plan
 
 
-def recut(optimizer: Any, rank: int, members: tuple[int, ...]) -> float | None:
+def recut(optimizer: torch.optim.Optimizer, rank: int, members: tuple[int, ...]) -> float | None:
     """A new membership: the lost members' intervals go to the survivors (in proportion to
     their free memory); their optimizer state is lost and starts from zero (warned). The share
     of the state this rank now holds; None when nothing was cut again."""
