@@ -24,9 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flodl.config.registries.modes import MODES as _MODES
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
-MODES = ("nccl_sync", "nccl_cadence", "cpu_sync", "cpu_cadence", "cpu_async")
+# Every mode that averages, in the registry's order (flodl/config/registries/modes.py)
+MODES = tuple(mode.value for mode, policy in _MODES.items() if policy.averages)
 
 
 # --- workloads ------------------------------------------------------------------------------------

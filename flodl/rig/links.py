@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from flodl.config.cluster import LinkConfig, WorkerConfig
 from flodl.config.registries.link_profiles import LINK_NAMES, LINK_PROFILES, NO_LINK, LinkProfile
 
 
@@ -277,8 +278,9 @@ def slower(a: Wire | None, b: Wire | None) -> Wire | None:
                 a.staged or b.staged)  # fmt: skip
 
 
-def _host_wire(worker: Any, link: Any) -> Wire | None:
-    profile = worker.link or link.between_hosts
+def _host_wire(host: WorkerConfig, link: LinkConfig) -> Wire | None:
+    """A host's link to the others (its own, else the cluster's between hosts)."""
+    profile = host.link or link.between_hosts
     return wire_for(profile) if profile else None
 
 

@@ -149,7 +149,7 @@ def test_elche_presets_have_one_source(mode):
     assert stated.pop("defaults") == ["_schema", "_self_"]
     assert stated == preset_yaml_keys(mode)
     run = validate_run_config(plain_config(_compose([f"elche={mode.value}", "elche.gamma=2.0"])))
-    assert run.elche == getattr(ElCheConfig, mode.value)(gamma=2.0)
+    assert run.elche == ElCheConfig.preset(mode, gamma=2.0)
     assert set(ELCHE_PRESETS) == set(Mode)
 
 

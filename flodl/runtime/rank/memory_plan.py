@@ -30,7 +30,7 @@ from flodl.config.registries.plan_elements import (
 )
 from flodl.data.source import BatchSource
 from flodl.rig.device_memory import DeviceMemory, MiB, training_state
-from flodl.runtime.rank.setup import ModelParts
+from flodl.runtime.rank.setup import MemoryPlan, ModelParts, size_text
 from flodl.runtime.rank.shard_plan import MemoryPlanError, shardable, wrap
 from flodl.runtime.wire.job_spec import JobSpec
 
@@ -74,61 +74,6 @@ class ProbeTarget:
 # The elements, their words, their costs and what combines: the registry
 # (flodl/config/registries/plan_elements.py); each element's rank-side application is an ``apply_*``
 # function below, named there.
-
-
-@dataclass(frozen=True)
-class MemoryPlan:
-    """One rank's plan, as chosen (or configured) and announced."""
-
-    elements: tuple[str, ...] = ()
-    batch_size: int = 0
-    budget_bytes: int | None = None
-    peak_bytes: int | None = None  # the chosen plan's probe peak (None: not probed)
-    requested_batch: int = 0
-    # shard (flodl/runtime/rank/shard_plan.py): what the rank tells the cohort before the cut
-    free_bytes: int | None = None  # device memory free for optimizer state (None: not counted)
-    state_bytes: int = 0  # the whole optimizer state's cost on the device (0: not measured)
-    share: float | None = None  # the fraction of the state it holds, once cut
-
-    @property
-    def recomputes(self) -> bool:
-        """Its step runs forward again in backward (calibration times the extra cost)."""
-        return any(e.recomputes for e in elements_of(self.elements))
-
-    @property
-    def cohort(self) -> bool:
-        """Part of its state is cut across the cohort (``shard``)."""
-        return any(e.cohort for e in elements_of(self.elements))
-
-    @property
-    def state_on_host(self) -> bool:
-        """Its optimizer state is in host memory (``offload``): it holds no share of a cut."""
-        return any("state" in e.to_host for e in elements_of(self.elements))
-
-    def describe(self, rank: int) -> str:
-        """``rank 2 (12.0 GB): batch 8, activation checkpointing, optimizer state on host``;
-        empty when there was nothing to plan (no budget, no plan configured)."""
-        if not self.budget_bytes and not self.elements:
-            return ""
-        budget = f" ({_size(self.budget_bytes)})" if self.budget_bytes else ""
-        batch = f"batch {self.batch_size}"
-        if self.requested_batch and self.requested_batch != self.batch_size:
-            batch += f" (of {self.requested_batch})"
-        parts = [batch, *(self._words(e) for e in self.elements)] if self.elements else [batch]
-        if not self.elements:
-            parts.append("no plan needed" if self.peak_bytes is not None else "no plan")
-        peak = f"; probe peak {_size(self.peak_bytes)}" if self.peak_bytes is not None else ""
-        return f"rank {rank}{budget}: {', '.join(parts)}{peak}"
-
-    def _words(self, element: str) -> str:
-        declared = PLAN_ELEMENTS[element]
-        if declared.cohort and self.share is not None:
-            return f"{declared.words} ({100 * self.share:.0f} % of it)"
-        return declared.words
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.0f} MiB"
 
 
 class _Meter:
@@ -333,12 +278,12 @@ def _choose(target: ProbeTarget, meter: _Meter, size: int, may_shard: bool = Fal
                     chosen = dataclasses.replace(chosen, free_bytes=0)
                 return chosen
     state = sum(t.numel() * t.element_size() for t in target.parts.model.parameters())
-    needs = f"needs {_size(last_peak)}" if last_peak is not None else "runs out of memory"
+    needs = f"needs {size_text(last_peak)}" if last_peak is not None else "runs out of memory"
     raise MemoryPlanError(
-        f"rank {target.rank}: no memory plan fits its device ({_size(total)}, memory_fraction "
+        f"rank {target.rank}: no memory plan fits its device ({size_text(total)}, memory_fraction "
         f"{target.cfg.cluster.memory_fraction}): a step at batch {batches[-1]} with "
         f"{words(fallback)} {needs} (the parameters alone take "
-        f"{_size(state)}, their gradients as much); give the rank more memory or train a "
+        f"{size_text(state)}, their gradients as much); give the rank more memory or train a "
         "smaller model"
     )
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,13 +27,11 @@ from flodl.config.registries.plan_elements import (
     parse_memory_plan,
     with_elements,
 )
+from flodl.runtime.rank.setup import MemoryPlan
 from flodl.runtime.sync import shard_cut
 from flodl.runtime.sync.averaging import FlatState
 from flodl.runtime.sync.sharded_optimizer import ShardedOptimizer, elementwise
 from flodl.runtime.wire.job_spec import JobSpec
-
-if TYPE_CHECKING:
-    from flodl.runtime.rank.memory_plan import MemoryPlan
 
 log = logging.getLogger(__name__)
 
